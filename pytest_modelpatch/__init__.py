@@ -1,0 +1,39 @@
+"""pytest-modelpatch: prove that a patched transformers model is still the model.
+
+Importing this package imports neither torch nor transformers; each public name
+is loaded from its module on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "isolated_patch_state": "registry",
+    "PatchStateSnapshot": "registry",
+    "PatchRegistry": "registration",
+    "validate_mapping": "registration",
+    "ModelPatchError": "errors",
+    "PatchUsageError": "errors",
+    "PatchLeakError": "errors",
+    "ModelPatchWarning": "errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pytest_modelpatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
