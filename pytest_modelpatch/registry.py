@@ -473,3 +473,35 @@ def isolated_patch_state() -> Iterator[PatchStateSnapshot]:
         yield guard.snapshot
     finally:
         guard.restore()
+
+
+@contextmanager
+def without_patches() -> Iterator[PatchStateSnapshot]:
+    """Run a block against transformers' built-in state: no patches, no user conversions.
+
+    Everything registered before is back on exit. Used to build reference models
+    while a test's patches are registered.
+
+    Example::
+
+        with without_patches():
+            reference = LlamaForCausalLM.from_pretrained(path)
+    """
+    with isolated_patch_state() as snap:
+        mp = sys.modules.get(MONKEY_PATCHING)
+        if mp is not None:
+            mp.clear_patch_mapping()
+        cm = sys.modules.get(CONVERSION_MAPPING)
+        if cm is not None:
+            registered = getattr(cm, "USER_REGISTERED_MAPPINGS", None)
+            if registered or (registered is None and cm._checkpoint_conversion_mapping_cache is not None):
+                cm._checkpoint_conversion_mapping_cache = None
+                if registered is not None:
+                    registered.clear()
+        # Put class-level recorder tables back to the earliest state any active
+        # snapshot saw (outermost last, so it wins): a patched model built earlier in
+        # the test re-pointed them at the replacement classes.
+        for active in reversed(_ACTIVE):
+            for table in active.recorder_tables.values():
+                table.restore()
+        yield snap

@@ -1,0 +1,58 @@
+"""Check records: one row per check the plugin runs, for reports and CI gates.
+
+Capability modules call ``record_check(...)``; the plugin installs a sink per
+test that attaches the rows to the test report, so they travel from xdist
+workers to the controller. Outside a pytest test the rows are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class CheckRecord:
+    """One check: what was compared, on what, with which tolerance, and how it went."""
+
+    kind: str  # "equivalence", "property", "module", "roundtrip", "lint"
+    outcome: str  # "passed" | "failed"
+    model: str = ""  # model family or spec, e.g. "llama"
+    patch_keys: list[str] = field(default_factory=list)
+    replacements: list[str] = field(default_factory=list)  # qualified replacement class names
+    device: str = ""
+    dtype: str = ""
+    examples: int = 1
+    max_abs_error: float | None = None
+    max_rel_error: float | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    elements_over_tolerance: int = 0
+    elements_compared: int = 0
+    duration_s: float = 0.0
+    detail: str = ""
+    nodeid: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        err = "" if self.max_abs_error is None else f" max_abs={self.max_abs_error:.3g}"
+        return f"{self.kind} {self.model} [{self.dtype or '-'}@{self.device or '-'}] {self.outcome}{err}"
+
+
+_sink: Callable[[CheckRecord], None] | None = None
+
+
+def set_record_sink(sink: Callable[[CheckRecord], None] | None) -> Callable[[CheckRecord], None] | None:
+    """Install the function that receives records; returns the previous one."""
+    global _sink
+    previous, _sink = _sink, sink
+    return previous
+
+
+def record_check(record: CheckRecord) -> None:
+    """Hand a finished check to the current test's report (no-op outside pytest)."""
+    if _sink is not None:
+        _sink(record)
