@@ -5,3 +5,235 @@ the work are imported inside the hooks and fixtures that need them.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from . import devices
+from .errors import PatchUsageError
+from .leaks import LeakGuard, parse_leak_mode
+from .markers import PATCH_MARKER_HELP, collect_patch_spec
+
+if TYPE_CHECKING:
+    from .registration import ActivePatches, PatchRegistry
+
+_GPU_SKIP = pytest.StashKey[str]()
+
+MARKERS = {
+    "patch": PATCH_MARKER_HELP,
+    "cpu": "cpu: run this test on the CPU; the device fixture is 'cpu' whatever --modelpatch-device says",
+    "gpu": "gpu: needs a CUDA GPU; skipped with a reason when there is none (a failure under --modelpatch-require-gpu)",
+    "devices": "devices(*names): run the test once per device, e.g. devices('cpu', 'cuda'); sets the device fixture",
+    "dtypes": "dtypes(*dtypes): run the test once per dtype, e.g. dtypes('float32', 'bfloat16'); sets the dtype fixture",
+}
+
+
+# ---------------------------------------------------------------------------
+# options, ini keys, markers
+# ---------------------------------------------------------------------------
+
+
+def _device_option(value: str) -> str:
+    try:
+        return devices.parse_device(value)
+    except PatchUsageError as exc:
+        raise pytest.UsageError(f"--modelpatch-device: {exc}") from None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("modelpatch", "verify patched transformers models (pytest-modelpatch)")
+    group.addoption(
+        "--modelpatch-device",
+        dest="modelpatch_device",
+        type=_device_option,
+        default=None,
+        metavar="DEVICE",
+        help=f"default device for the device fixture: cpu, cuda, cuda:N or auto (env ${devices.DEVICE_ENV}; "
+        "default cpu). Under xdist with several GPUs, bare 'cuda' gives each worker its own.",
+    )
+    group.addoption(
+        "--modelpatch-require-gpu",
+        dest="modelpatch_require_gpu",
+        action="store_true",
+        default=False,
+        help="fail, instead of skipping, tests that need a GPU when none is available (for GPU CI).",
+    )
+    parser.addini(
+        "modelpatch_leaks",
+        "what to do when a test leaves transformers patch state changed: error (default), warn or off",
+        default="error",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS.values():
+        config.addinivalue_line("markers", line)
+    try:
+        parse_leak_mode(config.getini("modelpatch_leaks"))
+        devices.requested_device(config.getoption("modelpatch_device"))
+    except PatchUsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------------
+# devices and dtypes
+# ---------------------------------------------------------------------------
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    for marker, argname, parse in (("devices", "device", devices.parse_device), ("dtypes", "dtype", devices.dtype_name)):
+        mark = metafunc.definition.get_closest_marker(marker)
+        if mark is None:
+            continue
+        if not mark.args or mark.kwargs:
+            raise PatchUsageError(
+                f"@pytest.mark.{marker} needs one or more positional values, e.g. "
+                f"@pytest.mark.{marker}({'cpu' if argname == 'device' else 'float32'!r}, ...)."
+            )
+        if argname not in metafunc.fixturenames:
+            raise PatchUsageError(
+                f"@pytest.mark.{marker} on {metafunc.definition.nodeid} sets the {argname!r} fixture, "
+                f"but the test does not use it: add {argname!r} to its arguments."
+            )
+        names = [parse(value) for value in mark.args]
+        params = [
+            pytest.param(name, marks=[pytest.mark.gpu] if argname == "device" and devices.needs_gpu(name) else [])
+            for name in names
+        ]
+        metafunc.parametrize(argname, params, ids=names, indirect=True)
+
+
+def _requested_device(item: pytest.Item) -> str:
+    """What the test asks for: its devices() param, a cpu/gpu mark, or the session default."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "device" in callspec.params:
+        return str(callspec.params["device"])
+    if item.get_closest_marker("cpu") is not None:
+        return "cpu"
+    requested = devices.requested_device(item.config.getoption("modelpatch_device"))
+    if item.get_closest_marker("gpu") is not None and not devices.needs_gpu(requested):
+        return "cuda"
+    return requested
+
+
+def _resolve_device(item: pytest.Item, requested: str) -> str:
+    """Pick the concrete device; skip (or fail under --modelpatch-require-gpu) when a GPU is missing."""
+    if requested == "cpu":
+        return requested
+    status = devices.cuda_status()
+    device = devices.select_device(requested, status, devices.xdist_worker_index())
+    reason = devices.gpu_missing_reason(device, status) if devices.needs_gpu(device) else None
+    if reason is not None:
+        if item.config.getoption("modelpatch_require_gpu"):
+            pytest.fail(f"{reason}; --modelpatch-require-gpu forbids skipping it", pytrace=False)
+        item.stash[_GPU_SKIP] = reason
+        pytest.skip(reason)
+    return device
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is None:
+        return
+    if item.get_closest_marker("cpu") is not None and "device" not in getattr(item, "callspec", _NoCallspec).params:
+        raise PatchUsageError(f"{item.nodeid} is marked both cpu and gpu: keep one.")
+    _resolve_device(item, _requested_device(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    reason = item.stash.get(_GPU_SKIP, None)
+    if reason is not None and report.skipped and isinstance(report.longrepr, tuple):
+        # point the skip at the test, as pytest does for its own skip marks
+        path, line, _ = item.reportinfo()
+        report.longrepr = (str(path), (line or 0) + 1, f"Skipped: {reason}")
+    return report
+
+
+class _NoCallspec:
+    params: dict[str, Any] = {}
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> str:
+    """The torch device this test runs on, e.g. ``"cpu"`` or ``"cuda:1"`` (one GPU per xdist worker)."""
+    return _resolve_device(request.node, _requested_device(request.node))
+
+
+@pytest.fixture
+def dtype(request: pytest.FixtureRequest) -> Any:
+    """The ``torch.dtype`` this test runs at: from ``@pytest.mark.dtypes``, else ``torch.float32``."""
+    return devices.to_torch_dtype(getattr(request, "param", "float32"))
+
+
+# ---------------------------------------------------------------------------
+# patch isolation
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _modelpatch_guard(request: pytest.FixtureRequest) -> Iterator[ActivePatches | None]:
+    # Autouse and function-scoped: set up after higher-scoped fixtures and torn down
+    # before them, so a module-scoped fixture's own patches are not taken for a leak.
+    mode = parse_leak_mode(request.config.getini("modelpatch_leaks"))
+    guard = LeakGuard(mode) if mode != "off" else None
+    nodeid = request.node.nodeid
+    active = None
+    usage_error = None
+    try:
+        spec = collect_patch_spec(request.node)
+        if spec is not None:
+            from .registration import ActivePatches
+
+            active = ActivePatches(spec)
+    except PatchUsageError as exc:
+        usage_error = f"PatchUsageError: {exc}"
+    except BaseException:
+        _finish_guard(guard, nodeid)
+        raise
+    if usage_error is not None:
+        _finish_guard(guard, nodeid)
+        pytest.fail(usage_error, pytrace=False)
+    try:
+        yield active
+    finally:
+        try:
+            if active is not None:
+                active.close()
+        finally:
+            _finish_guard(guard, nodeid)
+
+
+def _finish_guard(guard: LeakGuard | None, nodeid: str) -> None:
+    if guard is None:
+        return
+    message = guard.finish(nodeid)
+    if message is not None:
+        pytest.fail(message, pytrace=False)
+
+
+@pytest.fixture
+def patch_registry() -> Iterator[PatchRegistry]:
+    """Register patches from the test body; all global patch state is restored afterwards.
+
+    Example::
+
+        def test_fused(patch_registry):
+            patch_registry.register({"LlamaAttention": FusedAttention}, conversions={"llama": [...]})
+    """
+    from .registration import PatchRegistry
+
+    registry = PatchRegistry()
+    try:
+        yield registry
+    finally:
+        registry.close()
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if config.getoption("modelpatch_device") or os.environ.get(devices.DEVICE_ENV):
+        return f"modelpatch: default device {devices.requested_device(config.getoption('modelpatch_device'))}"
+    return None

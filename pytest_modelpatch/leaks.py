@@ -1,0 +1,53 @@
+"""The leak guard: global patch state changed by a test and not restored.
+
+Around every test the plugin snapshots transformers' patch state; whatever is
+different after the test's own fixtures are torn down leaked (a test that called
+``register_patch_mapping`` itself and forgot to clean up). It is restored, then
+reported according to ``modelpatch_leaks``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .errors import ModelPatchWarning, PatchUsageError
+from .registry import PatchStateGuard
+
+LEAK_MODES = ("error", "warn", "off")
+
+
+def parse_leak_mode(value: str) -> str:
+    """Validate the ``modelpatch_leaks`` ini value."""
+    mode = (value or "error").strip().lower()
+    if mode not in LEAK_MODES:
+        raise PatchUsageError(f"modelpatch_leaks = {value!r}: use one of {', '.join(LEAK_MODES)}.")
+    return mode
+
+
+def leak_message(nodeid: str, changes: list[str]) -> str:
+    """The report for one leaking test: which test, and every leaked key or class."""
+    lines = "\n".join(f"  - {change}" for change in changes)
+    return (
+        f"{nodeid} leaked transformers patch state (restored now, so later tests are unaffected):\n{lines}\n"
+        "Register patches with @pytest.mark.patch(...) or the patch_registry fixture, which clean up after "
+        "themselves, or undo them in a finally block. Set modelpatch_leaks = warn or off to relax this check."
+    )
+
+
+class LeakGuard:
+    """Watches one test: creating it imports nothing; ``finish()`` restores and reports."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self._guard = PatchStateGuard()
+
+    def finish(self, nodeid: str) -> str | None:
+        """Restore what leaked; in ``error`` mode return the report, in ``warn`` mode warn it."""
+        changes = self._guard.restore()
+        if not changes:
+            return None
+        message = leak_message(nodeid, changes)
+        if self.mode == "error":
+            return message
+        warnings.warn(message, ModelPatchWarning, stacklevel=2)
+        return None

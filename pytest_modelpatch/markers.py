@@ -1,0 +1,125 @@
+"""Parse and merge ``@pytest.mark.patch(...)`` marks into one ``PatchSpec``.
+
+Marks at function, class and module level (``pytestmark``) all apply; they merge,
+and two marks giving one key different values is a usage error naming both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from .errors import PatchUsageError
+
+PATCH_MARKER_HELP = (
+    "patch(mapping=None, *, conversions=None, overwrite=False, methods=None, allow=None, context=None, **context_kwargs):"
+    " register transformers patches for this test and restore all global patch state afterwards"
+)
+_KEYWORDS = ("mapping", "conversions", "overwrite", "methods", "allow", "context")
+
+
+def _where(node: pytest.Item | pytest.Collector) -> str:
+    return node.nodeid or node.name
+
+
+@dataclass
+class PatchSpec:
+    """Everything the ``patch`` marks of one test ask for, merged."""
+
+    mapping: dict[str, type] = field(default_factory=dict)
+    conversions: dict[str, list[Any]] = field(default_factory=dict)
+    overwrite: bool = False
+    methods: list[Any] = field(default_factory=list)
+    allow: dict[str, list[str]] = field(default_factory=dict)
+    contexts: list[tuple[Callable[..., Any], dict[str, Any]]] = field(default_factory=list)
+    _origin: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def _merge_key(self, kind: str, target: dict[str, Any], key: str, value: Any, where: str) -> None:
+        if key in target and target[key] is not value and target[key] != value:
+            raise PatchUsageError(
+                f"@pytest.mark.patch: {kind} key {key!r} is given two different values: "
+                f"{_name(target[key])} (mark on {self._origin[(kind, key)]}) and {_name(value)} (mark on {where}). "
+                "Keep one of the marks, or use different keys."
+            )
+        target[key] = value
+        self._origin.setdefault((kind, key), where)
+
+
+def _name(value: Any) -> str:
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    return repr(value)
+
+
+def collect_patch_spec(item: pytest.Item) -> PatchSpec | None:
+    """Merge every ``patch`` mark on ``item`` (closest first); ``None`` when there are none."""
+    found = list(item.iter_markers_with_node("patch"))
+    if not found:
+        return None
+    spec = PatchSpec()
+    for node, mark in found:
+        _merge_mark(spec, mark, _where(node))
+    return spec
+
+
+def _merge_mark(spec: PatchSpec, mark: pytest.Mark, where: str) -> None:
+    kwargs = dict(mark.kwargs)
+    if len(mark.args) > 1:
+        raise PatchUsageError(
+            f"@pytest.mark.patch on {where} takes one positional argument, the mapping; got {len(mark.args)}. "
+            "Merge the dicts, or pass conversions=/methods=/context= by keyword."
+        )
+    if mark.args:
+        if "mapping" in kwargs:
+            raise PatchUsageError(f"@pytest.mark.patch on {where} got the mapping both positionally and as mapping=.")
+        kwargs["mapping"] = mark.args[0]
+    context = kwargs.pop("context", None)
+    extra = {k: v for k, v in kwargs.items() if k not in _KEYWORDS}
+    if extra and context is None:
+        raise PatchUsageError(
+            f"@pytest.mark.patch on {where} got unknown keyword(s) {sorted(extra)}. It takes "
+            f"{', '.join(_KEYWORDS)}; extra keywords are only allowed with context=factory, which receives them."
+        )
+    mapping = kwargs.get("mapping") or {}
+    if not isinstance(mapping, Mapping):
+        raise PatchUsageError(
+            f"@pytest.mark.patch on {where}: the mapping must be a dict {{class name or regex: replacement class}}, "
+            f"got {type(mapping).__name__}. Example: @pytest.mark.patch({{'LlamaAttention': MyAttention}})."
+        )
+    for key, value in mapping.items():
+        spec._merge_key("patch", spec.mapping, key, value, where)
+    conversions = kwargs.get("conversions") or {}
+    if not isinstance(conversions, Mapping):
+        raise PatchUsageError(
+            f"@pytest.mark.patch on {where}: conversions must be a dict {{model_type: [WeightConverter, ...]}}, "
+            f"got {type(conversions).__name__}."
+        )
+    for key, value in conversions.items():
+        spec._merge_key("conversions", spec.conversions, key, value, where)
+    overwrite = kwargs.get("overwrite", False)
+    if not isinstance(overwrite, bool):
+        raise PatchUsageError(f"@pytest.mark.patch on {where}: overwrite must be True or False, got {overwrite!r}.")
+    spec.overwrite = spec.overwrite or overwrite
+    methods = kwargs.get("methods") or []
+    if not isinstance(methods, (list, tuple)):
+        methods = [methods]
+    spec.methods.extend(m for m in methods if m not in spec.methods)
+    allow = kwargs.get("allow") or {}
+    if not isinstance(allow, Mapping):
+        raise PatchUsageError(
+            f"@pytest.mark.patch on {where}: allow must be a dict {{key: ['CONTAINER', ...]}}, got {allow!r}."
+        )
+    for key, kinds in allow.items():
+        kinds_list = [kinds] if isinstance(kinds, str) else list(kinds)
+        spec.allow.setdefault(key, [])
+        spec.allow[key].extend(k for k in kinds_list if k not in spec.allow[key])
+    if context is not None:
+        if not callable(context):
+            raise PatchUsageError(
+                f"@pytest.mark.patch on {where}: context must be a callable returning a context manager "
+                f"(e.g. a @contextmanager function), got {context!r}."
+            )
+        spec.contexts.append((context, extra))
