@@ -1,0 +1,165 @@
+"""The example patches under fixtures/patches/ behave as their docstrings say, checked with plain transformers.
+
+Each test builds a seeded tiny checkpoint, loads it with and without the example's patches and
+conversions through ``from_pretrained``, and compares logits (or, for round-trips, the saved
+safetensors tensors byte for byte).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.monkey_patching import register_patch_mapping
+
+from fixtures import PATCH_MODULES, load_patch
+from fixtures.make_checkpoints import write_checkpoint
+from pytest_modelpatch.registry import isolated_patch_state
+
+FP32 = {"atol": 1e-5, "rtol": 1.3e-6}
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``checkpoint(name, **kwargs)``: a seeded tiny checkpoint, written once per module and arguments."""
+    made: dict[tuple[Any, ...], Path] = {}
+
+    def make(name: str, **kwargs: Any) -> Path:
+        key = (name, *sorted(kwargs.items()))
+        if key not in made:
+            made[key] = write_checkpoint(name, tmp_path_factory.mktemp(name), **kwargs)
+        return made[key]
+
+    return make
+
+
+def model_class(path: Path) -> type[transformers.PreTrainedModel]:
+    return getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])
+
+
+@contextmanager
+def registered(mapping: dict[str, type], conversions: dict[str, list[Any]]) -> Iterator[None]:
+    """Register a patch mapping and conversions for the block; nothing outlives it."""
+    with isolated_patch_state():
+        register_patch_mapping(mapping)
+        for model_type, transforms in conversions.items():
+            register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
+        yield
+
+
+def load(path: Path, patch: types.ModuleType | None = None, mapping: dict[str, type] | None = None, **kwargs: Any):
+    """``from_pretrained(path)`` in eval mode, with ``patch``'s mapping (or ``mapping``) and conversions."""
+    if patch is None and mapping is None:
+        return model_class(path).from_pretrained(path, **kwargs).eval()
+    conversions = patch.CONVERSIONS if patch is not None else {}
+    with registered(mapping if mapping is not None else patch.MAPPING, conversions):
+        model, info = model_class(path).from_pretrained(path, output_loading_info=True, **kwargs)
+    return model.eval(), info
+
+
+def input_ids(batch: int = 2, length: int = 12, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def output_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(input_ids=ids)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def read_tensors(directory: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """name -> (dtype, shape, raw bytes) over every safetensors shard in ``directory``."""
+    found: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name).contiguous()
+                found[name] = (str(tensor.dtype), tuple(tensor.shape), tensor.view(torch.uint8).numpy().tobytes())
+    assert found, f"no safetensors files in {directory}"
+    return found
+
+
+def roundtrip_differences(source: Path, saved: Path) -> list[str]:
+    """What differs between two checkpoints, tensor by tensor (empty: bit-exact)."""
+    a, b = read_tensors(source), read_tensors(saved)
+    problems = [f"missing {name}" for name in sorted(a.keys() - b.keys())]
+    problems += [f"unexpected {name}" for name in sorted(b.keys() - a.keys())]
+    for name in sorted(a.keys() & b.keys()):
+        if a[name][:2] != b[name][:2]:
+            problems.append(f"{name}: {a[name][:2]} != {b[name][:2]}")
+        elif a[name][2] != b[name][2]:
+            problems.append(f"{name}: bytes differ")
+    return problems
+
+
+def load_and_save(source: Path, patch: types.ModuleType, out: Path, **save_kwargs: Any) -> Path:
+    model, info = load(source, patch)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model.save_pretrained(out, **save_kwargs)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# every example declares the same contract
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", PATCH_MODULES)
+def test_example_module_exports_mapping_conversions_model_type_and_expected(name: str) -> None:
+    patch = load_patch(name)
+    assert patch.__doc__ and ("GOOD" in patch.__doc__ or "BROKEN" in patch.__doc__)
+    assert patch.EXPECTED in {"equivalent", "diverges", "lossless", "lossy"}
+    assert isinstance(patch.MODEL_TYPE, str)
+    assert patch.MAPPING and all(issubclass(cls, torch.nn.Module) for cls in patch.MAPPING.values())
+    assert isinstance(patch.CONVERSIONS, dict)
+
+
+# ---------------------------------------------------------------------------
+# llama_fused_qkv (good)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_fused_qkv_llama_matches_original_logits_with_grouped_query_attention(
+    checkpoint: Callable[..., Path], attn_implementation: str, kv_heads: int
+) -> None:
+    patch = load_patch("llama_fused_qkv")
+    path = checkpoint("llama", num_key_value_heads=kv_heads)
+    reference = load(path, attn_implementation=attn_implementation)
+    patched, info = load(path, patch, attn_implementation=attn_implementation)
+
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert all(type(layer.self_attn).__name__ == "LlamaFusedQKVAttention" for layer in patched.model.layers)
+    ids = input_ids()
+    torch.testing.assert_close(output_of(patched, ids), output_of(reference, ids), **FP32)
+
+
+def test_fused_qkv_llama_checkpoint_round_trips_bit_exact(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    source = checkpoint("llama")
+    saved = load_and_save(source, load_patch("llama_fused_qkv"), tmp_path / "saved")
+    assert roundtrip_differences(source, saved) == []
+
+
+def test_fused_qkv_llama_round_trips_sharded_bf16_checkpoint(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    source = checkpoint("llama", dtype="bfloat16", max_shard_size="20KB")
+    assert len(list(source.glob("*.safetensors"))) > 2
+    saved = load_and_save(source, load_patch("llama_fused_qkv"), tmp_path / "saved", max_shard_size="30KB")
+    assert roundtrip_differences(source, saved) == []
