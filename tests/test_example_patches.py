@@ -84,6 +84,43 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    return next((value for value in (*args, *kwargs.values()) if torch.is_tensor(value)), None)
+
+
+def module_records(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[str, torch.Tensor | None, Any]]:
+    """(qualified name, first input tensor, output) per submodule call, in the order the calls finished."""
+    records: list[tuple[str, torch.Tensor | None, Any]] = []
+    hooks = [
+        module.register_forward_hook(
+            lambda m, args, kwargs, out, name=name: records.append((name, first_tensor(args, kwargs), out)),
+            with_kwargs=True,
+        )
+        for name, module in model.named_modules()
+        if name
+    ]
+    try:
+        output_of(model, ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return records
+
+
+def first_divergence(reference: torch.nn.Module, patched: torch.nn.Module, ids: torch.Tensor) -> str | None:
+    """The first module to finish, present in both models, that got the same input and gave a different output."""
+
+    def close(a: Any, b: Any) -> bool:
+        a, b = (a[0] if isinstance(a, tuple) else a), (b[0] if isinstance(b, tuple) else b)
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and torch.allclose(a, b, **FP32)
+
+    patched_calls = {name: (inp, out) for name, inp, out in module_records(patched, ids)}
+    for name, inp, out in module_records(reference, ids):
+        if name in patched_calls and close(inp, patched_calls[name][0]) and not close(out, patched_calls[name][1]):
+            return name
+    return None
+
+
 def read_tensors(directory: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
     """name -> (dtype, shape, raw bytes) over every safetensors shard in ``directory``."""
     found: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
@@ -136,20 +173,21 @@ def test_example_module_exports_mapping_conversions_model_type_and_expected(name
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 def test_fused_qkv_llama_matches_original_logits_with_grouped_query_attention(
-    checkpoint: Callable[..., Path], attn_implementation: str, kv_heads: int
+    checkpoint: Callable[..., Path], kv_heads: int
 ) -> None:
-    patch = load_patch("llama_fused_qkv")
     path = checkpoint("llama", num_key_value_heads=kv_heads)
-    reference = load(path, attn_implementation=attn_implementation)
-    patched, info = load(path, patch, attn_implementation=attn_implementation)
+    reference = load(path)
+    patched, info = load(path, load_patch("llama_fused_qkv"))
 
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert all(type(layer.self_attn).__name__ == "LlamaFusedQKVAttention" for layer in patched.model.layers)
     ids = input_ids()
-    torch.testing.assert_close(output_of(patched, ids), output_of(reference, ids), **FP32)
+    for attn_implementation in ("sdpa", "eager"):
+        reference.set_attn_implementation(attn_implementation)
+        patched.set_attn_implementation(attn_implementation)
+        torch.testing.assert_close(output_of(patched, ids), output_of(reference, ids), **FP32)
 
 
 def test_fused_qkv_llama_checkpoint_round_trips_bit_exact(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
@@ -163,3 +201,29 @@ def test_fused_qkv_llama_round_trips_sharded_bf16_checkpoint(checkpoint: Callabl
     assert len(list(source.glob("*.safetensors"))) > 2
     saved = load_and_save(source, load_patch("llama_fused_qkv"), tmp_path / "saved", max_shard_size="30KB")
     assert roundtrip_differences(source, saved) == []
+
+
+# ---------------------------------------------------------------------------
+# llama_fused_qkv_noncausal (broken)
+# ---------------------------------------------------------------------------
+
+
+def test_noncausal_fused_qkv_diverges_under_sdpa_first_in_layer_0_attention(checkpoint: Callable[..., Path]) -> None:
+    path = checkpoint("llama")
+    reference = load(path)
+    patched, info = load(path, load_patch("llama_fused_qkv_noncausal"))
+    assert reference.config._attn_implementation == "sdpa"
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = input_ids()
+
+    # The value recorded in the example's docstring.
+    assert max_abs_diff(output_of(patched, ids), output_of(reference, ids)) == pytest.approx(0.531, abs=0.005)
+    assert first_divergence(reference, patched, ids) == "model.layers.0.self_attn"
+
+
+def test_noncausal_fused_qkv_hides_under_eager_attention(checkpoint: Callable[..., Path]) -> None:
+    path = checkpoint("llama")
+    reference = load(path, attn_implementation="eager")
+    patched, _ = load(path, load_patch("llama_fused_qkv_noncausal"), attn_implementation="eager")
+    ids = input_ids()
+    torch.testing.assert_close(output_of(patched, ids), output_of(reference, ids), **FP32)
