@@ -1,0 +1,278 @@
+"""How close is close enough: per-dtype tolerance policies and where overrides come from.
+
+An element of a patched output passes when::
+
+    |patched - reference| <= abs_term + rtol * |reference|
+    abs_term = max(atol, ulps * ulp(amax))        (policy values)
+    abs_term = atol                                (when atol is set explicitly)
+
+``amax`` is the largest finite ``|reference|`` of the whole compared tensor and
+``ulp(x) = 2 ** floor(log2(x)) * eps(dtype)`` is the spacing of the dtype's values
+at ``x``. The ulp term is the magnitude-aware part: a bf16 logit built from values
+around 20 carries a round-off of up to 0.0625 even where it is itself near zero, so
+a fixed ``atol`` of 1e-5 fails every harmless reimplementation in low precision.
+
+Overrides, highest first: explicit arguments, the ``tolerance`` marker, the
+``modelpatch_atol`` / ``modelpatch_rtol`` ini keys, the policy's per-dtype values.
+This module imports no torch at import time: the plugin sets a test's overrides
+through :func:`set_test_tolerance` for every test that has a marker or ini value.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_modelpatch.errors import PatchUsageError
+
+# Spacing of values in [1, 2): 2 ** -(explicit mantissa bits), torch.finfo(dtype).eps.
+_EPS: dict[str, float] = {
+    "float64": 2.0**-52,
+    "float32": 2.0**-23,
+    "float16": 2.0**-10,
+    "bfloat16": 2.0**-7,
+}
+
+
+def dtype_label(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; strings pass through."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _is_floating(name: str) -> bool:
+    return name.startswith(("float", "bfloat", "complex"))
+
+
+def ulp(magnitude: float, dtype: Any) -> float:
+    """Spacing of ``dtype`` values at ``magnitude``: ``ulp(16.0, torch.bfloat16) == 0.125``."""
+    eps = _EPS.get(dtype_label(dtype))
+    if eps is None or not math.isfinite(magnitude) or magnitude <= 0.0:
+        return 0.0
+    return 2.0 ** math.floor(math.log2(magnitude)) * eps
+
+
+@dataclass(frozen=True)
+class DtypeTolerance:
+    """Tolerance values for one dtype; ``ulps`` scales the magnitude-aware absolute term."""
+
+    atol: float
+    rtol: float
+    ulps: float = 0.0
+
+
+@dataclass(frozen=True)
+class TolerancePolicy:
+    """Named per-dtype tolerances; dtypes it does not list compare exactly (integers, bools).
+
+    Example::
+
+        TolerancePolicy("tight-bf16", {"bfloat16": DtypeTolerance(atol=1e-5, rtol=8e-3, ulps=2)})
+    """
+
+    name: str
+    per_dtype: Mapping[str, DtypeTolerance] = field(default_factory=dict)
+    # Floating dtypes not listed (float8 variants, ...) use this entry's values.
+    fallback: str = "bfloat16"
+
+    def entry(self, dtype: Any) -> DtypeTolerance:
+        name = dtype_label(dtype)
+        if name in self.per_dtype:
+            return self.per_dtype[name]
+        if _is_floating(name) and self.fallback in self.per_dtype:
+            return self.per_dtype[self.fallback]
+        return DtypeTolerance(atol=0.0, rtol=0.0, ulps=0.0)
+
+    def __str__(self) -> str:
+        rows = ", ".join(f"{k}: atol={v.atol:g} rtol={v.rtol:g} ulps={v.ulps:g}" for k, v in self.per_dtype.items())
+        return f"policy {self.name!r} ({rows})"
+
+
+# torch.testing.assert_close defaults, plus 4 ulps of the tensor's magnitude.
+DEFAULT_POLICY = TolerancePolicy(
+    "default",
+    {
+        "float64": DtypeTolerance(atol=1e-7, rtol=1e-7, ulps=4),
+        "float32": DtypeTolerance(atol=1e-5, rtol=1.3e-6, ulps=4),
+        "float16": DtypeTolerance(atol=1e-5, rtol=1e-3, ulps=4),
+        "bfloat16": DtypeTolerance(atol=1e-5, rtol=1.6e-2, ulps=4),
+    },
+)
+# Bitwise identical: for patches that claim to run the very same kernels.
+STRICT_POLICY = TolerancePolicy("strict", {k: DtypeTolerance(0.0, 0.0, 0.0) for k in _EPS})
+# Ten times the default: for patches that change accumulation order on purpose.
+LOOSE_POLICY = TolerancePolicy(
+    "loose",
+    {k: DtypeTolerance(v.atol * 10, v.rtol * 10, v.ulps * 4) for k, v in DEFAULT_POLICY.per_dtype.items()},
+)
+POLICIES: dict[str, TolerancePolicy] = {p.name: p for p in (DEFAULT_POLICY, STRICT_POLICY, LOOSE_POLICY)}
+
+
+def get_policy(policy: str | TolerancePolicy | None, where: str = "policy=") -> TolerancePolicy:
+    """Look a policy up by name (``"default"``, ``"strict"``, ``"loose"``) or pass one through."""
+    if policy is None:
+        return DEFAULT_POLICY
+    if isinstance(policy, TolerancePolicy):
+        return policy
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]
+    raise PatchUsageError(
+        f"{where}: unknown tolerance policy {policy!r}. Use one of {sorted(POLICIES)} or a TolerancePolicy object."
+    )
+
+
+def parse_tolerance_value(value: Any, name: str, where: str) -> float | None:
+    """Validate one atol/rtol value (number or numeric string); ``None``/empty means unset."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number) or number < 0:
+        raise PatchUsageError(f"{where}: {name}={value!r} is not a non-negative number. Write e.g. {name}=1e-4.")
+    return number
+
+
+@dataclass(frozen=True)
+class ToleranceOverride:
+    """atol/rtol/policy from one source (``"marker"``, ``"ini"``, ...); ``None`` leaves a value unset."""
+
+    atol: float | None = None
+    rtol: float | None = None
+    policy: str | TolerancePolicy | None = None
+    source: str = "argument"
+
+    @classmethod
+    def from_marker(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any], where: str = "") -> ToleranceOverride:
+        """Validate ``@pytest.mark.tolerance(atol=, rtol=, policy=)``; wrong use is a usage error."""
+        where = where or "@pytest.mark.tolerance"
+        unknown = sorted(set(kwargs) - {"atol", "rtol", "policy"})
+        if args or unknown:
+            raise PatchUsageError(
+                f"{where}: takes only keyword arguments atol=, rtol=, policy= "
+                f"(got positional {list(args)!r}, unknown {unknown!r}). Write e.g. tolerance(atol=1e-4, rtol=1e-3)."
+            )
+        policy = kwargs.get("policy")
+        if policy is not None:
+            get_policy(policy, where)
+        return cls(
+            atol=parse_tolerance_value(kwargs.get("atol"), "atol", where),
+            rtol=parse_tolerance_value(kwargs.get("rtol"), "rtol", where),
+            policy=policy,
+            source="marker",
+        )
+
+    @classmethod
+    def from_ini(cls, atol: Any, rtol: Any, policy: Any = None) -> ToleranceOverride:
+        """Validate the ``modelpatch_atol`` / ``modelpatch_rtol`` / ``modelpatch_tolerance_policy`` ini values."""
+        policy = policy or None
+        if policy is not None:
+            get_policy(policy, "ini modelpatch_tolerance_policy")
+        return cls(
+            atol=parse_tolerance_value(atol, "atol", "ini modelpatch_atol"),
+            rtol=parse_tolerance_value(rtol, "rtol", "ini modelpatch_rtol"),
+            policy=policy,
+            source="ini",
+        )
+
+
+_TEST_OVERRIDES: contextvars.ContextVar[tuple[ToleranceOverride, ...]] = contextvars.ContextVar(
+    "modelpatch_test_tolerance", default=()
+)
+
+
+def set_test_tolerance(*overrides: ToleranceOverride) -> Callable[[], None]:
+    """Set the running test's overrides, highest precedence first; returns the function that undoes it.
+
+    Example (plugin, around a test call)::
+
+        reset = set_test_tolerance(ToleranceOverride.from_marker(m.args, m.kwargs), ToleranceOverride.from_ini(a, r))
+        try: ...
+        finally: reset()
+    """
+    token = _TEST_OVERRIDES.set(tuple(overrides))
+    return lambda: _TEST_OVERRIDES.reset(token)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The tolerance applied to one compared tensor, with where each number came from."""
+
+    dtype: str
+    atol: float
+    rtol: float
+    ulps: float
+    policy: str
+    atol_source: str
+    rtol_source: str
+
+    def abs_term(self, amax: float) -> float:
+        """The absolute part of the bound for a tensor whose largest ``|reference|`` is ``amax``."""
+        return max(self.atol, self.ulps * ulp(amax, self.dtype))
+
+    @property
+    def exact(self) -> bool:
+        return self.atol == 0.0 and self.rtol == 0.0 and self.ulps == 0.0
+
+    def __str__(self) -> str:
+        if self.exact:
+            return f"exact ({self.dtype}, {self.atol_source})"
+        ulps = f" or {self.ulps:g} ulps of max|ref|" if self.ulps else ""
+        if self.atol_source == self.rtol_source:
+            return f"atol={self.atol:g}{ulps}, rtol={self.rtol:g} at {self.dtype} ({self.atol_source})"
+        return (
+            f"atol={self.atol:g}{ulps} ({self.atol_source}), rtol={self.rtol:g} ({self.rtol_source}) at {self.dtype}"
+        )
+
+
+@dataclass(frozen=True)
+class ToleranceSpec:
+    """A resolved request, before the dtype is known: ``spec.for_dtype(torch.bfloat16)``."""
+
+    policy: TolerancePolicy
+    policy_source: str
+    atol: tuple[float, str] | None = None
+    rtol: tuple[float, str] | None = None
+
+    def for_dtype(self, dtype: Any) -> Tolerance:
+        name = dtype_label(dtype)
+        entry = self.policy.entry(name)
+        origin = f"policy {self.policy.name!r}" + ("" if self.policy_source == "default" else f" ({self.policy_source})")
+        if not _is_floating(name):
+            return Tolerance(name, 0.0, 0.0, 0.0, self.policy.name, "integer dtype", "integer dtype")
+        atol, atol_source = self.atol if self.atol is not None else (entry.atol, origin)
+        rtol, rtol_source = self.rtol if self.rtol is not None else (entry.rtol, origin)
+        # An explicit atol is the whole absolute term: the ulp floor belongs to the policy.
+        ulps = 0.0 if self.atol is not None else entry.ulps
+        return Tolerance(name, atol, rtol, ulps, self.policy.name, atol_source, rtol_source)
+
+    def __str__(self) -> str:
+        source = "" if self.policy_source == "default" else f" ({self.policy_source})"
+        parts = [f"policy {self.policy.name!r}{source}"]
+        parts += [f"{k}={v[0]:g} ({v[1]})" for k, v in (("atol", self.atol), ("rtol", self.rtol)) if v is not None]
+        return ", ".join(parts)
+
+
+def resolve_tolerance(
+    atol: float | None = None, rtol: float | None = None, policy: str | TolerancePolicy | None = None
+) -> ToleranceSpec:
+    """Merge arguments > marker > ini > policy into one spec, each value keeping its source.
+
+    Example::
+
+        resolve_tolerance(atol=1e-4).for_dtype(torch.float32).atol == 1e-4
+    """
+    layers = [ToleranceOverride(atol=atol, rtol=rtol, policy=policy, source="argument"), *_TEST_OVERRIDES.get()]
+    chosen_atol = chosen_rtol = chosen_policy = None
+    for layer in layers:
+        if chosen_atol is None and layer.atol is not None:
+            chosen_atol = (parse_tolerance_value(layer.atol, "atol", layer.source) or 0.0, layer.source)
+        if chosen_rtol is None and layer.rtol is not None:
+            chosen_rtol = (parse_tolerance_value(layer.rtol, "rtol", layer.source) or 0.0, layer.source)
+        if chosen_policy is None and layer.policy is not None:
+            chosen_policy = (get_policy(layer.policy, layer.source), layer.source)
+    resolved_policy, policy_source = chosen_policy or (DEFAULT_POLICY, "default")
+    return ToleranceSpec(resolved_policy, policy_source, chosen_atol, chosen_rtol)

@@ -1,0 +1,120 @@
+"""Tolerance policies: per-dtype numbers, the magnitude-aware ulp term, and override precedence."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.tolerance import (
+    DEFAULT_POLICY,
+    DtypeTolerance,
+    TolerancePolicy,
+    ToleranceOverride,
+    get_policy,
+    resolve_tolerance,
+    set_test_tolerance,
+    ulp,
+)
+
+
+@pytest.fixture
+def set_overrides() -> Iterator[Callable[..., None]]:
+    """Set marker/ini overrides the way the plugin does around a test; undone at teardown."""
+    resets: list[Callable[[], None]] = []
+    yield lambda *overrides: resets.append(set_test_tolerance(*overrides))
+    for reset in reversed(resets):
+        reset()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "atol", "rtol"),
+    [(torch.float32, 1e-5, 1.3e-6), (torch.float16, 1e-5, 1e-3), (torch.bfloat16, 1e-5, 1.6e-2), (torch.float64, 1e-7, 1e-7)],
+)
+def test_default_policy_uses_torch_testing_numbers(dtype: torch.dtype, atol: float, rtol: float) -> None:
+    tolerance = resolve_tolerance().for_dtype(dtype)
+    assert (tolerance.atol, tolerance.rtol, tolerance.ulps) == (atol, rtol, 4)
+
+
+def test_integer_outputs_compare_exactly_under_every_policy() -> None:
+    for name in ("default", "loose"):
+        assert resolve_tolerance(policy=name).for_dtype(torch.int64).exact
+
+
+def test_ulp_is_the_spacing_of_the_dtype_at_that_magnitude() -> None:
+    assert ulp(16.0, torch.bfloat16) == 0.125  # bf16 values in [16, 32) are 0.125 apart
+    assert ulp(31.9, torch.bfloat16) == 0.125
+    assert ulp(1.0, torch.float32) == torch.finfo(torch.float32).eps
+    assert ulp(0.0, torch.float16) == 0.0
+    assert torch.tensor(16.0, dtype=torch.bfloat16) + 0.125 != torch.tensor(16.0, dtype=torch.bfloat16)
+
+
+def test_bf16_absolute_term_grows_with_the_tensor_magnitude() -> None:
+    tolerance = resolve_tolerance().for_dtype(torch.bfloat16)
+    assert tolerance.abs_term(0.5) == pytest.approx(4 * 2**-8)
+    assert tolerance.abs_term(20.0) == 4 * 0.125
+    assert tolerance.abs_term(0.0) == 1e-5  # the atol floor
+
+
+def test_explicit_atol_replaces_the_ulp_term() -> None:
+    tolerance = resolve_tolerance(atol=0.0).for_dtype(torch.bfloat16)
+    assert tolerance.abs_term(20.0) == 0.0
+    assert tolerance.rtol == 1.6e-2  # rtol still from the policy
+
+
+def test_arguments_beat_marker_beat_ini_beat_policy(set_overrides: Callable[..., None]) -> None:
+    set_overrides(ToleranceOverride(atol=1e-3, source="marker"), ToleranceOverride(atol=1e-2, rtol=1e-1, source="ini"))
+    fp32 = resolve_tolerance().for_dtype(torch.float32)
+    assert (fp32.atol, fp32.atol_source, fp32.rtol, fp32.rtol_source) == (1e-3, "marker", 1e-1, "ini")
+    explicit = resolve_tolerance(rtol=0.5).for_dtype(torch.float32)
+    assert (explicit.atol, explicit.rtol, explicit.rtol_source) == (1e-3, 0.5, "argument")
+
+
+def test_test_overrides_are_gone_after_reset() -> None:
+    reset = set_test_tolerance(ToleranceOverride(atol=0.5, source="marker"))
+    assert resolve_tolerance().for_dtype(torch.float32).atol == 0.5
+    reset()
+    assert resolve_tolerance().for_dtype(torch.float32).atol == 1e-5
+
+
+def test_marker_can_choose_a_named_policy(set_overrides: Callable[..., None]) -> None:
+    set_overrides(ToleranceOverride.from_marker((), {"policy": "strict"}))
+    assert resolve_tolerance().for_dtype(torch.bfloat16).exact
+    assert "marker" in str(resolve_tolerance())
+
+
+def test_marker_rejects_positional_and_unknown_arguments() -> None:
+    with pytest.raises(PatchUsageError, match=r"keyword arguments atol=, rtol=, policy=.*unknown \['tol'\]"):
+        ToleranceOverride.from_marker((), {"tol": 1e-3}, where="test_x.py::test_a")
+    with pytest.raises(PatchUsageError, match="positional"):
+        ToleranceOverride.from_marker((1e-3,), {})
+
+
+@pytest.mark.parametrize("value", [-1.0, "abc", float("nan"), True])
+def test_bad_tolerance_values_are_usage_errors_naming_the_source(value: object) -> None:
+    with pytest.raises(PatchUsageError, match=r"ini modelpatch_atol: atol=.* is not a non-negative number"):
+        ToleranceOverride.from_ini(value, None)
+
+
+def test_ini_strings_are_parsed_and_empty_means_unset() -> None:
+    override = ToleranceOverride.from_ini("1e-4", "")
+    assert (override.atol, override.rtol, override.source) == (1e-4, None, "ini")
+
+
+def test_unknown_policy_name_lists_the_known_ones() -> None:
+    with pytest.raises(PatchUsageError, match=r"unknown tolerance policy 'tight'.*\['default', 'loose', 'strict'\]"):
+        get_policy("tight")
+
+
+def test_custom_policy_entries_and_fallback_for_other_float_dtypes() -> None:
+    policy = TolerancePolicy("mine", {"bfloat16": DtypeTolerance(atol=0.1, rtol=0.2, ulps=1)})
+    assert resolve_tolerance(policy=policy).for_dtype(torch.float8_e4m3fn).atol == 0.1
+    assert resolve_tolerance(policy=policy).for_dtype(torch.float32).atol == 0.1  # fallback entry
+    assert DEFAULT_POLICY.entry(torch.float8_e5m2).rtol == 1.6e-2
+
+
+def test_tolerance_text_says_where_each_number_came_from() -> None:
+    text = str(resolve_tolerance(rtol=1e-3).for_dtype(torch.float32))
+    assert text == "atol=1e-05 or 4 ulps of max|ref| (policy 'default'), rtol=0.001 (argument) at float32"
