@@ -107,16 +107,28 @@ def module_records(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[str,
     return records
 
 
+def leading_tensor(output: Any) -> torch.Tensor | None:
+    """The first tensor of a module output (a tensor, tuple or ModelOutput)."""
+    if hasattr(output, "to_tuple"):
+        output = output.to_tuple()
+    if isinstance(output, (tuple, list)):
+        output = output[0] if output else None
+    return output if torch.is_tensor(output) else None
+
+
+def same(a: Any, b: Any) -> bool | None:
+    """Whether two module inputs/outputs agree within fp32 tolerance; None when they cannot be compared."""
+    a, b = leading_tensor(a), leading_tensor(b)
+    if a is None or b is None or a.shape != b.shape:
+        return None
+    return torch.allclose(a, b, **FP32)
+
+
 def first_divergence(reference: torch.nn.Module, patched: torch.nn.Module, ids: torch.Tensor) -> str | None:
     """The first module to finish, present in both models, that got the same input and gave a different output."""
-
-    def close(a: Any, b: Any) -> bool:
-        a, b = (a[0] if isinstance(a, tuple) else a), (b[0] if isinstance(b, tuple) else b)
-        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and torch.allclose(a, b, **FP32)
-
     patched_calls = {name: (inp, out) for name, inp, out in module_records(patched, ids)}
     for name, inp, out in module_records(reference, ids):
-        if name in patched_calls and close(inp, patched_calls[name][0]) and not close(out, patched_calls[name][1]):
+        if name in patched_calls and same(inp, patched_calls[name][0]) and same(out, patched_calls[name][1]) is False:
             return name
     return None
 
@@ -226,4 +238,59 @@ def test_noncausal_fused_qkv_hides_under_eager_attention(checkpoint: Callable[..
     reference = load(path, attn_implementation="eager")
     patched, _ = load(path, load_patch("llama_fused_qkv_noncausal"), attn_implementation="eager")
     ids = input_ids()
+    torch.testing.assert_close(output_of(patched, ids), output_of(reference, ids), **FP32)
+
+
+# ---------------------------------------------------------------------------
+# bert_broad_attention (broken with the broad key, good with the narrow one)
+# ---------------------------------------------------------------------------
+
+
+def test_broad_attention_key_replaces_bert_container_and_diverges(checkpoint: Callable[..., Path]) -> None:
+    patch = load_patch("bert_broad_attention")
+    path = checkpoint("bert")
+    reference = load(path)
+    patched, info = load(path, patch)
+
+    attention = patched.encoder.layer[0].attention
+    assert type(attention) is patch.BertSdpaSelfAttention  # the container itself was replaced
+    assert not hasattr(attention, "output") and not hasattr(attention, "self")
+    assert "encoder.layer.0.attention.output.dense.weight" in info["unexpected_keys"]
+    assert "encoder.layer.0.attention.query.weight" in info["missing_keys"]
+    ids = input_ids()
+    assert max_abs_diff(output_of(patched, ids), output_of(reference, ids)) > 1.0
+    assert first_divergence(reference, patched, ids) == "encoder.layer.0.attention"
+
+
+def test_broad_attention_key_swaps_model_output_classes_while_patches_apply() -> None:
+    from transformers.models.bert import modeling_bert
+    from transformers.monkey_patching import apply_patches
+
+    patch = load_patch("bert_broad_attention")
+    original = modeling_bert.BaseModelOutputWithPoolingAndCrossAttentions
+    with registered(patch.MAPPING, {}), apply_patches():
+        assert modeling_bert.BaseModelOutputWithPoolingAndCrossAttentions is patch.BertSdpaSelfAttention
+        assert modeling_bert.BertCrossAttention is patch.BertSdpaSelfAttention
+    assert modeling_bert.BaseModelOutputWithPoolingAndCrossAttentions is original
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_narrow_self_attention_key_is_equivalent_with_and_without_padding(
+    checkpoint: Callable[..., Path], attn_implementation: str
+) -> None:
+    patch = load_patch("bert_broad_attention")
+    path = checkpoint("bert")
+    reference = load(path, attn_implementation=attn_implementation)
+    patched, info = load(path, mapping=patch.NARROW_MAPPING, attn_implementation=attn_implementation)
+
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert type(patched.encoder.layer[0].attention).__name__ == "BertAttention"
+    assert type(patched.encoder.layer[0].attention.self) is patch.BertSdpaSelfAttention
+    ids = input_ids()
+    mask = torch.ones_like(ids)
+    mask[0, -4:] = 0  # right padding on the first row
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+        actual = patched(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(actual, expected, **FP32)
     torch.testing.assert_close(output_of(patched, ids), output_of(reference, ids), **FP32)
