@@ -1,0 +1,383 @@
+"""Lossless weight round-trips: load a checkpoint with the registered patches, save it, compare.
+
+A patch that changes a weight layout (fused QKV, module-list experts, fused patch
+embeddings) is only safe to ship if ``from_pretrained`` -> ``save_pretrained``
+gives the checkpoint back bit for bit. ``check_roundtrip`` proves that with the
+patches and conversions currently registered in transformers (the test's), and
+then reloads the saved copy *without* patches to show the reference outputs are
+unchanged.
+
+Example::
+
+    report = check_roundtrip(checkpoint_dir, tmp_path=tmp_path)
+    print(report)  # roundtrip passed: 48/48 tensors identical, 2.1 MB compared; outputs identical
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from pytest_modelpatch.records import CheckRecord, record_check
+from pytest_modelpatch.registry import isolated_patch_state, without_patches
+from pytest_modelpatch.safetensors_diff import CheckpointDiff, CheckpointError, diff_checkpoints, open_checkpoint
+
+# config.json keys that save_pretrained rewrites on every save; a change there says nothing about the patch
+_VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "name_or_path"})
+
+
+@dataclass
+class OutputDiff:
+    """One output tensor of the reference model against the same output after the round-trip."""
+
+    name: str
+    identical: bool
+    max_abs_diff: float
+    shape: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        if self.identical:
+            return f"{self.name}: identical"
+        return f"{self.name}{list(self.shape)}: max abs diff {self.max_abs_diff:.3g}"
+
+
+@dataclass
+class RoundtripReport:
+    """What one round-trip compared and how it went; ``passed`` is the verdict."""
+
+    source: Path
+    saved: Path
+    model_class: str
+    dtype: str
+    save_original_format: bool
+    weights: CheckpointDiff
+    outputs: list[OutputDiff] = field(default_factory=list)
+    outputs_checked: bool = False
+    config_changes: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def outputs_identical(self) -> bool:
+        return all(row.identical for row in self.outputs)
+
+    @property
+    def passed(self) -> bool:
+        return self.weights.identical and self.outputs_identical
+
+    def summary(self) -> str:
+        if not self.outputs_checked:
+            outputs = "outputs not checked"
+        elif self.outputs_identical:
+            outputs = "outputs identical"
+        else:
+            outputs = f"outputs differ (max abs diff {max(row.max_abs_diff for row in self.outputs):.3g})"
+        verdict = "passed" if self.passed else "FAILED"
+        return f"roundtrip {verdict}: {self.weights.summary()}; {outputs}"
+
+    def __str__(self) -> str:
+        layout = "original layout" if self.save_original_format else "patched layout (save_original_format=False)"
+        lines = [
+            self.summary(),
+            f"  {self.model_class} [{self.dtype}], {layout}, {self.duration_s:.2f}s",
+            f"  source: {self.source}",
+            f"  saved:  {self.saved}",
+        ]
+        lines += [f"  {line}" for line in str(self.weights).splitlines()[1:]]
+        lines += [f"  output {row}" for row in self.outputs if not row.identical]
+        lines += [f"  note: config.json {line}" for line in self.config_changes]
+        return "\n".join(lines)
+
+
+def check_roundtrip(
+    source: str | Path | transformers.PreTrainedModel,
+    *,
+    tmp_path: str | Path | None = None,
+    save_original_format: bool = True,
+    model_class: type[transformers.PreTrainedModel] | None = None,
+    dtype: torch.dtype | str | None = None,
+    inputs: Mapping[str, torch.Tensor] | None = None,
+    fusion_config: Mapping[str, Any] | None = None,
+    max_shard_size: int | str | None = None,
+    check_outputs: bool = True,
+) -> RoundtripReport:
+    """Load ``source`` with the registered patches, save it, and demand the same checkpoint back.
+
+    ``source`` is a checkpoint directory or a reference (unpatched) model, which is
+    saved first. Raises AssertionError with the report when a tensor, a safetensors
+    header or a reference output differs; returns the report otherwise.
+
+    Example::
+
+        register_patch_mapping(MAPPING)
+        register_checkpoint_conversion_mapping("llama", CONVERSIONS["llama"], overwrite=True)
+        check_roundtrip(checkpoint_dir, tmp_path=tmp_path)
+    """
+    __tracebackhide__ = True
+    started = time.perf_counter()
+    with _work_dir(tmp_path) as work:
+        report = _run_roundtrip(
+            source,
+            work,
+            save_original_format=save_original_format,
+            model_class=model_class,
+            dtype=dtype,
+            inputs=inputs,
+            fusion_config=dict(fusion_config) if fusion_config else None,
+            max_shard_size=max_shard_size,
+            check_outputs=check_outputs,
+        )
+    report.duration_s = time.perf_counter() - started
+    _record(report)
+    if not report.passed:
+        raise AssertionError(str(report))
+    return report
+
+
+class Roundtrip:
+    """The ``roundtrip`` fixture: ``check_roundtrip`` bound to the test's ``tmp_path``.
+
+    Example::
+
+        def test_fused_qkv_saves_original_layout(roundtrip, llama_checkpoint):
+            roundtrip.check(llama_checkpoint)
+    """
+
+    def __init__(self, tmp_path: str | Path) -> None:
+        self.tmp_path = Path(tmp_path)
+
+    def check(self, source: str | Path | transformers.PreTrainedModel, **options: Any) -> RoundtripReport:
+        """Run ``check_roundtrip(source, tmp_path=<the test's tmp_path>, **options)``."""
+        __tracebackhide__ = True
+        return check_roundtrip(source, tmp_path=self.tmp_path, **options)
+
+
+def load_with_fusion(
+    source: str | Path,
+    fusion_config: Mapping[str, Any],
+    *,
+    model_class: type[transformers.PreTrainedModel] | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> transformers.PreTrainedModel:
+    """``from_pretrained(source, fusion_config=...)`` without leaking the fusion's global patches.
+
+    transformers registers a fusion as global patch mappings and conversions; they
+    are undone on return, while the model keeps its fused modules and the
+    conversions it needs to save in the original layout.
+
+    Example::
+
+        model = load_with_fusion(qwen2_vl_dir, {"patch_embeddings": True})
+    """
+    cls = model_class or resolve_model_class(Path(source))
+    with isolated_patch_state():
+        return cls.from_pretrained(source, dtype=dtype or "auto", fusion_config=dict(fusion_config))
+
+
+def resolve_model_class(checkpoint: Path) -> type[transformers.PreTrainedModel]:
+    """The transformers class named first in ``config.json``'s ``architectures``."""
+    config_path = checkpoint / "config.json"
+    try:
+        architectures = json.loads(config_path.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {config_path} ({exc}); pass model_class= or save the checkpoint again") from exc
+    cls = getattr(transformers, architectures[0], None) if architectures else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise CheckpointError(
+            f"{config_path} names no transformers model class in 'architectures' ({architectures}); pass model_class="
+        )
+    return cls
+
+
+# ---------------------------------------------------------------------------
+# The steps
+# ---------------------------------------------------------------------------
+
+
+def _run_roundtrip(
+    source: str | Path | transformers.PreTrainedModel,
+    work: Path,
+    *,
+    save_original_format: bool,
+    model_class: type[transformers.PreTrainedModel] | None,
+    dtype: torch.dtype | str | None,
+    inputs: Mapping[str, torch.Tensor] | None,
+    fusion_config: dict[str, Any] | None,
+    max_shard_size: int | str | None,
+    check_outputs: bool,
+) -> RoundtripReport:
+    # One model in memory at a time; each is dropped (by refcount) before the next load.
+    # Unpatched steps share one without_patches() block: entering it costs a rebuild of
+    # transformers' conversion table.
+    reference_outputs: dict[str, torch.Tensor] | None = None
+    if isinstance(source, transformers.PreTrainedModel):
+        cls = model_class or type(source)
+        source_dir = work / "source"
+        with without_patches():
+            source.save_pretrained(source_dir)
+        if check_outputs and save_original_format:
+            inputs = inputs if inputs is not None else default_inputs(source.config)
+            reference_outputs = model_outputs(source, inputs)
+    else:
+        source_dir = Path(source)
+        open_checkpoint(source_dir)  # bad input fails here, naming the file, before any model is built
+        cls = model_class or resolve_model_class(source_dir)
+    load_dtype = dtype or "auto"
+    save_kwargs: dict[str, Any] = {"save_original_format": save_original_format}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+
+    saved_dir = work / "saved"
+    patched = _load(cls, source_dir, load_dtype, fusion_config)
+    resolved_dtype = str(patched.dtype).removeprefix("torch.")
+    if check_outputs and not save_original_format:
+        # The patched layout cannot load without patches: the reference is the patched model itself.
+        inputs = inputs if inputs is not None else default_inputs(patched.config)
+        reference_outputs = model_outputs(patched, inputs)
+    patched.save_pretrained(saved_dir, **save_kwargs)
+    del patched
+
+    outputs: list[OutputDiff] = []
+    if save_original_format:
+        compared_from, compared_to = source_dir, saved_dir
+        if check_outputs:
+            with without_patches():
+                if reference_outputs is None:
+                    reference = _load(cls, source_dir, load_dtype, fusion_config={})
+                    inputs = inputs if inputs is not None else default_inputs(reference.config)
+                    reference_outputs = model_outputs(reference, inputs)
+                    del reference
+                reloaded = _load(cls, saved_dir, load_dtype, fusion_config={})
+                outputs = compare_outputs(reference_outputs, model_outputs(reloaded, inputs or {}))
+                del reloaded
+    else:
+        # save -> reload with patches -> save again must give the patched layout back
+        compared_from, compared_to = saved_dir, work / "resaved"
+        reloaded = _load(cls, saved_dir, load_dtype, fusion_config)
+        if reference_outputs is not None:
+            outputs = compare_outputs(reference_outputs, model_outputs(reloaded, inputs or {}))
+        reloaded.save_pretrained(compared_to, **save_kwargs)
+        del reloaded
+
+    return RoundtripReport(
+        source=source_dir,
+        saved=compared_to,
+        model_class=cls.__name__,
+        dtype=resolved_dtype,
+        save_original_format=save_original_format,
+        weights=diff_checkpoints(compared_from, compared_to),
+        outputs=outputs,
+        outputs_checked=reference_outputs is not None,
+        config_changes=config_changes(compared_from, compared_to),
+    )
+
+
+def _load(
+    cls: type[transformers.PreTrainedModel], path: Path, dtype: torch.dtype | str, fusion_config: dict[str, Any] | None
+) -> transformers.PreTrainedModel:
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if fusion_config is None:
+        return cls.from_pretrained(path, **kwargs).eval()
+    # A fusion registers global patches and conversions while loading; keep them from leaking.
+    # An empty fusion_config overrides one stored in config.json (transformers reuses that).
+    with isolated_patch_state():
+        return cls.from_pretrained(path, fusion_config=fusion_config, **kwargs).eval()
+
+
+@contextmanager
+def _work_dir(tmp_path: str | Path | None) -> Iterator[Path]:
+    if tmp_path is None:
+        with tempfile.TemporaryDirectory(prefix="modelpatch-roundtrip-") as work:
+            yield Path(work)
+    else:
+        Path(tmp_path).mkdir(parents=True, exist_ok=True)
+        yield Path(tempfile.mkdtemp(prefix="roundtrip-", dir=tmp_path))
+
+
+# ---------------------------------------------------------------------------
+# Outputs and config
+# ---------------------------------------------------------------------------
+
+
+def default_inputs(config: transformers.PretrainedConfig, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A small seeded batch of token ids for ``config`` (text models)."""
+    text = config.get_text_config()
+    generator = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, text.vocab_size, (2, 8), generator=generator)}
+
+
+@torch.no_grad()
+def model_outputs(model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor a forward pass returns, by name (caches and other objects left out)."""
+    result = model(**inputs)
+    items = result.items() if hasattr(result, "items") else enumerate(result if isinstance(result, tuple) else [result])
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        if isinstance(value, torch.Tensor):
+            flat[str(key)] = value.detach()
+        elif isinstance(value, tuple):
+            flat.update({f"{key}[{i}]": v.detach() for i, v in enumerate(value) if isinstance(v, torch.Tensor)})
+    return flat
+
+
+def compare_outputs(reference: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor]) -> list[OutputDiff]:
+    """Bitwise comparison of two forward passes, output by output."""
+    rows = []
+    for name, expected in reference.items():
+        got = actual.get(name)
+        if got is None or got.shape != expected.shape:
+            rows.append(OutputDiff(name, False, float("inf"), tuple(expected.shape)))
+            continue
+        same = torch.equal(expected, got)
+        diff = 0.0 if same else float((expected.double() - got.double()).abs().max())
+        rows.append(OutputDiff(name, same, diff, tuple(expected.shape)))
+    return rows
+
+
+def config_changes(source: Path, saved: Path) -> list[str]:
+    """Keys of config.json that the round-trip added, removed or changed (informational)."""
+    try:
+        before = json.loads((source / "config.json").read_text(encoding="utf-8"))
+        after = json.loads((saved / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return []
+    found = []
+    for key in sorted((before.keys() | after.keys()) - _VOLATILE_CONFIG_KEYS):
+        if key not in after:
+            found.append(f"{key!r} removed (was {before[key]!r})")
+        elif key not in before:
+            found.append(f"{key!r} added: {after[key]!r}")
+        elif before[key] != after[key]:
+            found.append(f"{key!r}: {after[key]!r} (was {before[key]!r})")
+    return found
+
+
+def _record(report: RoundtripReport) -> None:
+    from transformers import monkey_patching
+
+    mapping = dict(monkey_patching.get_patch_mapping())
+    diffs = [row.max_abs_diff for row in report.outputs] + [report.weights.max_abs_diff or 0.0]
+    record_check(
+        CheckRecord(
+            kind="roundtrip",
+            outcome="passed" if report.passed else "failed",
+            model=report.model_class,
+            patch_keys=sorted(mapping),
+            replacements=sorted(f"{c.__module__}.{c.__qualname__}" for c in mapping.values()),
+            device="cpu",
+            dtype=report.dtype,
+            max_abs_error=max(diffs),
+            elements_over_tolerance=sum(row.differing_elements for row in report.weights.tensors),
+            elements_compared=sum(row.elements for row in report.weights.tensors),
+            duration_s=report.duration_s,
+            detail=report.summary(),
+        )
+    )
