@@ -294,3 +294,38 @@ def test_narrow_self_attention_key_is_equivalent_with_and_without_padding(
         actual = patched(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(actual, expected, **FP32)
     torch.testing.assert_close(output_of(patched, ids), output_of(reference, ids), **FP32)
+
+
+# ---------------------------------------------------------------------------
+# qwen2_moe (good): the docs' ModuleListExperts + fused-QKV attention
+# ---------------------------------------------------------------------------
+
+
+def test_qwen2_moe_module_list_experts_and_fused_qkv_match_original_logits(checkpoint: Callable[..., Path]) -> None:
+    patch = load_patch("qwen2_moe")
+    path = checkpoint("qwen2_moe")
+    reference = load(path)
+    patched, info = load(path, patch)
+
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    layer = patched.model.layers[0]
+    assert type(layer.mlp.experts) is patch.ModuleListExperts
+    assert type(layer.self_attn) is patch.Qwen2MoeFusedQKVAttention
+    ids = input_ids()
+    for attn_implementation in ("sdpa", "eager"):
+        reference.set_attn_implementation(attn_implementation)
+        patched.set_attn_implementation(attn_implementation)
+        torch.testing.assert_close(output_of(patched, ids), output_of(reference, ids), **FP32)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "max_shard_size"), [("float32", None), ("bfloat16", "40KB")], ids=["fp32", "bf16-sharded"]
+)
+def test_qwen2_moe_checkpoint_round_trips_bit_exact(
+    checkpoint: Callable[..., Path], tmp_path: Path, dtype: str, max_shard_size: str | None
+) -> None:
+    source = checkpoint("qwen2_moe", dtype=dtype, max_shard_size=max_shard_size)
+    assert max_shard_size is None or len(list(source.glob("*.safetensors"))) > 2
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": "64KB"}
+    saved = load_and_save(source, load_patch("qwen2_moe"), tmp_path / "saved", **save_kwargs)
+    assert roundtrip_differences(source, saved) == []
