@@ -329,3 +329,42 @@ def test_qwen2_moe_checkpoint_round_trips_bit_exact(
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": "64KB"}
     saved = load_and_save(source, load_patch("qwen2_moe"), tmp_path / "saved", **save_kwargs)
     assert roundtrip_differences(source, saved) == []
+
+
+# ---------------------------------------------------------------------------
+# qwen3_moe_router (good): the docs' replayable router
+# ---------------------------------------------------------------------------
+
+
+def test_replayable_router_without_forced_indices_matches_original_outputs(checkpoint: Callable[..., Path]) -> None:
+    patch = load_patch("qwen3_moe_router")
+    path = checkpoint("qwen3_moe")
+    reference = load(path)
+    patched, info = load(path, patch)
+
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert all(type(layer.mlp.gate) is patch.ReplayableQwen3MoeTopKRouter for layer in patched.model.layers)
+    ids = input_ids()
+    with torch.no_grad():
+        expected = reference(input_ids=ids, output_router_logits=True)
+        actual = patched(input_ids=ids, output_router_logits=True)
+    torch.testing.assert_close(actual.logits, expected.logits, **FP32)
+    torch.testing.assert_close(actual.router_logits, expected.router_logits, **FP32)
+    torch.testing.assert_close(actual.aux_loss, expected.aux_loss, **FP32)
+
+
+def test_replayed_routing_survives_a_router_weight_change(checkpoint: Callable[..., Path]) -> None:
+    patch = load_patch("qwen3_moe_router")
+    patched, _ = load(checkpoint("qwen3_moe"), patch)
+    ids = input_ids()
+    recorded = patch.record_routing(patched, input_ids=ids)
+    assert len(recorded) == patched.config.num_hidden_layers
+
+    with torch.no_grad():
+        for layer in patched.model.layers:
+            layer.mlp.gate.weight.mul_(-1.0)  # reverses every token's expert ranking
+        assert not all(torch.equal(a, b) for a, b in zip(patch.record_routing(patched, input_ids=ids), recorded))
+        with patch.replay_moe_routing(patched, recorded):
+            replayed = patch.record_routing(patched, input_ids=ids)
+    assert all(torch.equal(a, b) for a, b in zip(replayed, recorded))
+    assert all(router._forced_indices is None for router in patch._routers(patched))
