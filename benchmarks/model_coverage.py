@@ -1,0 +1,115 @@
+"""How many transformers families build tiny and run a forward on CPU.
+
+Tries every model type of the installed transformers that has a modeling class:
+``tiny_config`` -> ``model_class_for`` -> seeded build -> one forward on
+``example_inputs``. Prints counts, total time, the slowest families and a table of
+failures with the first line of each exception.
+
+    python benchmarks/model_coverage.py            # every family
+    python benchmarks/model_coverage.py llama bert  # just these
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.utils import logging as transformers_logging
+
+from pytest_modelpatch.models import available_model_types, example_inputs, model_class_for, tiny_config
+
+PER_TYPE_TIMEOUT_S = 60
+
+
+@dataclass
+class CoverageRow:
+    """One family's outcome: the stage it reached and why it stopped."""
+
+    model_type: str
+    stage: str  # "config", "class", "build", "inputs", "forward", "ok"
+    seconds: float
+    error: str = ""
+    model_class: str = ""
+    parameters: int = 0
+
+    def __str__(self) -> str:
+        where = f" {self.model_class}" if self.model_class else ""
+        return f"{self.model_type:28s} {self.stage:8s}{where}: {self.error}"
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise _Timeout(f"no result in {PER_TYPE_TIMEOUT_S}s")
+
+
+def try_model_type(model_type: str) -> CoverageRow:
+    """Run the four stages for one family; the row records the first that failed."""
+    start = time.perf_counter()
+    row = CoverageRow(model_type, "config", 0.0)
+    signal.alarm(PER_TYPE_TIMEOUT_S)
+    try:
+        config = tiny_config(model_type)
+        row.stage = "class"
+        cls = model_class_for(config)
+        row.model_class = cls.__name__
+        row.stage = "build"
+        torch.manual_seed(0)
+        model = cls(config).eval()
+        row.parameters = sum(p.numel() for p in model.parameters())
+        row.stage = "inputs"
+        inputs = example_inputs(config, model_class=cls)
+        row.stage = "forward"
+        with torch.no_grad():
+            model(**inputs)
+        row.stage = "ok"
+    except BaseException as exc:  # a family may raise anything, even SystemExit-like errors
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        lines = str(exc).strip().splitlines()
+        row.error = f"{type(exc).__name__}: {lines[0][:160] if lines else ''}"
+    finally:
+        signal.alarm(0)
+        row.seconds = time.perf_counter() - start
+    return row
+
+
+def main(argv: list[str]) -> int:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    transformers_logging.set_verbosity_error()
+    signal.signal(signal.SIGALRM, _alarm)
+    types = argv or available_model_types()
+    start = time.perf_counter()
+    rows = []
+    for model_type in types:
+        rows.append(try_model_type(model_type))
+        print(f"  {rows[-1].stage:8s} {rows[-1].seconds:6.2f}s {model_type}", file=sys.stderr, flush=True)
+    total = time.perf_counter() - start
+    built = [r for r in rows if r.stage in ("inputs", "forward", "ok")]
+    ran = [r for r in rows if r.stage == "ok"]
+    print(f"transformers model types with a modeling class: {len(rows)}")
+    print(f"build tiny:  {len(built)}/{len(rows)}")
+    print(f"run forward: {len(ran)}/{len(rows)}")
+    print(f"total time:  {total:.1f}s (mean {total / max(len(rows), 1):.2f}s per type, imports included)")
+    biggest = max(ran, key=lambda r: r.parameters, default=None)
+    if biggest:
+        print(f"largest tiny model: {biggest.model_type} ({biggest.parameters:,} parameters)")
+    print("slowest:", ", ".join(f"{r.model_type} {r.seconds:.1f}s" for r in sorted(rows, key=lambda r: -r.seconds)[:5]))
+    failures = [r for r in rows if r.stage != "ok"]
+    if failures:
+        print(f"\nfailures ({len(failures)}): type, stage reached, class, first line of the exception")
+        for row in failures:
+            print(f"  {row}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
