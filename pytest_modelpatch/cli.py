@@ -1,0 +1,95 @@
+"""The ``modelpatch`` command line: ``modelpatch lint PATTERN... [--family F] [--json]``.
+
+Subcommands are argparse sub-parsers; add one with ``_add_<name>(subparsers)`` and a
+``run`` default. Nothing heavy is imported until a subcommand runs.
+Exit codes: 0 clean, 1 failing findings, 2 wrong use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="modelpatch", description="Check patches of transformers models.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_lint(subparsers)
+    return parser
+
+
+def _add_lint(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    lint = subparsers.add_parser(
+        "lint",
+        help="lint patch-mapping keys against the installed transformers",
+        description="Report keys that would replace containers or non-modules, or match nothing. "
+        "Exit 1 when a CONTAINER, NOT_A_MODULE, NO_MATCH or INVALID_REGEX finding is not allowed.",
+    )
+    lint.add_argument("patterns", nargs="+", metavar="PATTERN", help="keys, in mapping order (exact names or regexes)")
+    lint.add_argument("--family", action="append", dest="families", metavar="FAMILY",
+                      help="limit to a model family (model type such as 'bert'); repeatable")
+    lint.add_argument("--allow", action="append", default=[], metavar="PATTERN=KIND[,KIND]",
+                      help="accept these finding kinds for one key, e.g. '.*Attention=CONTAINER'")
+    lint.add_argument("--json", action="store_true", help="print JSON for CI instead of text")
+    lint.add_argument("--rebuild-index", action="store_true", help="rebuild the cached scan index first")
+    lint.set_defaults(run=_run_lint)
+
+
+def _parse_allow(values: list[str]) -> dict[str, list[str]]:
+    allow: dict[str, list[str]] = {}
+    for value in values:
+        key, sep, kinds = value.rpartition("=")
+        if not sep or not key or not kinds:
+            raise ValueError(f"--allow {value!r}: expected PATTERN=KIND[,KIND], e.g. '.*Attention=CONTAINER'")
+        allow.setdefault(key, []).extend(k.strip().upper() for k in kinds.split(","))
+    return allow
+
+
+def _run_lint(args: argparse.Namespace) -> int:
+    from pytest_modelpatch import patterns
+    from pytest_modelpatch.scan_index import load_index
+
+    mapping = dict.fromkeys(args.patterns)
+    allow = _parse_allow(args.allow)
+    patterns._check_allow(mapping, allow)
+    index = load_index(rebuild=args.rebuild_index)
+    findings = patterns.lint_patterns(args.patterns, families=args.families, index=index)
+    bad = patterns.failing(findings, allow)
+    if args.json:
+        matches = patterns.matched_classes(args.patterns, families=args.families, index=index)
+        print(json.dumps({
+            "transformers": index.transformers_version,
+            "families": sorted(args.families or []),
+            "failing": len(bad),
+            "matches": {key: sorted(names) for key, names in matches.items()},
+            "findings": [dict(f.to_json(), failing=f in bad) for f in findings],
+        }, indent=2))
+    else:
+        for finding in findings:
+            print(("FAIL " if finding in bad else "note ") + str(finding))
+        scope = f" in {', '.join(args.families)}" if args.families else ""
+        print(f"{len(findings)} findings, {len(bad)} failing, for {len(args.patterns)} keys{scope} "
+              f"(transformers {index.transformers_version})")
+    return EXIT_FINDINGS if bad else EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``modelpatch`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except ValueError as error:
+        print(f"modelpatch: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as error:
+        from pytest_modelpatch.errors import PatchUsageError
+
+        if isinstance(error, PatchUsageError):
+            print(f"modelpatch: error: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        raise

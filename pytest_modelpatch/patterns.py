@@ -1,0 +1,345 @@
+"""Lint patch-mapping keys the way transformers will match them.
+
+transformers (``monkey_patching._find_replacement_class``) looks a class name up as an
+exact key first, then tries every key in mapping order with ``re.search``;
+``apply_patches`` does that for every attribute of every loaded ``transformers*``
+module and swaps each class it finds. A broad key such as ``".*Attention"`` therefore
+also swaps containers (``BertAttention`` holds ``BertSelfAttention``) and ModelOutput
+dataclasses. ``lint_patterns`` reports those against the installed transformers,
+using the cached scan index (:mod:`pytest_modelpatch.scan_index`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.scan_index import CORE, ClassEntry, ScanIndex, load_index
+
+
+class Kind(str, Enum):
+    """What is wrong with a key."""
+
+    CONTAINER = "CONTAINER"
+    NOT_A_MODULE = "NOT_A_MODULE"
+    NO_MATCH = "NO_MATCH"
+    INVALID_REGEX = "INVALID_REGEX"
+    SHADOWED = "SHADOWED"
+    BROAD = "BROAD"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FAILING_KINDS = frozenset({Kind.CONTAINER, Kind.NOT_A_MODULE, Kind.NO_MATCH, Kind.INVALID_REGEX})
+_EXAMPLES = 3
+
+
+@dataclass
+class Finding:
+    """One problem with one key (and, where it applies, one class it matches)."""
+
+    kind: Kind
+    key: str
+    class_name: str = ""
+    family: str = ""
+    module: str = ""
+    message: str = ""
+    suggestion: str = ""
+    contains: tuple[str, ...] = ()  # replaced classes inside a CONTAINER
+    loses: tuple[str, ...] = ()  # unreplaced classes a CONTAINER's replacement drops
+    swapped_in: tuple[str, ...] = field(default=(), repr=False)
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] {self.message}"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kind": str(self.kind),
+            "key": self.key,
+            "class": self.class_name,
+            "family": self.family,
+            "module": self.module,
+            "message": self.message,
+            "suggestion": self.suggestion,
+            "contains": list(self.contains),
+            "loses": list(self.loses),
+        }
+
+
+def lint_patterns(
+    mapping_or_keys: Mapping[str, object] | Iterable[str] | str,
+    *,
+    families: Iterable[str] | None = None,
+    index: ScanIndex | None = None,
+) -> list[Finding]:
+    """Findings for each key, matched exactly as transformers matches them.
+
+    ``families`` (model types or folder names such as ``"bert"``) limits the classes
+    considered to those the families' modules bind; matches elsewhere become ``BROAD``.
+
+    Example::
+
+        for finding in lint_patterns({".*Attention": MyAttention}, families=["bert"]):
+            print(finding)  # [CONTAINER] pattern '.*Attention' replaces BertAttention ...
+    """
+    keys = [mapping_or_keys] if isinstance(mapping_or_keys, str) else list(mapping_or_keys)
+    index = index or load_index()
+    scope = resolve_families(index, families)
+    return _Lint(index, keys, scope).run()
+
+
+def matched_classes(
+    mapping_or_keys: Mapping[str, object] | Iterable[str] | str,
+    *,
+    families: Iterable[str] | None = None,
+    index: ScanIndex | None = None,
+) -> dict[str, dict[str, list[str]]]:
+    """For each key, the class names it would replace and the modules binding each.
+
+    Example: ``matched_classes([".*SelfAttention$"], families=["bert"])`` gives
+    ``{".*SelfAttention$": {"BertSelfAttention": ["transformers.models.bert.modeling_bert"]}}``.
+    """
+    keys = [mapping_or_keys] if isinstance(mapping_or_keys, str) else list(mapping_or_keys)
+    index = index or load_index()
+    lint = _Lint(index, keys, resolve_families(index, families))
+    return {
+        key: {n: sorted(m for ms in lint.inside[n].values() for m in ms) for n in lint.candidates(key, lint.inside)
+              if lint.winner(n) == key}
+        for key in keys
+    }
+
+
+def failing(findings: Iterable[Finding], allow: Mapping[str, Iterable[str]] | None = None) -> list[Finding]:
+    """The findings of a failing kind that ``allow`` (``{key: ["CONTAINER", ...]}``) does not excuse.
+
+    Example: ``failing(findings, allow={".*Attention": ["CONTAINER"]})``.
+    """
+    allowed = {key: {str(k).upper() for k in kinds} for key, kinds in (allow or {}).items()}
+    return [f for f in findings if f.kind in FAILING_KINDS and str(f.kind) not in allowed.get(f.key, set())]
+
+
+def lint_for_registration(
+    mapping: Mapping[str, object],
+    *,
+    families: Iterable[str] | None = None,
+    allow: Mapping[str, Iterable[str]] | None = None,
+) -> None:
+    """Raise PatchUsageError listing the failing findings of a mapping about to be registered.
+
+    Example: ``lint_for_registration({"LlamaAttention": MyAttention}, families=["llama"])``.
+    """
+    _check_allow(mapping, allow)
+    bad = failing(lint_patterns(mapping, families=families), allow)
+    if not bad:
+        return
+    lines = "\n".join(f"  {finding}" for finding in bad)
+    example = f"{bad[0].key!r}: [{str(bad[0].kind)!r}]"
+    raise PatchUsageError(
+        f"the patch mapping would break the model:\n{lines}\n"
+        f"Fix the keys, or accept a finding per key: "
+        f"@pytest.mark.patch(..., allow={{{example}}}) or patch_registry.register(..., allow={{{example}}})."
+    )
+
+
+def _check_allow(mapping: Mapping[str, object], allow: Mapping[str, Iterable[str]] | None) -> None:
+    known = {str(k) for k in Kind}
+    for key, kinds in (allow or {}).items():
+        if key not in mapping:
+            raise PatchUsageError(f"allow names key {key!r}, which is not in the mapping {sorted(mapping)}")
+        wrong = sorted({str(k).upper() for k in kinds} - known)
+        if isinstance(kinds, str) or wrong:
+            raise PatchUsageError(f"allow[{key!r}] must be a list of finding kinds from {sorted(known)}, got {kinds!r}")
+
+
+def resolve_families(index: ScanIndex, families: Iterable[str] | None) -> set[str] | None:
+    """Family folder names for model types or folder names; PatchUsageError for unknown ones."""
+    if families is None:
+        return None
+    if isinstance(families, str):
+        families = [families]
+    resolved: set[str] = set()
+    known = index.families
+    for family in families:
+        folder = index.model_types.get(family) or family.replace("-", "_")
+        if folder not in known:
+            close = difflib.get_close_matches(family, sorted(known | set(index.model_types)), n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise PatchUsageError(f"unknown model family {family!r} in the installed transformers{hint}")
+        resolved.add(folder)
+    return resolved
+
+
+class _Lint:
+    """One lint run: the winner of every class name, then findings key by key."""
+
+    def __init__(self, index: ScanIndex, keys: list[str], scope: set[str] | None) -> None:
+        self.index = index
+        self.keys = keys
+        self.scope = scope
+        self.compiled: dict[str, re.Pattern[str] | None] = {}
+        for key in keys:
+            try:
+                self.compiled[key] = re.compile(key)
+            except re.error:
+                self.compiled[key] = None  # transformers treats it as an exact name only
+        self.exact = set(keys)
+        # attribute name -> {class index: modules binding it}, inside and outside the scope
+        self.inside: dict[str, dict[int, list[str]]] = {}
+        self.outside: dict[str, dict[int, list[str]]] = {}
+        for module, (family, names) in index.modules.items():
+            target = self.inside if scope is None or family in scope else self.outside
+            for attr, cls in names.items():
+                target.setdefault(attr, {}).setdefault(cls, []).append(module)
+        self._winners: dict[str, str | None] = {}
+
+    def winner(self, name: str) -> str | None:
+        """The key transformers' ``_find_replacement_class`` picks for ``name``."""
+        if name not in self._winners:
+            found = name if name in self.exact else None
+            if found is None:
+                found = next((k for k in self.keys if (p := self.compiled[k]) is not None and p.search(name)), None)
+            self._winners[name] = found
+        return self._winners[name]
+
+    def candidates(self, key: str, names: Iterable[str]) -> list[str]:
+        pattern = self.compiled[key]
+        return sorted(n for n in names if n == key or (pattern is not None and pattern.search(n)))
+
+    def run(self) -> list[Finding]:
+        findings: list[Finding] = []
+        for key in dict.fromkeys(self.keys):
+            findings += self.lint_key(key)
+        return findings
+
+    def lint_key(self, key: str) -> list[Finding]:
+        if self.compiled[key] is None:
+            try:
+                re.compile(key)
+            except re.error as error:
+                return [Finding(Kind.INVALID_REGEX, key, message=f"pattern {key!r} is not a valid regular expression "
+                                f"({error}): transformers only matches it as an exact class name, and none has it.")]
+        matched = self.candidates(key, self.inside)
+        won = [n for n in matched if self.winner(n) == key]
+        if not matched:
+            return [self.no_match(key)]
+        if not won:
+            takers = sorted({str(self.winner(n)) for n in matched})
+            return [Finding(Kind.SHADOWED, key, message=f"pattern {key!r} replaces nothing: every class it matches "
+                            f"({_names(matched)}) is taken by {_names(takers, quote=True)}, which come first.")]
+        findings = self.class_findings(key, won)
+        if self.scope is not None:
+            findings += self.broad(key)
+        return findings
+
+    def class_findings(self, key: str, won: list[str]) -> list[Finding]:
+        problems: list[tuple[Kind, str, ClassEntry, int, list[str], tuple[str, ...], tuple[str, ...]]] = []
+        clean: set[str] = set()
+        for name in won:
+            for cls, modules in self.inside[name].items():
+                entry = self.index.classes[cls]
+                if not entry.is_module:
+                    problems.append((Kind.NOT_A_MODULE, name, entry, cls, modules, (), ()))
+                    continue
+                contains, loses = self.containment(cls)
+                if contains:
+                    problems.append((Kind.CONTAINER, name, entry, cls, modules, contains, loses))
+                else:
+                    clean.add(name)
+        avoid = {name for _, name, *_ in problems}
+        suggestion = suggest(clean - avoid, self.inside) if problems else ""
+        return [self.describe(key, *problem, suggestion) for problem in problems]
+
+    def containment(self, cls: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(replaced classes inside an instance, unreplaced transformers classes it would lose)."""
+        replaced: dict[str, None] = {}
+        lost: dict[str, None] = {}
+        seen = {cls}
+        stack = list(self.index.children.get(cls, []))
+        while stack:
+            attr, child = stack.pop(0)
+            if child in seen:
+                continue
+            seen.add(child)
+            if self.winner(attr) is not None:
+                replaced[attr] = None
+                continue
+            if self.index.classes[child].module.startswith("transformers"):
+                lost[attr] = None
+            stack += self.index.children.get(child, [])
+        return tuple(replaced), tuple(lost)
+
+    def describe(self, key: str, kind: Kind, name: str, entry: ClassEntry, cls: int, modules: list[str],
+                 contains: tuple[str, ...], loses: tuple[str, ...], suggestion: str) -> Finding:
+        where = f"{entry.family}, {entry.module}" if entry.family != CORE else entry.module
+        head = f"pattern {key!r} replaces {name} ({where})"
+        if kind is Kind.CONTAINER:
+            others = [f"{c} (also replaced{self._by(c, key)})" for c in contains[:_EXAMPLES]]
+            body = f", which contains {', '.join(others)}"
+            if loses:
+                body += f": the model will lose {_names(loses)}"
+        else:
+            what = {"output": "a ModelOutput", "config": "a configuration"}.get(entry.kind, "a class")
+            body = f", which is {what}, not an nn.Module: apply_patches swaps it for the patch class in {_names(modules)}"
+        advice = f" Anchor the pattern, e.g. {suggestion!r}." if suggestion else " Use exact class names."
+        return Finding(kind, key, name, entry.family, entry.module, head + body + "." + advice, suggestion,
+                       contains, loses, tuple(modules))
+
+    def _by(self, name: str, key: str) -> str:
+        taker = self.winner(name)
+        return "" if taker == key else f" by {taker!r}"
+
+    def no_match(self, key: str) -> Finding:
+        elsewhere = self.candidates(key, self.outside)
+        message = f"pattern {key!r} matches no class"
+        if self.scope is not None:
+            message += f" in {', '.join(sorted(self.scope))}"
+            if elsewhere:
+                message += f" (it matches {len(elsewhere)} elsewhere, e.g. {_names(elsewhere)})"
+        close = difflib.get_close_matches(key, list(self.inside), n=3)
+        hint = f" Did you mean {_names(close, quote=True)}?" if close else " Was the class renamed upstream?"
+        return Finding(Kind.NO_MATCH, key, message=f"{message}: the patch would do nothing.{hint}",
+                       suggestion=close[0] if close else "")
+
+    def broad(self, key: str) -> list[Finding]:
+        found = [n for n in self.candidates(key, self.outside) if self.winner(n) == key]
+        families = sorted({self.index.modules[m][0] for n in found for ms in self.outside[n].values() for m in ms}
+                          - {CORE})
+        if not families:
+            return []
+        return [Finding(Kind.BROAD, key, message=f"pattern {key!r} also replaces {len(found)} classes in "
+                        f"{len(families)} other families (e.g. {_names(found)} in {_names(families)}).")]
+
+
+def suggest(targets: set[str], names: Iterable[str]) -> str:
+    """A ``.*Tail$`` key matching as many ``targets`` as possible and nothing else in ``names``.
+
+    Example: ``suggest({"BertSelfAttention"}, ["BertAttention", "BertSelfAttention"])``
+    gives ``".*SelfAttention$"``.
+    """
+    by_tail: dict[str, set[str]] = {}
+    for name in names:
+        for i, char in enumerate(name):
+            if char.isupper():
+                by_tail.setdefault(name[i:], set()).add(name)
+    best: tuple[int, int, str] | None = None
+    for target in targets:
+        for i, char in enumerate(target):
+            tail = target[i:]
+            if not char.isupper() or not by_tail[tail] <= targets:
+                continue
+            score = (len(by_tail[tail] & targets), -len(tail), tail)
+            if best is None or score > best:
+                best = score
+    return f".*{best[2]}$" if best else ""
+
+
+def _names(items: Iterable[str], *, quote: bool = False) -> str:
+    listed = list(items)
+    shown = [repr(i) if quote else i for i in listed[:_EXAMPLES]]
+    more = f" and {len(listed) - _EXAMPLES} more" if len(listed) > _EXAMPLES else ""
+    return ", ".join(shown) + more
