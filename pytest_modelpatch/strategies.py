@@ -1,0 +1,153 @@
+"""Hypothesis strategies for model inputs and tiny configs.
+
+For users who write ``@given`` themselves (with models built once, at module or
+session scope) and for ``check_equivalence``, which draws from ``model_inputs`` by
+default. Every draw goes through hypothesis, so examples are reproducible from its
+seed and shrink toward short, unpadded batches of token 0-like ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
+from transformers import PretrainedConfig, PreTrainedModel
+
+from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.models import (
+    KV_HEAD_KEYS,
+    forward_parameters,
+    model_class_for,
+    ordinary_token_ids,
+    text_companions,
+    tiny_config,
+)
+
+PADDING_SIDES = ("none", "left", "right")
+
+IntsSpec = SearchStrategy[int] | Sequence[int] | int
+
+
+def _ints(spec: IntsSpec, name: str) -> SearchStrategy[int]:
+    if isinstance(spec, SearchStrategy):
+        return spec
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 1:
+        return st.just(spec)
+    if isinstance(spec, Sequence) and spec and all(isinstance(v, int) and v >= 1 for v in spec):
+        return st.sampled_from(sorted(set(spec)))
+    raise PatchUsageError(f"{name} must be a positive int, a list of them or a hypothesis strategy, not {spec!r}")
+
+
+def model_inputs(
+    config: PretrainedConfig,
+    *,
+    batch_sizes: IntsSpec | None = None,
+    seq_lens: IntsSpec | None = None,
+    padding: str | Sequence[str] = PADDING_SIDES,
+    max_batch_size: int = 3,
+    max_seq_len: int = 16,
+    position_ids: bool | None = None,
+    model_class: type[PreTrainedModel] | None = None,
+) -> SearchStrategy[dict[str, torch.Tensor]]:
+    """Text inputs for ``config``'s model: ids within the vocab, padded left, right or not at all.
+
+    ``batch_sizes``/``seq_lens`` default to 1..``max_batch_size`` and
+    1..``max_seq_len``. Each padded row keeps at least one real token; padded
+    slots hold the pad token when the config has one. ``position_ids`` (default:
+    when the forward takes them) count real tokens only, as ``generate`` does for
+    left padding. ``token_type_ids``/``decoder_input_ids`` are added as in
+    ``example_inputs``.
+
+    Example::
+
+        @given(inputs=model_inputs(model.config, padding="left"))
+        def test_left_padding(inputs): ...
+    """
+    sides = (padding,) if isinstance(padding, str) else tuple(padding)
+    unknown = [side for side in sides if side not in PADDING_SIDES]
+    if unknown or not sides:
+        raise PatchUsageError(f"padding must be among {PADDING_SIDES}, not {padding!r}")
+    cls = model_class or model_class_for(config)
+    batches = _ints(batch_sizes if batch_sizes is not None else st.integers(1, max_batch_size), "batch_sizes")
+    lengths = _ints(seq_lens if seq_lens is not None else st.integers(1, max_seq_len), "seq_lens")
+    allowed = ordinary_token_ids(config)
+    pad_id = _pad_token_id(config)
+    with_positions = "position_ids" in forward_parameters(cls) if position_ids is None else position_ids
+
+    @st.composite
+    def draw_inputs(draw: st.DrawFn) -> dict[str, torch.Tensor]:
+        batch, length = draw(batches), draw(lengths)
+        side = draw(st.sampled_from(sides))
+        picks = draw(st.lists(st.integers(0, len(allowed) - 1), min_size=batch * length, max_size=batch * length))
+        input_ids = allowed[torch.tensor(picks, dtype=torch.long)].reshape(batch, length)
+        mask = torch.ones(batch, length, dtype=torch.long)
+        if side != "none":
+            pads = draw(st.lists(st.integers(0, length - 1), min_size=batch, max_size=batch))
+            for row, pad in enumerate(pads):
+                padded = slice(0, pad) if side == "left" else slice(length - pad, length)
+                mask[row, padded] = 0
+        if pad_id is not None:
+            input_ids = input_ids.masked_fill(mask == 0, pad_id)
+        inputs = {"input_ids": input_ids, "attention_mask": mask}
+        if with_positions:
+            inputs["position_ids"] = positions_from_mask(mask)
+        inputs.update(text_companions(config, cls, input_ids))
+        return inputs
+
+    return draw_inputs()
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids counting attended tokens only; padded slots get 1 (``generate``'s convention)."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+def _pad_token_id(config: PretrainedConfig) -> int | None:
+    pad = getattr(config.get_text_config(), "pad_token_id", None)
+    vocab = getattr(config.get_text_config(), "vocab_size", 0) or 0
+    return pad if isinstance(pad, int) and 0 <= pad < vocab else None
+
+
+def tiny_configs(
+    model_type: str,
+    *,
+    layers: IntsSpec = (1, 2, 3),
+    heads: IntsSpec = (1, 2, 4),
+    head_dims: IntsSpec = (8, 16),
+    **fixed: Any,
+) -> SearchStrategy[PretrainedConfig]:
+    """Tiny configs of ``model_type`` varying layers, heads, key/value heads and hidden size.
+
+    The hidden size is ``heads * head_dim``; key/value heads range over the divisors
+    of the head count when the family has them. Keyword arguments are fixed overrides
+    passed to ``tiny_config`` and win over drawn values.
+
+    Example::
+
+        @given(config=tiny_configs("qwen2", vocab_size=128))
+        def test_builds(config): ...
+    """
+    base = tiny_config(model_type, **fixed)  # fail fast, outside hypothesis, on a bad type or override
+    kv_key = next((key for key in KV_HEAD_KEYS if isinstance(getattr(base, key, None), int)), None)
+    layer_counts, head_counts, dims = _ints(layers, "layers"), _ints(heads, "heads"), _ints(head_dims, "head_dims")
+
+    @st.composite
+    def draw_config(draw: st.DrawFn) -> PretrainedConfig:
+        n_heads = draw(head_counts)
+        drawn: dict[str, Any] = {
+            "num_hidden_layers": draw(layer_counts),
+            "num_attention_heads": n_heads,
+            "hidden_size": n_heads * draw(dims),
+        }
+        if kv_key is not None:
+            drawn[kv_key] = draw(st.sampled_from([d for d in range(1, n_heads + 1) if n_heads % d == 0]))
+        # attribute_map: GPT-2 calls them n_layer, n_head, n_embd
+        aliases = getattr(base, "attribute_map", {})
+        overrides = {aliases.get(key, key): value for key, value in drawn.items() if hasattr(base, key)}
+        return tiny_config(model_type, **{**overrides, **fixed})
+
+    return draw_config()
