@@ -1,0 +1,328 @@
+"""Where a patched model parts from its reference: per-module recording, first divergence, module replay.
+
+``first_divergence`` records every module call of both models (forward hooks, in the
+order the calls finish) and names the first module present in both whose inputs
+agree but whose output does not: the module that introduced the difference, not
+one of the many that merely pass it on. ``check_module_equivalence`` replays the
+real arguments an original module received into its replacement.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pytest_modelpatch.equivalence import (
+    TensorComparison,
+    compare_flat,
+    default_inputs,
+    describe_inputs,
+    describe_tolerances,
+    evaluating,
+    flatten_outputs,
+    forward,
+)
+from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
+from pytest_modelpatch.records import CheckRecord, record_check
+from pytest_modelpatch.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
+
+
+def _flat_clone(value: Any, path: str = "") -> dict[str, Any]:
+    # Clone: a later in-place op (residual adds, cache updates) must not change what was seen.
+    return {
+        k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+        for k, v in flatten_outputs(value, path, caches=False)
+    }
+
+
+@dataclass
+class ModuleCall:
+    """One call of a named submodule: what went in and what came out (flattened tensors)."""
+
+    name: str
+    index: int  # 0 for the first call of this module in the forward, 1 for the second, ...
+    module_class: str
+    inputs: dict[str, Any]
+    output: dict[str, Any]
+
+
+def record_module_calls(model: torch.nn.Module, inputs: Mapping[str, Any]) -> list[ModuleCall]:
+    """Run ``model`` on ``inputs`` and return every submodule call in the order the calls finished."""
+    calls: list[ModuleCall] = []
+    open_calls: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
+    counts: dict[str, int] = defaultdict(int)
+    handles = []
+
+    def hooks(name: str, module: torch.nn.Module) -> None:
+        def before(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            open_calls[name].append((counts[name], {**_flat_clone(args, "args"), **_flat_clone(kwargs)}))
+            counts[name] += 1
+
+        def after(_: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            index, seen = open_calls[name].pop()
+            calls.append(ModuleCall(name, index, type(module).__name__, seen, _flat_clone(output, "output")))
+
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(module.register_forward_hook(after, with_kwargs=True))
+
+    for name, module in model.named_modules():
+        if name:  # the root's output is the model output, compared already
+            hooks(name, module)
+    try:
+        with evaluating(model):
+            forward(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+@dataclass
+class Divergence:
+    """The first module whose output differs, and whether its inputs still agreed."""
+
+    name: str
+    index: int
+    reference_class: str
+    patched_class: str
+    inputs_agree: bool
+    output_differences: list[TensorComparison]
+    input_differences: list[TensorComparison] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        call = f" (call {self.index + 1})" if self.index else ""
+        classes = (
+            self.reference_class
+            if self.reference_class == self.patched_class
+            else f"{self.reference_class} in the reference, {self.patched_class} in the patched model"
+        )
+        lines = [f"first diverging module: {self.name}{call} ({classes})"]
+        if self.inputs_agree:
+            lines.append("  its inputs agree; its output differs:")
+        else:
+            lines.append(
+                "  no shared module diverges on agreeing inputs: the difference starts in code outside any "
+                "module both models share; this is the first module whose output differs. Its inputs differ:"
+            )
+            lines += [f"    {c}" for c in self.input_differences[:3]]
+            lines.append("  and its output:")
+        lines += [f"    {c}" for c in self.output_differences]
+        lines += [f"  {line}" for line in describe_tolerances(self.output_differences)]
+        return "\n".join(lines)
+
+
+def first_divergence(
+    reference: torch.nn.Module, patched: torch.nn.Module, inputs: Mapping[str, Any], spec: ToleranceSpec
+) -> Divergence | None:
+    """The first module, in the order calls finish, present in both models whose output differs.
+
+    Prefers a module whose inputs agree (it introduced the difference); falls back to the
+    first differing module at all. ``None`` when every shared module agrees.
+
+    Example::
+
+        first_divergence(reference, patched, inputs, resolve_tolerance()).name  # "model.layers.0.self_attn"
+    """
+    patched_calls = {(c.name, c.index): c for c in record_module_calls(patched, inputs)}
+    fallback = None
+    for call in record_module_calls(reference, inputs):
+        other = patched_calls.get((call.name, call.index))
+        if other is None:
+            continue
+        outputs = [c for c in compare_flat(call.output, other.output, spec) if not c.passed]
+        if not outputs:
+            continue
+        ins = [c for c in compare_flat(call.inputs, other.inputs, spec, common_only=True) if not c.passed]
+        found = Divergence(call.name, call.index, call.module_class, other.module_class, not ins, outputs, ins)
+        if found.inputs_agree:
+            return found
+        fallback = fallback or found
+    return fallback
+
+
+# ---------------------------------------------------------------------------
+# Module replay
+# ---------------------------------------------------------------------------
+
+
+def _snapshot(value: Any) -> Any:
+    # Deep copy so a replay sees the state the original saw (a KV cache keeps growing).
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an uncopyable argument is replayed as is
+        return value
+
+
+@dataclass
+class CapturedCall:
+    """The arguments one original-module call received, and what it returned."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: dict[str, Any]
+
+
+def capture_module_calls(
+    model: torch.nn.Module, module: torch.nn.Module, inputs: Mapping[str, Any]
+) -> list[CapturedCall]:
+    """Run ``model`` and keep the real arguments and output of every call of ``module``."""
+    calls: list[CapturedCall] = []
+    pending: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def before(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        pending.append((_snapshot(args), _snapshot(kwargs)))
+
+    def after(_: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        call_args, call_kwargs = pending.pop()
+        calls.append(CapturedCall(call_args, call_kwargs, _flat_clone(output, "output")))
+
+    handles = [
+        module.register_forward_pre_hook(before, with_kwargs=True),
+        module.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        with evaluating(model):
+            forward(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+@dataclass
+class ModuleEquivalenceReport:
+    """Outcome of replaying an original module's real calls into its replacement."""
+
+    original: str
+    patched: str
+    calls: int
+    comparisons: list[TensorComparison]
+    tolerance: ToleranceSpec
+    failing_call: int | None = None
+    arguments: str = ""
+    duration_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.failing_call is None
+
+    def __str__(self) -> str:
+        if self.passed:
+            worst = max((c.max_abs for c in self.comparisons), default=0.0)
+            return f"{self.patched} matches {self.original} on {self.calls} replayed call(s), max abs {worst:.3g}"
+        lines = [
+            f"{self.patched} differs from {self.original} on replayed call {self.failing_call + 1} of {self.calls}",
+            f"  arguments: {self.arguments}",
+        ]
+        failures = [c for c in self.comparisons if not c.passed]
+        lines += [f"  {line}" for line in describe_tolerances(failures)]
+        lines += [f"  {c}" for c in failures]
+        return "\n".join(lines)
+
+
+def _resolve_module(model: torch.nn.Module | None, name: str, role: str) -> torch.nn.Module:
+    if model is None:
+        raise PatchUsageError(
+            f"check_module_equivalence: module name {name!r} given without {role}=; pass the model, "
+            f"e.g. check_module_equivalence({name!r}, reference=reference_model, patched=patched_model)."
+        )
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        names = [n for n, _ in model.named_modules() if n]
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise PatchUsageError(
+            f"check_module_equivalence: {role} {type(model).__name__} has no submodule {name!r}.{hint}"
+        ) from None
+
+
+def check_module_equivalence(
+    original_module: torch.nn.Module | str,
+    patched_module: torch.nn.Module | str | None = None,
+    *,
+    reference: torch.nn.Module | None = None,
+    patched: torch.nn.Module | None = None,
+    inputs: Mapping[str, Any] | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    policy: str | TolerancePolicy | None = None,
+) -> ModuleEquivalenceReport:
+    """Replay the arguments ``original_module`` got in a reference forward into ``patched_module``.
+
+    Catches a broken module even when later layers hide the error in the final outputs.
+
+    Example::
+
+        check_module_equivalence("model.layers.0.self_attn", reference=reference_model, patched=patched_model)
+        check_module_equivalence(ref.model.layers[0].self_attn, pat.model.layers[0].self_attn, reference=ref)
+    """
+    __tracebackhide__ = True
+    start = time.perf_counter()
+    original_name = original_module if isinstance(original_module, str) else type(original_module).__name__
+    if patched_module is None:
+        if not isinstance(original_module, str):
+            raise PatchUsageError("check_module_equivalence: pass patched_module (a module or a qualified name).")
+        patched_module = original_module
+    patched_name = patched_module if isinstance(patched_module, str) else type(patched_module).__name__
+    if isinstance(original_module, str):
+        original_module = _resolve_module(reference, original_module, "reference")
+    if isinstance(patched_module, str):
+        patched_module = _resolve_module(patched, patched_module, "patched")
+    if reference is None:
+        raise PatchUsageError(
+            "check_module_equivalence: pass reference= (the model containing the original module): "
+            "its forward supplies the real arguments to replay."
+        )
+    inputs = default_inputs(reference) if inputs is None else inputs
+    spec = resolve_tolerance(atol, rtol, policy)
+    calls = capture_module_calls(reference, original_module, inputs)
+    if not calls:
+        raise ModelPatchError(
+            f"check_module_equivalence: {original_name} ({type(original_module).__name__}) did not run in the "
+            f"reference forward on {describe_inputs(inputs)}; pick a module on the forward path."
+        )
+    report = ModuleEquivalenceReport(
+        f"{original_name} ({type(original_module).__name__})",
+        f"{patched_name} ({type(patched_module).__name__})",
+        len(calls), [], spec,
+    )  # fmt: skip
+    with evaluating(patched_module):
+        for index, call in enumerate(calls):
+            replayed = _flat_clone(patched_module(*call.args, **call.kwargs), "output")
+            report.comparisons = compare_flat(call.output, replayed, spec)
+            if not all(c.passed for c in report.comparisons):
+                report.failing_call = index
+                report.arguments = describe_inputs({"args": call.args, **call.kwargs}, limit=0)
+                break
+    report.duration_s = time.perf_counter() - start
+    _record(report, original_module)
+    if not report.passed:
+        raise AssertionError(str(report))
+    return report
+
+
+def _record(report: ModuleEquivalenceReport, module: torch.nn.Module) -> None:
+    param = next(module.parameters(), None)
+    tol = next((c.tolerance for c in report.comparisons if c.tolerance is not None), None)
+    record_check(
+        CheckRecord(
+            kind="module", outcome="passed" if report.passed else "failed", model=report.original,
+            replacements=[report.patched], examples=report.calls,
+            device=str(param.device) if param is not None else "",
+            dtype=dtype_label(param.dtype) if param is not None else "",
+            max_abs_error=max((c.max_abs for c in report.comparisons), default=0.0),
+            max_rel_error=max((c.max_rel for c in report.comparisons), default=0.0),
+            atol=tol.atol if tol else None, rtol=tol.rtol if tol else None,
+            elements_over_tolerance=sum(c.over for c in report.comparisons),
+            elements_compared=sum(c.total for c in report.comparisons),
+            duration_s=report.duration_s, detail="" if report.passed else str(report),
+        )
+    )  # fmt: skip

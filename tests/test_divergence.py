@@ -1,0 +1,145 @@
+"""first_divergence and check_module_equivalence: naming the module that broke, replaying its real inputs."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.monkey_patching import register_patch_mapping
+
+from fixtures import load_patch, tiny_config
+from pytest_modelpatch.checkpoints import cached_checkpoint, load_pretrained
+from pytest_modelpatch.divergence import check_module_equivalence, first_divergence, record_module_calls
+from pytest_modelpatch.equivalence import assert_equivalent
+from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
+from pytest_modelpatch.registry import isolated_patch_state, without_patches
+from pytest_modelpatch.tolerance import resolve_tolerance
+
+Pair = tuple[torch.nn.Module, torch.nn.Module]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pair]:
+    """``pair(patch_name, mapping=None, **config_overrides)``: reference and patched model, one checkpoint."""
+    cache = tmp_path_factory.mktemp("checkpoints")
+
+    @functools.cache
+    def build(name: str, mapping: str = "MAPPING", **config_overrides: Any) -> Pair:
+        patch = load_patch(name)
+        path = cached_checkpoint(tiny_config(patch.MODEL_TYPE, **config_overrides), cache_dir=cache)
+        with isolated_patch_state():
+            register_patch_mapping(getattr(patch, mapping))
+            for model_type, transforms in patch.CONVERSIONS.items():
+                register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
+            with without_patches():
+                reference = load_pretrained(path)
+            return reference, load_pretrained(path)
+
+    return build
+
+
+def ids(batch: int = 2, length: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))}
+
+
+def test_calls_are_recorded_in_the_order_they_finish(pair: Callable[..., Pair]) -> None:
+    reference, _ = pair("llama_fused_qkv")
+    names = [call.name for call in record_module_calls(reference, ids())]
+    attention = names.index("model.layers.0.self_attn")
+    assert names.index("model.layers.0.self_attn.o_proj") < attention < names.index("model.layers.0")
+    assert "" not in names  # the root is the model output, compared by assert_equivalent
+
+
+def test_noncausal_attention_is_named_even_though_its_o_proj_diverges_first(pair: Callable[..., Pair]) -> None:
+    # o_proj finishes before self_attn and its output differs too, but its input already differed.
+    found = first_divergence(*pair("llama_fused_qkv_noncausal"), ids(), resolve_tolerance())
+    assert found is not None
+    assert (found.name, found.reference_class, found.patched_class, found.inputs_agree) == (
+        "model.layers.0.self_attn", "LlamaAttention", "LlamaFusedQKVNonCausalAttention", True,
+    )  # fmt: skip
+    assert found.output_differences[0].path == "output[0]"
+
+
+def test_equivalent_patch_has_no_divergence(pair: Callable[..., Pair]) -> None:
+    assert first_divergence(*pair("llama_fused_qkv"), ids(), resolve_tolerance()) is None
+
+
+def test_broad_bert_key_fails_at_the_replaced_container(pair: Callable[..., Pair]) -> None:
+    with pytest.raises(AssertionError) as failure:
+        assert_equivalent(*pair("bert_broad_attention"), ids())
+    message = str(failure.value)
+    assert "logits: shape (2, 12, 128) float32" in message
+    assert "first diverging module: bert.encoder.layer.0.attention (BertAttention in the reference, " in message
+    assert "BertSdpaSelfAttention in the patched model)" in message
+
+
+def test_narrow_bert_key_is_equivalent(pair: Callable[..., Pair]) -> None:
+    assert assert_equivalent(*pair("bert_broad_attention", mapping="NARROW_MAPPING"), ids()).passed
+
+
+def test_module_check_by_name_replays_real_arguments(pair: Callable[..., Pair]) -> None:
+    reference, patched = pair("llama_fused_qkv")
+    report = check_module_equivalence("model.layers.1.self_attn", reference=reference, patched=patched, inputs=ids())
+    assert report.passed and report.calls == 1
+    assert str(report).startswith(
+        "model.layers.1.self_attn (LlamaFusedQKVAttention) matches model.layers.1.self_attn (LlamaAttention)"
+    )
+
+
+def test_module_check_fails_for_the_noncausal_attention(pair: Callable[..., Pair]) -> None:
+    reference, patched = pair("llama_fused_qkv_noncausal")
+    with pytest.raises(AssertionError) as failure:
+        check_module_equivalence(
+            reference.model.layers[1].self_attn, patched.model.layers[1].self_attn, reference=reference, inputs=ids()
+        )
+    message = str(failure.value)
+    assert message.startswith("LlamaFusedQKVNonCausalAttention (LlamaFusedQKVNonCausalAttention) differs from")
+    assert "arguments: hidden_states=tensor (2, 12, 64) float32, attention_mask=None" in message
+    assert "output[0]: shape (2, 12, 64) float32: " in message
+
+
+def test_module_check_catches_a_bug_the_model_outputs_hide(pair: Callable[..., Pair]) -> None:
+    # One layer, last-position logits only (as generate() asks for): the last token attends to every
+    # token with or without the causal mask, and k/v are computed before attention, so the outputs agree.
+    reference, patched = pair("llama_fused_qkv_noncausal", num_hidden_layers=1)
+    last_only = {**ids(), "logits_to_keep": 1}
+    assert assert_equivalent(reference, patched, last_only).passed
+    with pytest.raises(AssertionError, match="differs from model.layers.0.self_attn"):
+        check_module_equivalence("model.layers.0.self_attn", reference=reference, patched=patched, inputs=last_only)
+
+
+def test_module_check_replays_cache_state_as_the_original_saw_it(pair: Callable[..., Pair]) -> None:
+    # The reference forward fills the cache; the replay must get a copy taken at call time.
+    reference, patched = pair("llama_fused_qkv")
+    report = check_module_equivalence(
+        "model.layers.0.self_attn", reference=reference, patched=patched, inputs={**ids(), "use_cache": True}
+    )
+    assert report.passed
+
+
+def test_unknown_module_name_suggests_close_names(pair: Callable[..., Pair]) -> None:
+    reference, patched = pair("llama_fused_qkv")
+    with pytest.raises(PatchUsageError, match=r"no submodule 'model.layer.0.self_attn'.*'model.layers.0.self_attn'"):
+        check_module_equivalence("model.layer.0.self_attn", reference=reference, patched=patched)
+
+
+def test_module_name_without_models_is_a_usage_error() -> None:
+    with pytest.raises(PatchUsageError, match=r"without reference=; pass the model"):
+        check_module_equivalence("model.layers.0.self_attn")
+
+
+def test_module_objects_without_reference_model_is_a_usage_error(pair: Callable[..., Pair]) -> None:
+    reference, patched = pair("llama_fused_qkv")
+    with pytest.raises(PatchUsageError, match="pass reference="):
+        check_module_equivalence(reference.model.layers[0].self_attn, patched.model.layers[0].self_attn)
+
+
+def test_module_that_never_runs_is_reported(pair: Callable[..., Pair]) -> None:
+    reference, patched = pair("llama_fused_qkv")
+    stray = torch.nn.Linear(2, 2)
+    with pytest.raises(ModelPatchError, match="did not run in the reference forward"):
+        check_module_equivalence(stray, stray, reference=reference, inputs=ids())
