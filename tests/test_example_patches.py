@@ -60,12 +60,21 @@ def registered(mapping: dict[str, type], conversions: dict[str, list[Any]]) -> I
         yield
 
 
-def load(path: Path, patch: types.ModuleType | None = None, mapping: dict[str, type] | None = None, **kwargs: Any):
-    """``from_pretrained(path)`` in eval mode, with ``patch``'s mapping (or ``mapping``) and conversions."""
-    if patch is None and mapping is None:
+def load(
+    path: Path,
+    patch: types.ModuleType | None = None,
+    *,
+    mapping: dict[str, type] | None = None,
+    conversions: dict[str, list[Any]] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``from_pretrained(path)`` in eval mode; with ``patch`` (or ``mapping``/``conversions``) registered
+    it returns ``(model, loading_info)``."""
+    mapping = mapping if mapping is not None else getattr(patch, "MAPPING", None)
+    conversions = conversions if conversions is not None else getattr(patch, "CONVERSIONS", {})
+    if mapping is None:
         return model_class(path).from_pretrained(path, **kwargs).eval()
-    conversions = patch.CONVERSIONS if patch is not None else {}
-    with registered(mapping if mapping is not None else patch.MAPPING, conversions):
+    with registered(mapping, conversions):
         model, info = model_class(path).from_pretrained(path, output_loading_info=True, **kwargs)
     return model.eval(), info
 
@@ -158,8 +167,10 @@ def roundtrip_differences(source: Path, saved: Path) -> list[str]:
     return problems
 
 
-def load_and_save(source: Path, patch: types.ModuleType, out: Path, **save_kwargs: Any) -> Path:
-    model, info = load(source, patch)
+def load_and_save(source: Path, out: Path, patch: types.ModuleType | None = None, **kwargs: Any) -> Path:
+    """Load ``source`` with a patch and its conversions (see ``load``), save it to ``out`` (original format)."""
+    save_kwargs = {"max_shard_size": kwargs.pop("max_shard_size")} if "max_shard_size" in kwargs else {}
+    model, info = load(source, patch, **kwargs)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     model.save_pretrained(out, **save_kwargs)
     return out
@@ -204,14 +215,14 @@ def test_fused_qkv_llama_matches_original_logits_with_grouped_query_attention(
 
 def test_fused_qkv_llama_checkpoint_round_trips_bit_exact(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     source = checkpoint("llama")
-    saved = load_and_save(source, load_patch("llama_fused_qkv"), tmp_path / "saved")
+    saved = load_and_save(source, tmp_path / "saved", load_patch("llama_fused_qkv"))
     assert roundtrip_differences(source, saved) == []
 
 
 def test_fused_qkv_llama_round_trips_sharded_bf16_checkpoint(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     source = checkpoint("llama", dtype="bfloat16", max_shard_size="20KB")
     assert len(list(source.glob("*.safetensors"))) > 2
-    saved = load_and_save(source, load_patch("llama_fused_qkv"), tmp_path / "saved", max_shard_size="30KB")
+    saved = load_and_save(source, tmp_path / "saved", load_patch("llama_fused_qkv"), max_shard_size="30KB")
     assert roundtrip_differences(source, saved) == []
 
 
@@ -327,7 +338,7 @@ def test_qwen2_moe_checkpoint_round_trips_bit_exact(
     source = checkpoint("qwen2_moe", dtype=dtype, max_shard_size=max_shard_size)
     assert max_shard_size is None or len(list(source.glob("*.safetensors"))) > 2
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": "64KB"}
-    saved = load_and_save(source, load_patch("qwen2_moe"), tmp_path / "saved", **save_kwargs)
+    saved = load_and_save(source, tmp_path / "saved", load_patch("qwen2_moe"), **save_kwargs)
     assert roundtrip_differences(source, saved) == []
 
 
@@ -368,3 +379,49 @@ def test_replayed_routing_survives_a_router_weight_change(checkpoint: Callable[.
             replayed = patch.record_routing(patched, input_ids=ids)
     assert all(torch.equal(a, b) for a, b in zip(replayed, recorded))
     assert all(router._forced_indices is None for router in patch._routers(patched))
+
+
+# ---------------------------------------------------------------------------
+# lossy (broken round-trips that load exactly)
+# ---------------------------------------------------------------------------
+
+
+def test_fused_weight_saved_through_bfloat16_loads_exactly_but_changes_qkv_bytes(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    patch = load_patch("lossy")
+    source = checkpoint("llama")
+    patched, _ = load(source, patch)
+    ids = input_ids()
+    torch.testing.assert_close(output_of(patched, ids), output_of(load(source), ids), **FP32)
+
+    saved = load_and_save(source, tmp_path / "saved", patch)
+    assert roundtrip_differences(source, saved) == [
+        f"model.layers.{layer}.self_attn.{proj}_proj.weight: bytes differ" for layer in (0, 1) for proj in "kqv"
+    ]
+
+
+def test_fused_weight_saved_through_bfloat16_survives_a_bfloat16_checkpoint(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    source = checkpoint("llama", dtype="bfloat16")
+    assert roundtrip_differences(source, load_and_save(source, tmp_path / "saved", load_patch("lossy"))) == []
+
+
+def test_many_to_one_renaming_saves_down_proj_under_its_first_source_name(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    patch = load_patch("lossy")
+    source = checkpoint("llama")
+    variant = {"mapping": patch.RENAMED_MAPPING, "conversions": patch.RENAMED_CONVERSIONS}
+    patched, _ = load(source, **variant)
+    ids = input_ids()
+    torch.testing.assert_close(output_of(patched, ids), output_of(load(source), ids), **FP32)
+
+    saved = load_and_save(source, tmp_path / "saved", **variant)
+    assert roundtrip_differences(source, saved) == [
+        "missing model.layers.0.mlp.down_proj.weight",
+        "missing model.layers.1.mlp.down_proj.weight",
+        "unexpected model.layers.0.mlp.w2.weight",
+        "unexpected model.layers.1.mlp.w2.weight",
+    ]
