@@ -91,7 +91,7 @@ class RoundtripReport:
             f"  source: {self.source}",
             f"  saved:  {self.saved}",
         ]
-        lines += [f"  {line}" for line in str(self.weights).splitlines()[1:]]
+        lines += str(self.weights).splitlines()[1:]
         lines += [f"  output {row}" for row in self.outputs if not row.identical]
         lines += [f"  note: config.json {line}" for line in self.config_changes]
         return "\n".join(lines)
@@ -349,14 +349,21 @@ def config_changes(source: Path, saved: Path) -> list[str]:
         after = json.loads((saved / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return []
+    return _dict_changes(before, after, "")
+
+
+def _dict_changes(before: dict[str, Any], after: dict[str, Any], prefix: str) -> list[str]:
     found = []
     for key in sorted((before.keys() | after.keys()) - _VOLATILE_CONFIG_KEYS):
+        name = f"{prefix}{key}"
         if key not in after:
-            found.append(f"{key!r} removed (was {before[key]!r})")
+            found.append(f"{name!r} removed (was {before[key]!r})")
         elif key not in before:
-            found.append(f"{key!r} added: {after[key]!r}")
+            found.append(f"{name!r} added: {after[key]!r}")
+        elif isinstance(before[key], dict) and isinstance(after[key], dict):
+            found += _dict_changes(before[key], after[key], f"{name}.")
         elif before[key] != after[key]:
-            found.append(f"{key!r}: {after[key]!r} (was {before[key]!r})")
+            found.append(f"{name!r}: {after[key]!r} (was {before[key]!r})")
     return found
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from transformers.core_model_loading import ConversionOps, WeightConverter
 
 from fixtures.make_checkpoints import build_model, write_checkpoint
-from fixtures.patches import llama_fused_qkv
+from fixtures.patches import llama_fused_qkv, qwen2_moe
 from fixtures.patches._fused_qkv import ConcatenateQKV, qkv_sizes
 from pytest_modelpatch.registration import register_patches
 from pytest_modelpatch.registry import isolated_patch_state
@@ -71,6 +71,22 @@ def test_fused_qkv_llama_roundtrip_is_bit_exact_in_bf16(patch_registry: Any, tmp
     assert report.passed
 
 
+@pytest.mark.parametrize(
+    ("dtype", "max_shard_size"),
+    [pytest.param("float32", None, id="fp32"), pytest.param("bfloat16", "50KB", id="bf16-sharded")],
+)
+def test_qwen2_moe_module_list_experts_and_fused_qkv_roundtrip_bit_exact(
+    patch_registry: Any, tmp_path: Path, dtype: str, max_shard_size: str | None
+) -> None:
+    source = write_checkpoint("qwen2_moe", tmp_path / "source", dtype=dtype, max_shard_size=max_shard_size)
+    assert (source / "model.safetensors.index.json").exists() == (max_shard_size is not None)
+    register(qwen2_moe, patch_registry)
+    report = check_roundtrip(source, tmp_path=tmp_path)
+    names = {row.name for row in report.weights.tensors}
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in names and "model.layers.1.self_attn.v_proj.bias" in names
+    assert report.passed, str(report)
+
+
 def test_reference_model_source_is_saved_first_and_compared(patch_registry: Any, tmp_path: Path) -> None:
     reference = build_model("llama", seed=3)
     register(llama_fused_qkv, patch_registry)
@@ -125,6 +141,83 @@ def test_fused_qkv_roundtrip_is_bit_exact_over_tiny_configs(
         register_patches(llama_fused_qkv.MAPPING, conversions=llama_fused_qkv.CONVERSIONS, overwrite=True)
         report = check_roundtrip(source, tmp_path=work, check_outputs=False)
     assert report.passed
+
+
+# ---------------------------------------------------------------------------
+# fusion_config: transformers' own fused patch embeddings
+# ---------------------------------------------------------------------------
+
+FUSION = {"patch_embeddings": True}
+
+
+def vision_inputs(config: Any, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One 4x4-patch image between text tokens, in the layout Qwen-VL processors produce."""
+    vision = config.vision_config
+    generator = torch.Generator().manual_seed(seed)
+    grid = (1, 4, 4)
+    patches = grid[0] * grid[1] * grid[2]
+    volume = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    placeholders = patches // vision.spatial_merge_size**2
+    text = torch.randint(0, config.image_token_id, (1, 10), generator=generator)
+    ids = torch.cat([text[:, :3], torch.full((1, placeholders), config.image_token_id), text[:, 3:]], dim=1)
+    return {
+        "input_ids": ids,
+        "pixel_values": torch.randn(patches, volume, generator=generator),
+        "image_grid_thw": torch.tensor([grid]),
+        "mm_token_type_ids": (ids == config.image_token_id).long(),
+    }
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from pytest_modelpatch.models import tiny_config
+
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration(tiny_config("qwen3_vl")).eval()
+    path = tmp_path_factory.mktemp("qwen3_vl") / "ckpt"
+    model.save_pretrained(path)
+    return model, path
+
+
+def test_fused_patch_embeddings_match_the_conv3d_model_and_leak_nothing(qwen3_vl: tuple[Any, Path]) -> None:
+    from transformers.monkey_patching import get_patch_mapping
+
+    from pytest_modelpatch.roundtrip import compare_outputs, load_with_fusion, model_outputs
+
+    reference, path = qwen3_vl
+    before = dict(get_patch_mapping())
+    fused = load_with_fusion(path, FUSION)
+    assert type(fused.model.visual.patch_embed).__name__ == "FusedQwen3VLVisionPatchEmbed"
+    assert dict(get_patch_mapping()) == before
+    inputs = vision_inputs(reference.config)
+    (logits,) = compare_outputs(model_outputs(reference, inputs), model_outputs(fused, inputs))
+    assert logits.name == "logits" and logits.max_abs_diff <= 1e-5
+
+
+def test_fused_patch_embeddings_roundtrip_bit_exact(qwen3_vl: tuple[Any, Path], tmp_path: Path) -> None:
+    reference, path = qwen3_vl
+    report = check_roundtrip(path, tmp_path=tmp_path, fusion_config=FUSION, inputs=vision_inputs(reference.config))
+    assert report.passed and report.outputs
+    assert "'fusion_config' added: {'patch_embeddings': True}" in str(report)
+
+
+def test_qwen2_vl_patch_embeddings_fusion_is_caught_dropping_the_conv_weight(tmp_path: Path) -> None:
+    # transformers 5.23 registers the fusion's converter under model type "qwen2_vl", but the
+    # class-name mapping of Qwen2VLForConditionalGeneration shadows it: the fused Linear starts
+    # from fresh weights and is saved under its own name.
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from pytest_modelpatch.models import tiny_config
+
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(tiny_config("qwen2_vl")).save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(AssertionError) as failure:
+        check_roundtrip(tmp_path / "ckpt", tmp_path=tmp_path, fusion_config=FUSION, check_outputs=False)
+    message = str(failure.value)
+    assert "visual.patch_embed.proj.weight: missing from the saved checkpoint" in message
+    assert "visual.patch_embed.linear_proj.weight: unexpected in the saved checkpoint" in message
 
 
 # ---------------------------------------------------------------------------
@@ -188,7 +281,7 @@ def test_conversion_saving_k_as_v_fails_naming_both_tensors(patch_registry: Any,
 def test_failure_in_a_pytest_run_shows_the_report(pytester: pytest.Pytester, llama_dir: Path) -> None:
     pytester.makepyfile(
         f"""
-        from fixtures.patches import llama_fused_qkv
+        from fixtures.patches import llama_fused_qkv, qwen2_moe
         from tests.test_roundtrip import ConcatenateInBF16, fused_qkv_with
         from pytest_modelpatch.roundtrip import check_roundtrip
 
