@@ -7,6 +7,7 @@ safetensors tensors byte for byte).
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -425,3 +426,54 @@ def test_many_to_one_renaming_saves_down_proj_under_its_first_source_name(
         "unexpected model.layers.0.mlp.w2.weight",
         "unexpected model.layers.1.mlp.w2.weight",
     ]
+
+
+# ---------------------------------------------------------------------------
+# fixtures package and make_checkpoints.py
+# ---------------------------------------------------------------------------
+
+
+def test_make_checkpoints_script_writes_the_same_bytes_for_the_same_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import runpy
+
+    import fixtures
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    script = str(fixtures.FIXTURES_DIR / "make_checkpoints.py")
+    for outdir in ("first", "second"):
+        monkeypatch.setattr(sys, "argv", [script, str(tmp_path / outdir), "llama", "--max-shard-size", "40KB"])
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(script, run_name="__main__")
+        assert exited.value.code == 0
+    assert "llama: " in capsys.readouterr().out
+    assert read_tensors(tmp_path / "first" / "llama") == read_tensors(tmp_path / "second" / "llama")
+    assert len(list((tmp_path / "first" / "llama").glob("*.safetensors"))) > 1
+
+
+def test_make_checkpoints_seed_changes_the_weights(tmp_path: Path) -> None:
+    a = write_checkpoint("llama", tmp_path / "a", seed=0)
+    b = write_checkpoint("llama", tmp_path / "b", seed=1)
+    assert read_tensors(a).keys() == read_tensors(b).keys()
+    assert read_tensors(a) != read_tensors(b)
+
+
+def test_make_checkpoints_rejects_an_unknown_config_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fixtures.make_checkpoints import main
+
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "lama"])
+    assert "unknown config(s) lama; known: " in capsys.readouterr().err
+
+
+def test_tiny_config_and_load_patch_name_what_exists_when_asked_for_something_else() -> None:
+    from fixtures import tiny_config
+
+    with pytest.raises(FileNotFoundError, match="known configs: .*llama"):
+        tiny_config("lama")
+    with pytest.raises(ValueError, match="known: llama_fused_qkv"):
+        load_patch("fused_qkv")
+    assert tiny_config("llama", num_key_value_heads=1).num_key_value_heads == 1
