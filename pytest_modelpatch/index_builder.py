@@ -51,6 +51,7 @@ class Builder:
         self.classes: list[ClassEntry] = []
         self.runtime: dict[str, type] = {}  # key -> class object, for imported classes
         self.static: dict[str, tuple[str, str]] = {}  # key -> (module, class name)
+        self.made: set[str] = set()  # classes made by a call such as namedtuple(...)
         self.core_files: dict[str, SourceFile | None] = {}
         self.children_memo: dict[str, list[tuple[str, str]]] = {}
 
@@ -99,6 +100,10 @@ class Builder:
         """An alias (``X = nn.LayerNorm``) or a dict of classes; anything else is not a class."""
         if isinstance(node, ast.Dict):
             return ("dict", [self.expression_ref(module, v, names) for v in node.values])
+        if isinstance(node, ast.Call) and (_dotted_name(node.func) or "").split(".")[-1] in _CLASS_FACTORIES:
+            key = f"{module}:{_first_string(node) or 'namedtuple'}"
+            self.made.add(key)
+            return ("class", key)
         dotted = _dotted_name(node)
         return self.dotted_ref(names, dotted) if dotted else OTHER
 
@@ -158,6 +163,8 @@ class Builder:
         """(is an nn.Module, kind) of a class, from its bases for classes read as text."""
         if key in self.runtime:
             return _runtime_nature(self.runtime[key])
+        if key in self.made:
+            return False, "class"
         if key in self.keys:
             entry = self.classes[self.keys[key]]
             return entry.is_module, entry.kind
@@ -338,6 +345,14 @@ def _absolute(module: str, level: int, target: str) -> str:
         return target
     package = module.split(".")[:-level]
     return ".".join(package + ([target] if target else []))
+
+
+_CLASS_FACTORIES = {"namedtuple", "NamedTuple", "TypedDict", "make_dataclass"}
+
+
+def _first_string(node: ast.Call) -> str | None:
+    first = node.args[0] if node.args else None
+    return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
 
 
 def _dotted_name(node: ast.expr) -> str | None:
