@@ -477,3 +477,61 @@ def test_tiny_config_and_load_patch_name_what_exists_when_asked_for_something_el
     with pytest.raises(ValueError, match="known: llama_fused_qkv"):
         load_patch("fused_qkv")
     assert tiny_config("llama", num_key_value_heads=1).num_key_value_heads == 1
+
+
+# ---------------------------------------------------------------------------
+# fusion_config={"patch_embeddings": True} on the tiny vision-language configs
+# ---------------------------------------------------------------------------
+
+
+def image_inputs(config: transformers.PretrainedConfig) -> dict[str, torch.Tensor]:
+    """One 56x56 image (4x4 patches, 4 tokens after the 2x2 merge) inside a short prompt."""
+    vision = config.vision_config
+    patch_pixels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    pixel_values = torch.randn(16, patch_pixels, generator=torch.Generator().manual_seed(0))
+    image = [config.vision_start_token_id, *[config.image_token_id] * 4, config.vision_end_token_id]
+    ids = torch.tensor([[3, 4, *image, 5, 6]])
+    return {
+        "input_ids": ids,
+        "pixel_values": pixel_values,
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        "mm_token_type_ids": (ids == config.image_token_id).int(),
+    }
+
+
+def test_qwen3_vl_patch_embedding_fusion_is_equivalent_and_round_trips(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    source = checkpoint("qwen3_vl")
+    reference = load(source)
+    with isolated_patch_state():
+        fused, info = model_class(source).from_pretrained(
+            source, fusion_config={"patch_embeddings": True}, output_loading_info=True
+        )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert type(fused.model.visual.patch_embed).__name__ == "FusedQwen3VLVisionPatchEmbed"
+    inputs = image_inputs(reference.config)
+    with torch.no_grad():
+        expected, actual = reference(**inputs).logits, fused.eval()(**inputs).logits
+    torch.testing.assert_close(actual, expected, **FP32)  # Conv3d vs Linear: ~5e-7 apart
+
+    fused.save_pretrained(tmp_path / "saved")
+    assert roundtrip_differences(source, tmp_path / "saved") == []
+
+
+@pytest.mark.skipif(
+    not transformers.__version__.startswith("5.23."), reason="pins transformers 5.23 behaviour; recheck on upgrade"
+)
+def test_qwen2_vl_patch_embedding_fusion_leaves_linear_proj_uninitialised_in_transformers_5_23(
+    checkpoint: Callable[..., Path],
+) -> None:
+    # fusion_mapping registers its Conv3d->Linear converter under the model type "qwen2_vl", but
+    # Qwen2VLForConditionalGeneration has a class-name conversion mapping, which takes priority, so the
+    # converter never runs: the fused Linear is freshly initialised and the outputs are wrong.
+    source = checkpoint("qwen2_vl")
+    with isolated_patch_state():
+        _, info = model_class(source).from_pretrained(
+            source, fusion_config={"patch_embeddings": True}, output_loading_info=True
+        )
+    assert "model.visual.patch_embed.linear_proj.weight" in info["missing_keys"]
+    assert "model.visual.patch_embed.proj.weight" in info["unexpected_keys"]
