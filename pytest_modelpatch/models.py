@@ -59,6 +59,7 @@ WIDTH_KEYS = (
     "hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "model_dim", "word_embed_proj_dim",
      "projection_dim", "out_hidden_size", "text_hidden_size", "encoder_hidden_size", "decoder_hidden_size",
      "output_hidden_size", "projector_hidden_size", "embedding_size", "vision_output_dim",
+    "attention_hidden_size", "embedding_dim", "lru_width",
 )
 # distilbert's ``hidden_dim`` is its feed-forward size
 FFN_KEYS = (
@@ -93,6 +94,7 @@ FIXED_SIZES: dict[str, int] = {
     "topk_group": 1,
     "n_groups": 1,  # Mamba2 state groups: must divide the (tiny) head count
     "emb_dim": TINY_WIDTH,  # XLM
+    "hidden_size_per_layer_input": 16,  # Gemma 3n/4 per-layer embeddings
 }
 # Modeling code that falls back to a default sized for the full model when the key
 # is absent from the config (transformers 5.23: Qwen2-VL family, PaddleOCR-VL).
@@ -126,8 +128,8 @@ def _shrink_level(level: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
             out[key] = _shrink_level(value, sub if isinstance(sub, dict) else {})
         elif _is_int(value):
             out[key] = _shrink_int(key, value)
-        elif isinstance(value, list) and key in {"image_size", "patch_size"} and all(map(_is_int, value)):
-            out[key] = [_shrink_int(key, v) for v in value]
+        elif isinstance(value, list) and value and all(map(_is_int, value)):
+            out[key] = _shrink_int_list(key, value)
     _shrink_layers(level, out)
     if any(_is_int(out.get(k)) for k in EXPERT_KEYS):
         # some defaults leave top-k unset (DeepSeek-V2) and the router then crashes
@@ -139,6 +141,17 @@ def _shrink_level(level: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
     out.update(plain)
     _derive_head_sizes(level, out, set(plain))
     return out
+
+
+def _shrink_int_list(key: str, values: list[int]) -> list[int]:
+    """Per-stage lists of hierarchical vision models (Swin: depths, heads per stage)."""
+    if key in ("image_size", "patch_size"):
+        return [_shrink_int(key, v) for v in values]
+    if key in HEAD_KEYS:
+        return [TINY_HEADS] * len(values)  # every stage width (64 * 2**i) divides by it
+    if key == "depths":
+        return [min(v, TINY_LAYERS) for v in values]
+    return values
 
 
 def _shrink_int(key: str, value: int) -> int:
@@ -158,9 +171,9 @@ def _shrink_int(key: str, value: int) -> int:
         return min(value, 1)
     if key in POSITION_KEYS:
         return min(value, TINY_POSITIONS)
-    if key in ("vocab_size", "n_words"):
+    if key in ("vocab_size", "n_words", "vocab_size_per_layer_input"):
         return min(value, TINY_VOCAB)
-    if key == "sliding_window" and value > 0:
+    if key in ("sliding_window", "attention_window_size") and value > 0:
         return min(value, TINY_SLIDING_WINDOW)
     if key == "image_size":
         return min(value, TINY_IMAGE)
@@ -179,11 +192,17 @@ def _shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
     old = max(counts.values())
     per_layer = {k: v for k, v in before.items() if isinstance(v, list) and len(v) == old and old > 1}
     keep = _layers_to_keep(per_layer, old)
+    keep = _cover_block_pattern(before, old, keep)
     for key, value in counts.items():
         out[key] = len(keep) if value == old else TINY_LAYERS
     for key, value in per_layer.items():
         out[key] = [value[i] for i in keep]
     n = len(keep)
+    if "stage_names" in before:
+        # backbones: stage names follow the layer count; let the default (last stage) apply
+        out["out_features"] = out["out_indices"] = None
+    if isinstance(before.get("per_layer_config"), dict):
+        out["per_layer_config"] = _keep_layer_entries(before["per_layer_config"], keep)
     for key in ("first_k_dense_replace", "max_window_layers"):
         if _is_int(before.get(key)):
             out[key] = min(before[key], 1 if key == "first_k_dense_replace" else n)
@@ -200,6 +219,24 @@ def _shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
         if str(key).endswith(("_layers", "_indexes")) and isinstance(value, list) and key not in per_layer:
             if all(_is_int(i) and 0 <= i < old for i in value):
                 out[key] = sorted({i * n // old for i in value})
+
+
+def _cover_block_pattern(before: dict[str, Any], old: int, keep: list[int]) -> list[int]:
+    """Keep enough layers to reach every kind of a repeating block pattern (RecurrentGemma)."""
+    for key, value in before.items():
+        if str(key).endswith("block_types") and isinstance(value, list) and 0 < len(value) < old:
+            wanted = min(len(value), 4)
+            keep = sorted(set(keep) | set(range(wanted)))[: max(wanted, len(keep))]
+    return keep
+
+
+def _keep_layer_entries(per_layer: dict[str, Any], keep: list[int]) -> dict[str, Any]:
+    """``per_layer_config`` entries of the kept layers, renumbered ("05" -> "1")."""
+    kept: dict[str, Any] = {}
+    for key, value in per_layer.items():
+        if str(key).isdigit() and int(key) in keep:
+            kept[str(keep.index(int(key)))] = value
+    return kept
 
 
 def _resize_per_layer_lists(shrunk: dict[str, Any], overrides: dict[str, Any]) -> None:
@@ -252,6 +289,8 @@ def _derive_head_sizes(before: dict[str, Any], out: dict[str, Any], fixed: set[s
     for key in ("head_dim", "d_kv", "attention_head_size", "query_pre_attn_scalar"):
         if _is_int(before.get(key)) and before[key] > 0 and key not in fixed:
             out[key] = head_dim
+    if "head_dim" in before and before["head_dim"] is None and "head_dim" not in fixed:
+        out["head_dim"] = head_dim  # some modeling code reads it without a fallback (Ministral)
     rope_dim = before.get("qk_rope_head_dim")
     if _is_int(rope_dim) and before.get("head_dim") == rope_dim and "head_dim" not in fixed:
         out["head_dim"] = out["qk_rope_head_dim"]  # MLA models rotate only the rope part
@@ -259,11 +298,25 @@ def _derive_head_sizes(before: dict[str, Any], out: dict[str, Any], fixed: set[s
     if _is_int(before.get("rotary_dim")) and "rotary_dim" not in fixed:
         out["rotary_dim"] = max(2, head_dim // 2)
     _shrink_rope(out, head_dim, fixed)
+    _scale_per_layer_head_dims(before, out)
+
+
+def _scale_per_layer_head_dims(before: dict[str, Any], out: dict[str, Any]) -> None:
+    """Per-layer overrides (Gemma 4's wider global layers) keep their ratio to the tiny head_dim."""
+    old, new = before.get("head_dim"), out.get("head_dim")
+    layers = out.get("per_layer_config")
+    if not (_is_int(old) and _is_int(new) and old > 0 and isinstance(layers, dict)):
+        return
+    for values in layers.values():
+        if isinstance(values, dict) and _is_int(values.get("head_dim")):
+            values["head_dim"] = max(2, values["head_dim"] * new // old)
 
 
 def _kv_heads(before: dict[str, Any], kv_key: str, heads_key: str, heads: int) -> Any:
     """Keep the grouped-query shape: multi-head, multi-query, or grouped (two kv heads)."""
     old_kv, old_heads = before.get(kv_key), before.get(heads_key)
+    if old_kv is None:
+        return heads  # unset means multi-head, but some modeling code divides by it (Nemotron)
     if not _is_int(old_kv) or not _is_int(old_heads) or old_kv >= old_heads:
         return heads if _is_int(old_kv) else old_kv
     if old_kv == 1:
@@ -383,7 +436,11 @@ def model_class_for(config: PretrainedConfig, task: str | None = None) -> type[P
     for name in (task,) if task else DEFAULT_TASK_ORDER:
         mapping = getattr(modeling_auto, TASK_MAPPINGS[name])
         if type(config) in mapping:
-            return mapping[type(config)]
+            cls = mapping[type(config)]
+            # some composite configs map to a text-only head (Qwen3.5 -> Qwen3_5ForCausalLM
+            # takes the text sub-config); skip to a class that takes this config
+            if isinstance(config, cls.config_class) or task:
+                return cls
     tried = task or " / ".join(DEFAULT_TASK_ORDER)
     raise PatchUsageError(
         f"{type(config).__name__} (model type {config.model_type!r}) has no {tried} model class; "

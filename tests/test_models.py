@@ -33,7 +33,8 @@ DECODER_FAMILIES = [
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "gemma", "gemma2",
     "gemma3_text", "phi", "phi3", "phimoe", "gpt2", "gpt_neox", "gptj", "falcon", "olmo", "olmo2", "olmoe",
     "deepseek_v2", "deepseek_v3", "granite", "granitemoe", "starcoder2", "stablelm", "cohere", "bloom", "opt",
-    "gpt_oss", "jamba", "mamba", "mamba2",
+    "gpt_oss", "jamba", "mamba", "mamba2", "ministral", "nemotron", "hunyuan_v1_dense", "hunyuan_v1_moe",
+    "recurrent_gemma", "rwkv", "gemma4_text",
 ]  # fmt: skip
 ENCODER_FAMILIES = ["bert", "roberta", "distilbert", "electra", "albert", "xlm-roberta", "deberta-v2", "modernbert"]
 
@@ -114,6 +115,21 @@ def test_tiny_config_moves_special_token_ids_into_the_tiny_vocabulary() -> None:
     vocab = config.text_config.vocab_size
     ids = [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
     assert all(0 <= i < vocab for i in ids) and len(set(ids)) == len(ids)
+
+
+def test_tiny_config_fills_an_unset_head_dim_that_modeling_code_reads_without_fallback() -> None:
+    config = tiny_config("ministral")  # head_dim defaults to None; MinistralAttention computes None ** -0.5
+    assert config.head_dim == config.hidden_size // config.num_attention_heads
+
+
+def test_tiny_config_renumbers_per_layer_overrides_of_the_kept_layers() -> None:
+    fields = tiny_config("gemma4_text").to_dict()  # the default widens head_dim on layers "05", "11", ...
+    assert fields["layer_types"] == ["sliding_attention", "full_attention"]
+    assert fields["per_layer_config"] == {"1": {"head_dim": 2 * fields["head_dim"]}}
+
+
+def test_model_class_for_skips_a_head_that_takes_only_the_text_sub_config() -> None:
+    assert model_class_for(tiny_config("qwen3_5")).__name__ == "Qwen3_5Model"
 
 
 def test_tiny_config_merges_a_sub_config_override() -> None:
