@@ -27,9 +27,10 @@ from typing import Any
 import torch
 import transformers
 
+from pytest_modelpatch.models import CheckpointError, example_inputs
 from pytest_modelpatch.records import CheckRecord, record_check
 from pytest_modelpatch.registry import isolated_patch_state, without_patches
-from pytest_modelpatch.safetensors_diff import CheckpointDiff, CheckpointError, diff_checkpoints, open_checkpoint
+from pytest_modelpatch.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint
 
 # config.json keys that save_pretrained rewrites on every save; a change there says nothing about the patch
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "name_or_path"})
@@ -224,7 +225,7 @@ def _run_roundtrip(
         with without_patches():
             source.save_pretrained(source_dir)
         if check_outputs and save_original_format:
-            inputs = inputs if inputs is not None else default_inputs(source.config)
+            inputs = inputs if inputs is not None else example_inputs(source.config, model_class=cls)
             reference_outputs = model_outputs(source, inputs)
     else:
         source_dir = Path(source)
@@ -240,7 +241,7 @@ def _run_roundtrip(
     resolved_dtype = str(patched.dtype).removeprefix("torch.")
     if check_outputs and not save_original_format:
         # The patched layout cannot load without patches: the reference is the patched model itself.
-        inputs = inputs if inputs is not None else default_inputs(patched.config)
+        inputs = inputs if inputs is not None else example_inputs(patched.config, model_class=cls)
         reference_outputs = model_outputs(patched, inputs)
     patched.save_pretrained(saved_dir, **save_kwargs)
     del patched
@@ -252,7 +253,7 @@ def _run_roundtrip(
             with without_patches():
                 if reference_outputs is None:
                     reference = _load(cls, source_dir, load_dtype, fusion_config={})
-                    inputs = inputs if inputs is not None else default_inputs(reference.config)
+                    inputs = inputs if inputs is not None else example_inputs(reference.config, model_class=cls)
                     reference_outputs = model_outputs(reference, inputs)
                     del reference
                 reloaded = _load(cls, saved_dir, load_dtype, fusion_config={})
@@ -305,13 +306,6 @@ def _work_dir(tmp_path: str | Path | None) -> Iterator[Path]:
 # ---------------------------------------------------------------------------
 # Outputs and config
 # ---------------------------------------------------------------------------
-
-
-def default_inputs(config: transformers.PretrainedConfig, *, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A small seeded batch of token ids for ``config`` (text models)."""
-    text = config.get_text_config()
-    generator = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, text.vocab_size, (2, 8), generator=generator)}
 
 
 @torch.no_grad()

@@ -22,13 +22,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-try:  # TEMP until pytest_modelpatch.models lands
-    from pytest_modelpatch.models import CheckpointError
-except ImportError:
-    from pytest_modelpatch.errors import ModelPatchError
-
-    class CheckpointError(ModelPatchError):  # type: ignore[no-redef]
-        pass
+from pytest_modelpatch.models import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

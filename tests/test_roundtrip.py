@@ -19,7 +19,8 @@ from fixtures.patches._fused_qkv import ConcatenateQKV, qkv_sizes
 from pytest_modelpatch.registration import register_patches
 from pytest_modelpatch.registry import isolated_patch_state
 from pytest_modelpatch.roundtrip import Roundtrip, check_roundtrip
-from pytest_modelpatch.safetensors_diff import CheckpointError, diff_checkpoints
+from pytest_modelpatch.models import CheckpointError
+from pytest_modelpatch.safetensors_diff import diff_checkpoints
 
 torch.set_num_threads(1)
 
