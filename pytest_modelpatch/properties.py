@@ -1,0 +1,204 @@
+"""Property checks: run hypothesis inside one call against models that are already built.
+
+``check_equivalence`` draws many inputs (batch sizes, lengths, padding) and compares
+the two models on each, with no model rebuilt per example. It is deterministic: the
+seed is fixed (``seed=``, else the session seed the plugin sets, else 0) and printed
+in every failure, so every xdist worker and every rerun draws the same examples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
+
+from pytest_modelpatch.equivalence import (
+    EquivalenceReport,
+    compare_models,
+    compare_outputs,
+    describe_inputs,
+    evaluating,
+    forward,
+)
+from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
+
+DEFAULT_MAX_EXAMPLES = 25
+_defaults: dict[str, int | None] = {"seed": None, "max_examples": None}
+
+
+def set_default_seed(seed: int | None) -> None:
+    """Seed used when ``check_equivalence`` gets none (the plugin sets the session seed here)."""
+    _defaults["seed"] = seed
+
+
+def set_default_max_examples(max_examples: int | None) -> None:
+    """Examples per check when ``check_equivalence`` gets no ``max_examples``."""
+    _defaults["max_examples"] = max_examples
+
+
+@dataclass
+class PropertyReport:
+    """How a property check went: examples run, seed, worst error seen, and the minimal failure if any."""
+
+    reference: str
+    patched: str
+    seed: int
+    max_examples: int
+    examples: int = 0  # model comparisons run, shrinking included
+    first_failure: int = 0  # the example that failed first, counting from 1
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    tolerance: ToleranceSpec | None = None
+    failure: EquivalenceReport | None = None
+    error: str = ""  # an exception a model raised on the minimal example, when that was the failure
+    minimal_inputs: str = ""
+    duration_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None and not self.error
+
+    @property
+    def header(self) -> str:
+        return f"check_equivalence(seed={self.seed}, max_examples={self.max_examples})"
+
+    def __str__(self) -> str:
+        if self.passed:
+            return (
+                f"{self.header}: patched {self.patched} matches reference {self.reference} on {self.examples} "
+                f"examples, max abs {self.max_abs_error:.3g}, max rel {self.max_rel_error:.3g} "
+                f"({self.tolerance}); {self.duration_s:.2f}s"
+            )
+        lines = [
+            f"{self.header}: example {self.first_failure} of {self.max_examples} failed; shrunk in "
+            f"{self.examples - self.first_failure} more runs to the minimal example below (seed={self.seed} draws it again)"
+        ]
+        if self.error:
+            lines += [f"minimal failing inputs: {self.minimal_inputs}", self.error]
+        else:
+            lines.append(str(self.failure))
+        return "\n".join(lines)
+
+    def record(self) -> None:
+        """Hand this outcome to the running test's report rows."""
+        if self.failure is not None:
+            self.failure.duration_s = self.duration_s
+            self.failure.record(kind="property", examples=self.examples, detail=str(self))
+            return
+        from pytest_modelpatch.records import CheckRecord, record_check
+
+        record_check(
+            CheckRecord(
+                kind="property", outcome="passed" if self.passed else "failed", model=self.reference,
+                examples=self.examples, max_abs_error=self.max_abs_error, max_rel_error=self.max_rel_error,
+                duration_s=self.duration_s, detail=self.error,
+            )
+        )  # fmt: skip
+
+
+def _inputs_strategy(reference: torch.nn.Module, inputs: Any) -> SearchStrategy[Mapping[str, Any]]:
+    if inputs is None:
+        from pytest_modelpatch.strategies import model_inputs
+
+        return model_inputs(reference.config)
+    if isinstance(inputs, SearchStrategy):
+        return inputs
+    if isinstance(inputs, Mapping):
+        return st.just(inputs)
+    raise PatchUsageError(
+        f"check_equivalence: inputs= must be a hypothesis strategy of input dicts (got {type(inputs).__name__}); "
+        "e.g. inputs=pytest_modelpatch.strategies.model_inputs(config, max_seq_len=16)."
+    )
+
+
+def check_equivalence(
+    reference: torch.nn.Module,
+    patched: torch.nn.Module,
+    *,
+    inputs: SearchStrategy[Mapping[str, Any]] | Mapping[str, Any] | None = None,
+    max_examples: int | None = None,
+    seed: int | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    policy: str | TolerancePolicy | None = None,
+) -> PropertyReport:
+    """Compare the two models on many drawn inputs; on failure, shrink and show the minimal example.
+
+    Example::
+
+        check_equivalence(reference_model, patched_model, max_examples=50)
+        check_equivalence(ref, pat, inputs=model_inputs(ref.config, padding="left"), seed=1234)
+    """
+    __tracebackhide__ = True
+    strategy = _inputs_strategy(reference, inputs)
+    spec = resolve_tolerance(atol, rtol, policy)  # read the test's overrides here, once
+    report = PropertyReport(
+        type(reference).__name__, type(patched).__name__,
+        seed=seed if seed is not None else _defaults["seed"] or 0,
+        max_examples=max_examples or _defaults["max_examples"] or DEFAULT_MAX_EXAMPLES,
+        tolerance=spec,
+    )  # fmt: skip
+    last_failing: list[Mapping[str, Any]] = []
+    start = time.perf_counter()
+
+    def remember_failure(example: Mapping[str, Any]) -> None:
+        # hypothesis replays the minimal example last, so this ends up holding it.
+        last_failing[:] = [example]
+        report.first_failure = report.first_failure or report.examples
+
+    @settings(
+        max_examples=report.max_examples,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        phases=(Phase.explicit, Phase.generate, Phase.shrink),
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        report_multiple_bugs=False,
+        print_blob=False,
+    )
+    @hypothesis_seed(report.seed)
+    @given(strategy)
+    def one_example(example: Mapping[str, Any]) -> None:
+        report.examples += 1
+        try:
+            comparisons = compare_outputs(forward(reference, example), forward(patched, example), spec)
+        except Exception:
+            remember_failure(example)
+            raise
+        if not all(c.passed for c in comparisons):
+            remember_failure(example)
+            raise _ExampleFailed()
+        report.max_abs_error = max([report.max_abs_error, *(c.max_abs for c in comparisons)])
+        report.max_rel_error = max([report.max_rel_error, *(c.max_rel for c in comparisons)])
+
+    try:
+        with evaluating(reference, patched):
+            one_example()
+    except Exception as error:  # noqa: BLE001 - every failure is turned into the report
+        if not last_failing:
+            raise
+        minimal = last_failing[0]
+        report.minimal_inputs = describe_inputs(minimal)
+        if isinstance(error, _ExampleFailed):
+            report.failure = compare_models(reference, patched, minimal, spec)
+        else:
+            report.error = f"a model raised {type(error).__name__}: {error}"
+        report.duration_s = time.perf_counter() - start
+        report.record()
+        raise AssertionError(str(report)) from (None if isinstance(error, _ExampleFailed) else error)
+    report.duration_s = time.perf_counter() - start
+    report.record()
+    return report
+
+
+class _ExampleFailed(Exception):
+    """Raised inside hypothesis for a difference; the full report is built once, after shrinking."""

@@ -1,0 +1,155 @@
+"""check_equivalence: hypothesis inside one call, models built once; failures shrink to a minimal example."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.monkey_patching import register_patch_mapping
+
+from fixtures import load_patch, tiny_config
+from pytest_modelpatch.checkpoints import cached_checkpoint, load_pretrained
+from pytest_modelpatch.equivalence import assert_equivalent
+from pytest_modelpatch.properties import check_equivalence, set_default_seed
+from pytest_modelpatch.records import CheckRecord, set_record_sink
+from pytest_modelpatch.registry import isolated_patch_state, without_patches
+from pytest_modelpatch.strategies import model_inputs, tiny_configs
+
+Pair = tuple[torch.nn.Module, torch.nn.Module]
+
+
+def load_pair(path: Path, patch: Any) -> Pair:
+    """Reference (no patches) and patched model, both ``from_pretrained`` of ``path``."""
+    with isolated_patch_state():
+        register_patch_mapping(patch.MAPPING)
+        for model_type, transforms in patch.CONVERSIONS.items():
+            register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
+        with without_patches():
+            reference = load_pretrained(path)
+        return reference, load_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoints: Path) -> Callable[[str], Pair]:
+    @functools.cache
+    def build(name: str) -> Pair:
+        patch = load_patch(name)
+        return load_pair(cached_checkpoint(tiny_config(patch.MODEL_TYPE), cache_dir=checkpoints), patch)
+
+    return build
+
+
+@pytest.fixture
+def records() -> Iterator[list[CheckRecord]]:
+    rows: list[CheckRecord] = []
+    previous = set_record_sink(rows.append)
+    yield rows
+    set_record_sink(previous)
+
+
+@pytest.mark.parametrize("name", ["llama_fused_qkv", "qwen2_moe", "qwen3_moe_router"])
+def test_good_patches_pass_over_varied_inputs(pair: Callable[[str], Pair], name: str) -> None:
+    reference, patched = pair(name)
+    seen: list[dict[str, torch.Tensor]] = []
+    inputs = model_inputs(reference.config).map(lambda example: seen.append(example) or example)
+    report = check_equivalence(reference, patched, inputs=inputs, max_examples=20)
+    assert report.passed and report.examples == 20
+    shapes = {tuple(example["input_ids"].shape) for example in seen}
+    left_padded = any(bool((e["attention_mask"][:, 0] == 0).any()) for e in seen)
+    right_padded = any(bool((e["attention_mask"][:, -1] == 0).any()) for e in seen)
+    assert len(shapes) > 5 and left_padded and right_padded
+    assert str(report).startswith(f"check_equivalence(seed=0, max_examples=20): patched {type(patched).__name__} matches")
+
+
+def test_noncausal_attention_is_caught_and_shrunk_to_two_tokens(pair: Callable[[str], Pair]) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check_equivalence(*pair("llama_fused_qkv_noncausal"))
+    message = str(failure.value)
+    assert re.match(r"check_equivalence\(seed=0, max_examples=25\): example \d+ of 25 failed; shrunk in \d+", message)
+    # One row of two unpadded tokens: the smallest input on which causal and non-causal attention differ.
+    assert re.search(r"\ninputs: input_ids=\[\[\d+, \d+\]\], attention_mask=\[\[1, 1\]\], position_ids=\[\[0, 1\]\]", message)
+    assert "  logits: shape (1, 2, 128) float32: " in message
+    assert "first diverging module: model.layers.0.self_attn" in message
+
+
+def test_same_seed_same_examples_and_same_report(pair: Callable[[str], Pair]) -> None:
+    messages = []
+    for _ in range(2):
+        with pytest.raises(AssertionError) as failure:
+            check_equivalence(*pair("llama_fused_qkv_noncausal"), seed=1234, max_examples=10)
+        messages.append(str(failure.value))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("check_equivalence(seed=1234, max_examples=10)")
+
+
+def test_session_seed_set_by_the_plugin_is_used_and_printed(pair: Callable[[str], Pair]) -> None:
+    set_default_seed(77)
+    try:
+        report = check_equivalence(*pair("llama_fused_qkv"), max_examples=3)
+    finally:
+        set_default_seed(None)
+    assert report.seed == 77 and "seed=77" in str(report)
+
+
+def test_works_from_a_test_with_function_scoped_fixtures(pair: Callable[[str], Pair], tmp_path: Path) -> None:
+    # @given is inside check_equivalence, not on this test: no function_scoped_fixture health check.
+    assert check_equivalence(*pair("llama_fused_qkv"), max_examples=3).passed
+
+
+def test_an_exception_from_a_model_is_shrunk_and_reported(pair: Callable[[str], Pair]) -> None:
+    reference, patched = pair("llama_fused_qkv")
+
+    def reject_batches(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if kwargs["input_ids"].shape[0] > 1:
+            raise RuntimeError("batched inputs are not supported")
+
+    handle = patched.register_forward_pre_hook(reject_batches, with_kwargs=True)
+    try:
+        with pytest.raises(AssertionError) as failure:
+            check_equivalence(reference, patched)
+    finally:
+        handle.remove()
+    message = str(failure.value)
+    assert re.search(r"minimal failing inputs: input_ids=\[\[\d+\], \[\d+\]\]", message)  # two rows of one token
+    assert "a model raised RuntimeError: batched inputs are not supported" in message
+    assert isinstance(failure.value.__cause__, RuntimeError)
+
+
+def test_one_property_record_per_check(pair: Callable[[str], Pair], records: list[CheckRecord]) -> None:
+    check_equivalence(*pair("qwen3_moe_router"), max_examples=5)
+    with pytest.raises(AssertionError):
+        check_equivalence(*pair("llama_fused_qkv_noncausal"), max_examples=5)
+    assert [(r.kind, r.outcome, r.examples >= 5) for r in records] == [("property", "passed", True), ("property", "failed", True)]
+    assert "first diverging module" in records[1].detail
+
+
+def test_tolerance_arguments_apply_to_every_example(pair: Callable[[str], Pair]) -> None:
+    assert check_equivalence(*pair("llama_fused_qkv_noncausal"), atol=2.0, max_examples=5).passed
+
+
+def test_inputs_must_be_a_strategy_or_a_dict(pair: Callable[[str], Pair]) -> None:
+    with pytest.raises(pytest.UsageError, match="inputs= must be a hypothesis strategy"):
+        check_equivalence(*pair("llama_fused_qkv"), inputs=[1, 2, 3])  # type: ignore[arg-type]
+
+
+@settings(max_examples=4, deadline=None)
+@given(config=tiny_configs("llama", vocab_size=128, layers=(1, 2)))
+def test_fused_qkv_is_equivalent_across_head_and_kv_head_layouts(
+    checkpoints: Path, config: transformers.PretrainedConfig
+) -> None:
+    reference, patched = load_pair(cached_checkpoint(config, cache_dir=checkpoints), load_patch("llama_fused_qkv"))
+    assert type(patched.model.layers[0].self_attn).__name__ == "LlamaFusedQKVAttention"
+    assert_equivalent(reference, patched)
