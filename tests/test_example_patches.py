@@ -80,6 +80,18 @@ def load(
     return model.eval(), info
 
 
+def reference_and_patched(
+    path: Path, patch: types.ModuleType | None = None, *, mapping: dict[str, type] | None = None, **kwargs: Any
+) -> tuple[Any, Any]:
+    """The unpatched model and the one with ``patch`` (or ``mapping``), checking every weight loaded.
+
+    ``kwargs`` (e.g. ``attn_implementation``) go to both ``from_pretrained`` calls.
+    """
+    patched, info = load(path, patch, mapping=mapping, **kwargs)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return load(path, **kwargs), patched
+
+
 def input_ids(batch: int = 2, length: int = 12, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -202,10 +214,7 @@ def test_fused_qkv_llama_matches_original_logits_with_grouped_query_attention(
     checkpoint: Callable[..., Path], kv_heads: int
 ) -> None:
     path = checkpoint("llama", num_key_value_heads=kv_heads)
-    reference = load(path)
-    patched, info = load(path, load_patch("llama_fused_qkv"))
-
-    assert not info["missing_keys"] and not info["unexpected_keys"]
+    reference, patched = reference_and_patched(path, load_patch("llama_fused_qkv"))
     assert all(type(layer.self_attn).__name__ == "LlamaFusedQKVAttention" for layer in patched.model.layers)
     ids = input_ids()
     for attn_implementation in ("sdpa", "eager"):
@@ -227,6 +236,22 @@ def test_fused_qkv_llama_round_trips_sharded_bf16_checkpoint(checkpoint: Callabl
     assert roundtrip_differences(source, saved) == []
 
 
+def test_builtin_concatenate_would_not_round_trip_grouped_query_attention(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    # Why the example ships ConcatenateQKV: Concatenate reverses to Chunk, which splits 64+32+32 rows
+    # of the tiny Llama's qkv_proj into three equal parts.
+    from transformers.core_model_loading import Concatenate, WeightConverter
+
+    naive = WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], operations=[Concatenate(dim=0)])
+    source = checkpoint("llama")
+    saved = load_and_save(
+        source, tmp_path / "saved", mapping=load_patch("llama_fused_qkv").MAPPING, conversions={"llama": [naive]}
+    )
+    problems = roundtrip_differences(source, saved)
+    assert "model.layers.0.self_attn.q_proj.weight: ('torch.float32', (64, 64)) != ('torch.float32', (43, 64))" in problems
+
+
 # ---------------------------------------------------------------------------
 # llama_fused_qkv_noncausal (broken)
 # ---------------------------------------------------------------------------
@@ -234,10 +259,8 @@ def test_fused_qkv_llama_round_trips_sharded_bf16_checkpoint(checkpoint: Callabl
 
 def test_noncausal_fused_qkv_diverges_under_sdpa_first_in_layer_0_attention(checkpoint: Callable[..., Path]) -> None:
     path = checkpoint("llama")
-    reference = load(path)
-    patched, info = load(path, load_patch("llama_fused_qkv_noncausal"))
+    reference, patched = reference_and_patched(path, load_patch("llama_fused_qkv_noncausal"))
     assert reference.config._attn_implementation == "sdpa"
-    assert not info["missing_keys"] and not info["unexpected_keys"]
     ids = input_ids()
 
     # The value recorded in the example's docstring.
@@ -247,8 +270,9 @@ def test_noncausal_fused_qkv_diverges_under_sdpa_first_in_layer_0_attention(chec
 
 def test_noncausal_fused_qkv_hides_under_eager_attention(checkpoint: Callable[..., Path]) -> None:
     path = checkpoint("llama")
-    reference = load(path, attn_implementation="eager")
-    patched, _ = load(path, load_patch("llama_fused_qkv_noncausal"), attn_implementation="eager")
+    reference, patched = reference_and_patched(
+        path, load_patch("llama_fused_qkv_noncausal"), attn_implementation="eager"
+    )
     ids = input_ids()
     torch.testing.assert_close(output_of(patched, ids), output_of(reference, ids), **FP32)
 
@@ -292,10 +316,9 @@ def test_narrow_self_attention_key_is_equivalent_with_and_without_padding(
 ) -> None:
     patch = load_patch("bert_broad_attention")
     path = checkpoint("bert")
-    reference = load(path, attn_implementation=attn_implementation)
-    patched, info = load(path, mapping=patch.NARROW_MAPPING, attn_implementation=attn_implementation)
-
-    assert not info["missing_keys"] and not info["unexpected_keys"]
+    reference, patched = reference_and_patched(
+        path, mapping=patch.NARROW_MAPPING, attn_implementation=attn_implementation
+    )
     assert type(patched.encoder.layer[0].attention).__name__ == "BertAttention"
     assert type(patched.encoder.layer[0].attention.self) is patch.BertSdpaSelfAttention
     ids = input_ids()
@@ -316,10 +339,7 @@ def test_narrow_self_attention_key_is_equivalent_with_and_without_padding(
 def test_qwen2_moe_module_list_experts_and_fused_qkv_match_original_logits(checkpoint: Callable[..., Path]) -> None:
     patch = load_patch("qwen2_moe")
     path = checkpoint("qwen2_moe")
-    reference = load(path)
-    patched, info = load(path, patch)
-
-    assert not info["missing_keys"] and not info["unexpected_keys"]
+    reference, patched = reference_and_patched(path, patch)
     layer = patched.model.layers[0]
     assert type(layer.mlp.experts) is patch.ModuleListExperts
     assert type(layer.self_attn) is patch.Qwen2MoeFusedQKVAttention
@@ -351,10 +371,7 @@ def test_qwen2_moe_checkpoint_round_trips_bit_exact(
 def test_replayable_router_without_forced_indices_matches_original_outputs(checkpoint: Callable[..., Path]) -> None:
     patch = load_patch("qwen3_moe_router")
     path = checkpoint("qwen3_moe")
-    reference = load(path)
-    patched, info = load(path, patch)
-
-    assert not info["missing_keys"] and not info["unexpected_keys"]
+    reference, patched = reference_and_patched(path, patch)
     assert all(type(layer.mlp.gate) is patch.ReplayableQwen3MoeTopKRouter for layer in patched.model.layers)
     ids = input_ids()
     with torch.no_grad():
