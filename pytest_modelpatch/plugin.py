@@ -18,6 +18,7 @@ from .leaks import LeakGuard, parse_leak_mode
 from .markers import PATCH_MARKER_HELP, collect_patch_spec
 
 if TYPE_CHECKING:
+    from .builder import ModelBuilder, ModelRequest
     from .registration import ActivePatches, PatchRegistry
 
 _GPU_SKIP = pytest.StashKey[str]()
@@ -28,6 +29,10 @@ MARKERS = {
     "gpu": "gpu: needs a CUDA GPU; skipped with a reason when there is none (a failure under --modelpatch-require-gpu)",
     "devices": "devices(*names): run the test once per device, e.g. devices('cpu', 'cuda'); sets the device fixture",
     "dtypes": "dtypes(*dtypes): run the test once per dtype, e.g. dtypes('float32', 'bfloat16'); sets the dtype fixture",
+    "model": "model(spec, *, seed=0, fusion_config=None, **config_overrides): the model behind reference_model and "
+    "patched_model: a model type ('llama'), a PretrainedConfig or a local checkpoint directory",
+    "tolerance": "tolerance(*, atol=None, rtol=None, policy=None): tolerance for this test's equivalence checks "
+    "(arguments > this marker > modelpatch_atol/modelpatch_rtol ini > the per-dtype policy)",
 }
 
 
@@ -61,6 +66,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="fail, instead of skipping, tests that need a GPU when none is available (for GPU CI).",
     )
+    group.addoption(
+        "--modelpatch-checkpoint",
+        dest="modelpatch_checkpoint",
+        default=None,
+        metavar="PATH",
+        help="default model for reference_model/patched_model when a test has no @pytest.mark.model: "
+        "a local checkpoint directory or a model type such as 'llama'.",
+    )
+    parser.addini("modelpatch_atol", "absolute tolerance for equivalence checks (default: per-dtype policy)")
+    parser.addini("modelpatch_rtol", "relative tolerance for equivalence checks (default: per-dtype policy)")
+    parser.addini("modelpatch_tolerance_policy", "named tolerance policy: default, strict or loose", default="")
     parser.addini(
         "modelpatch_leaks",
         "what to do when a test leaves transformers patch state changed: error (default), warn or off",
@@ -183,12 +199,14 @@ def _modelpatch_guard(request: pytest.FixtureRequest) -> Iterator[ActivePatches 
     nodeid = request.node.nodeid
     active = None
     usage_error = None
+    reset_tolerance = None
     try:
         spec = collect_patch_spec(request.node)
         if spec is not None:
             from .registration import ActivePatches
 
-            active = ActivePatches(spec)
+            active = ActivePatches(spec, lint=_registration_lint(request.node, spec.allow))
+        reset_tolerance = _set_test_tolerance(request.node)
     except PatchUsageError as exc:
         usage_error = f"PatchUsageError: {exc}"
     except BaseException:
@@ -201,6 +219,8 @@ def _modelpatch_guard(request: pytest.FixtureRequest) -> Iterator[ActivePatches 
         yield active
     finally:
         try:
+            if reset_tolerance is not None:
+                reset_tolerance()
             if active is not None:
                 active.close()
         finally:
@@ -213,6 +233,107 @@ def _finish_guard(guard: LeakGuard | None, nodeid: str) -> None:
     message = guard.finish(nodeid)
     if message is not None:
         pytest.fail(message, pytrace=False)
+
+
+def _model_request(item: pytest.Item) -> ModelRequest | None:
+    """The test's ``@pytest.mark.model``, else ``--modelpatch-checkpoint``, else ``None``."""
+    from .builder import ModelRequest
+
+    found = next(iter(item.iter_markers_with_node("model")), None)
+    if found is not None:
+        node, mark = found
+        return ModelRequest.from_marker(mark.args, mark.kwargs, node.nodeid or node.name)
+    default = item.config.getoption("modelpatch_checkpoint")
+    return ModelRequest(default) if default else None
+
+
+def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
+    """Lint marks' keys at registration, against the test's model family when it has one."""
+    from .patterns import lint_for_registration
+
+    families = None
+    if item.get_closest_marker("model") is not None:
+        from .checkpoints import resolve_model_spec
+
+        request = _model_request(item)
+        if request is not None:
+            families = [resolve_model_spec(request.spec, **dict(request.overrides)).model_type]
+    return lambda mapping: lint_for_registration(mapping, families=families, allow=allow)
+
+
+def _set_test_tolerance(item: pytest.Item) -> Any:
+    if item.get_closest_marker("tolerance") is None and not any(
+        item.config.getini(k) for k in ("modelpatch_atol", "modelpatch_rtol", "modelpatch_tolerance_policy")
+    ):
+        return None
+    from .tolerance import ToleranceOverride, set_test_tolerance
+
+    overrides = []
+    mark = item.get_closest_marker("tolerance")
+    if mark is not None:
+        overrides.append(ToleranceOverride.from_marker(mark.args, mark.kwargs, f"@pytest.mark.tolerance on {item.nodeid}"))
+    config = item.config
+    overrides.append(
+        ToleranceOverride.from_ini(
+            config.getini("modelpatch_atol"), config.getini("modelpatch_rtol"), config.getini("modelpatch_tolerance_policy")
+        )
+    )
+    return set_test_tolerance(*overrides)
+
+
+# ---------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def model_builder(tmp_path_factory: pytest.TempPathFactory) -> ModelBuilder:
+    """Session cache of seeded checkpoints and reference models (checkpoints shared across xdist workers)."""
+    from .builder import ModelBuilder
+
+    base = tmp_path_factory.getbasetemp()
+    # under xdist every worker's basetemp sits in one run directory: share the checkpoints there
+    root = base.parent if devices.xdist_worker_index() is not None else base
+    return ModelBuilder(root / "modelpatch-checkpoints")
+
+
+def _required_model_request(request: pytest.FixtureRequest) -> ModelRequest:
+    model_request = _model_request(request.node)
+    if model_request is None:
+        raise PatchUsageError(
+            f"{request.fixturename} needs a model: mark the test with @pytest.mark.model('llama') (a model type, "
+            "a PretrainedConfig or a checkpoint directory), or pass --modelpatch-checkpoint PATH."
+        )
+    return model_request
+
+
+@pytest.fixture
+def reference_model(model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest) -> Any:
+    """The unpatched model of ``@pytest.mark.model``, loaded with ``from_pretrained``; shared, do not modify."""
+    return model_builder.reference(_required_model_request(request), dtype=dtype, device=device)
+
+
+@pytest.fixture
+def patched_model(
+    model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest, _modelpatch_guard: Any
+) -> Iterator[Any]:
+    """The same weights loaded with this test's patches and conversions (``@pytest.mark.patch``)."""
+    from .registry import PatchStateGuard
+
+    model_request = _required_model_request(request)
+    guard = PatchStateGuard()  # fusion_config registers global patches while loading
+    try:
+        yield model_builder.patched(model_request, dtype=dtype, device=device)
+    finally:
+        guard.restore()
+
+
+@pytest.fixture
+def roundtrip(tmp_path: Any) -> Any:
+    """``check_roundtrip`` bound to this test's ``tmp_path``: ``roundtrip.check(checkpoint_or_model)``."""
+    from .roundtrip import Roundtrip
+
+    return Roundtrip(tmp_path)
 
 
 @pytest.fixture

@@ -111,7 +111,10 @@ def register_patches(
     checked_conversions = validate_conversions(conversions)
     if lint is not None and checked:
         lint(checked)
-    _check_reversible(checked_conversions)
+    if checked_conversions:
+        from .reversibility import assert_reversible
+
+        assert_reversible(checked_conversions)
     from transformers import monkey_patching
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 
@@ -134,16 +137,6 @@ def register_patches(
         register_checkpoint_conversion_mapping(key, transforms, overwrite=True)
 
 
-def _check_reversible(conversions: dict[str, list[Any]]) -> None:
-    if not conversions:
-        return
-    try:
-        from .reversibility import assert_reversible
-    except ImportError:  # reversibility checks land with the round-trip module
-        return
-    assert_reversible(conversions)
-
-
 class PatchRegistry:
     """Patches registered for one test; everything is restored when it ends.
 
@@ -154,7 +147,7 @@ class PatchRegistry:
             assert "LlamaAttention" in patch_registry.mapping
     """
 
-    def __init__(self, lint: Callable[[dict[str, type]], None] | None = None) -> None:
+    def __init__(self, *, lint: bool = True) -> None:
         self._guard = PatchStateGuard()
         self._lint = lint
         self._conversions: dict[str, list[Any]] = {}
@@ -165,9 +158,20 @@ class PatchRegistry:
         *,
         conversions: Mapping[str, list[Any]] | None = None,
         overwrite: bool = False,
+        allow: Mapping[str, list[str]] | None = None,
+        families: list[str] | None = None,
     ) -> None:
-        """Register ``mapping`` (and weight ``conversions``) for the rest of this test."""
-        register_patches(mapping, conversions=conversions, overwrite=overwrite, lint=self._lint)
+        """Register ``mapping`` (and weight ``conversions``) for the rest of this test.
+
+        The keys are linted first (``allow={key: ["CONTAINER"]}`` accepts a finding);
+        ``families=["bert"]`` limits the lint to those model types.
+        """
+        from .patterns import lint_for_registration
+
+        def lint(checked: dict[str, type]) -> None:
+            lint_for_registration(checked, families=families, allow=allow)
+
+        register_patches(mapping, conversions=conversions, overwrite=overwrite, lint=lint if self._lint else None)
         self._conversions.update(validate_conversions(conversions))
 
     def unregister(self, keys: Iterable[str] | str) -> None:

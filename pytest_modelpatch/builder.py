@@ -1,0 +1,146 @@
+"""Build the reference and patched models a test asks for with ``@pytest.mark.model``.
+
+Both go through the real path: a seeded checkpoint saved once as safetensors
+(shared by xdist workers through the cache directory), then ``from_pretrained``
+without patches for the reference and with the test's patches for the patched
+model. Reference models are cached per session; patched models are not, since
+patches differ from test to test.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoints import cached_checkpoint, load_pretrained, resolve_model_spec
+from .devices import dtype_name
+from .errors import ModelPatchError, PatchUsageError
+from .proof import track_patch_usage
+from .registry import without_patches
+
+MODEL_MARKER_HELP = (
+    "@pytest.mark.model(spec, *, seed=0, fusion_config=None, **config_overrides): the model for reference_model "
+    "and patched_model: a model type ('llama'), a PretrainedConfig or a local checkpoint directory"
+)
+
+
+class PatchNotAppliedError(ModelPatchError):
+    """A registered patch key replaced nothing in the model under test."""
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """What ``@pytest.mark.model`` (or ``--modelpatch-checkpoint``) asks for."""
+
+    spec: Any
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    fusion_config: Mapping[str, Any] | None = None
+
+    @classmethod
+    def from_marker(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any], where: str) -> ModelRequest:
+        """Validate the mark's arguments; wrong use is a usage error naming the fix."""
+        if len(args) != 1:
+            raise PatchUsageError(
+                f"@pytest.mark.model on {where} takes exactly one positional spec (a model type such as 'llama', "
+                f"a PretrainedConfig or a checkpoint directory), got {len(args)}."
+            )
+        options = dict(kwargs)
+        seed = options.pop("seed", 0)
+        fusion = options.pop("fusion_config", None)
+        if not isinstance(seed, int):
+            raise PatchUsageError(f"@pytest.mark.model on {where}: seed must be an int, got {seed!r}.")
+        if fusion is not None and not isinstance(fusion, Mapping):
+            raise PatchUsageError(
+                f"@pytest.mark.model on {where}: fusion_config must be a dict such as {{'patch_embeddings': True}}."
+            )
+        return cls(args[0], options, seed, fusion)
+
+
+class ModelBuilder:
+    """Session-wide source of checkpoints and models; the ``model_builder`` fixture.
+
+    Example::
+
+        def test_many(model_builder, dtype):
+            request = ModelRequest("llama", {"num_hidden_layers": 3})
+            reference = model_builder.reference(request, dtype=dtype)
+    """
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.cache_dir = Path(cache_dir)
+        self._references: dict[tuple[str, str, str], torch.nn.Module] = {}
+
+    def checkpoint(self, request: ModelRequest, *, dtype: Any = "float32") -> Path:
+        """The checkpoint directory: the given one, or a seeded tiny model saved once."""
+        spec = resolve_model_spec(request.spec, **dict(request.overrides))
+        if spec.source_dir is not None and not request.overrides:
+            return spec.source_dir
+        return cached_checkpoint(spec.config, dtype=dtype_name(dtype), seed=request.seed, cache_dir=self.cache_dir)
+
+    def reference(self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu") -> torch.nn.Module:
+        """The unpatched model, built once per (checkpoint, dtype, device) and shared: do not modify it."""
+        path = self.checkpoint(request, dtype=dtype)
+        key = (str(path), dtype_name(dtype), str(device))
+        if key not in self._references:
+            with without_patches():
+                self._references[key] = load_pretrained(path, dtype=dtype, device=device)
+        return self._references[key]
+
+    def patched(self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu") -> torch.nn.Module:
+        """The model loaded with whatever patches and conversions are registered now."""
+        from transformers import monkey_patching
+
+        path = self.checkpoint(request, dtype=dtype)
+        keys = list(monkey_patching.get_patch_mapping())
+        extra = {"fusion_config": dict(request.fusion_config)} if request.fusion_config else {}
+        model = load_pretrained(path, dtype=dtype, device=device, **extra)
+        if keys:
+            check_keys_applied(keys, self.reference(request, dtype=dtype, device=device), model)
+        track_patch_usage(model, set(monkey_patching.get_patch_mapping().values()))
+        return model
+
+
+def module_class_names(model: torch.nn.Module) -> set[str]:
+    """The class names of every module in ``model``."""
+    return {type(module).__name__ for module in model.modules()}
+
+
+def keys_used(keys: list[str], class_names: set[str]) -> set[str]:
+    """Which keys replace at least one of ``class_names``, by transformers' rules (exact names first)."""
+    used = set()
+    for name in class_names:
+        if name in keys:
+            used.add(name)
+            continue
+        for key in keys:
+            try:
+                if key != name and re.search(key, name):
+                    used.add(key)
+                    break
+            except re.error:
+                continue
+    return used
+
+
+def check_keys_applied(keys: list[str], reference: torch.nn.Module, patched: torch.nn.Module) -> None:
+    """Fail when a registered key matches no module class of this model (a typo or a stale name)."""
+    names = module_class_names(reference)
+    unused = [key for key in keys if key not in keys_used(keys, names)]
+    if not unused:
+        return
+    lines = []
+    for key in unused:
+        close = difflib.get_close_matches(key, sorted(names), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        lines.append(f"  patch key {key!r} replaced nothing: no module class of this model matches it.{hint}")
+    raise PatchNotAppliedError(
+        f"{type(patched).__name__} ({getattr(patched.config, 'model_type', '?')}) was loaded with patches that "
+        "did not apply:\n" + "\n".join(lines) + f"\nModule classes in this model: {', '.join(sorted(names))}."
+    )
