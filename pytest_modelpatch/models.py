@@ -394,7 +394,16 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
         raise PatchUsageError(unknown_model_type_message(model_type))
     default = AutoConfig.for_model(model_type)
     shrunk = shrink_config_dict(default.to_dict(), overrides)
-    return type(default).from_dict(shrunk)
+    try:
+        return type(default).from_dict(shrunk)
+    except Exception as exc:  # strict-dataclass validation errors are not ValueErrors
+        if not overrides:
+            raise
+        first = str(exc).strip().splitlines()
+        raise PatchUsageError(
+            f"tiny_config({model_type!r}) with overrides {overrides} is not a valid {type(default).__name__}: "
+            f"{' '.join(first[:2])}. Change the overrides so the sizes agree."
+        ) from exc
 
 
 def unknown_model_type_message(model_type: object) -> str:

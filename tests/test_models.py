@@ -138,6 +138,11 @@ def test_tiny_config_merges_a_sub_config_override() -> None:
     assert config.text_config.hidden_size == 64  # the rest stays shrunk
 
 
+def test_tiny_config_reports_overrides_that_make_an_invalid_config() -> None:
+    with pytest.raises(PatchUsageError, match=r"overrides \{'num_attention_heads': 3\} is not a valid LlamaConfig"):
+        tiny_config("llama", num_attention_heads=3)  # 64 is not a multiple of 3
+
+
 def test_tiny_config_is_deterministic() -> None:
     assert tiny_config("qwen3_moe").to_dict() == tiny_config("qwen3_moe").to_dict()
 
