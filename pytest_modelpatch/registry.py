@@ -306,47 +306,47 @@ def _tracking_patch_output_recorders(model: Any) -> None:
 
 
 @contextmanager
-def _guarded_apply_patches(*args: Any, **kwargs: Any) -> Iterator[None]:
-    # transformers' apply_patches restores the swapped classes only after a clean
-    # exit: a replacement whose __init__ raises leaves them swapped for the rest of
-    # the process. Record what it will swap, and put it back on the error path.
+def _guarded_apply_patches() -> Iterator[None]:
+    """transformers' ``apply_patches`` loop, restoring the classes on every exit.
+
+    transformers (5.3-5.23) restores the swapped classes only after a clean exit:
+    a replacement whose ``__init__`` raises leaves them swapped for the rest of the
+    process. Same matching rules (``_find_replacement_class`` over ``dir()`` of every
+    loaded ``transformers*`` module); one pass, so it costs what the original costs.
+    """
     mp = sys.modules[MONKEY_PATCHING]
     mapping = mp.get_patch_mapping()
-    originals = _classes_apply_patches_swaps(mp, mapping) if mapping else {}
+    originals: dict[tuple[str, str], type] = {}
     try:
-        with _ORIGINALS["apply_patches"](*args, **kwargs):
-            yield
-    except BaseException:
+        if mapping:
+            for module in list(sys.modules.values()):
+                name = getattr(module, "__name__", None)
+                if not isinstance(name, str) or not name.startswith("transformers"):
+                    continue
+                for attr in dir(module):
+                    replacement = mp._find_replacement_class(attr, mapping)
+                    if replacement is None:
+                        continue
+                    try:
+                        value = getattr(module, attr)
+                        if not isinstance(value, type):
+                            continue
+                        originals[(name, attr)] = value
+                        setattr(module, attr, replacement)
+                    except (AttributeError, TypeError, ImportError):
+                        continue
+        yield
+    finally:
         for (module_name, attr), value in originals.items():
             module = sys.modules.get(module_name)
             if module is not None:
                 setattr(module, attr, value)
-        raise
 
 
 _WRAPPERS: dict[str, Any] = {
     "patch_output_recorders": _tracking_patch_output_recorders,
     "apply_patches": _guarded_apply_patches,
 }
-
-
-def _classes_apply_patches_swaps(mp: types.ModuleType, mapping: dict[str, type]) -> dict[tuple[str, str], type]:
-    """The (module, attribute) -> class pairs ``apply_patches`` is about to replace (same rules)."""
-    found: dict[tuple[str, str], type] = {}
-    for module in list(sys.modules.values()):
-        name = getattr(module, "__name__", None)
-        if not isinstance(name, str) or not name.startswith("transformers"):
-            continue
-        for attr in dir(module):
-            if mp._find_replacement_class(attr, mapping) is None:
-                continue
-            try:
-                value = getattr(module, attr)
-            except (AttributeError, TypeError, ImportError):
-                continue
-            if isinstance(value, type):
-                found[(name, attr)] = value
-    return found
 
 
 def _install_wrappers(mp: types.ModuleType) -> None:
@@ -475,6 +475,16 @@ def isolated_patch_state() -> Iterator[PatchStateSnapshot]:
         guard.restore()
 
 
+_BUILTIN_CONVERSIONS: dict[str, Any] = {}
+
+
+def _builtin_conversions(cm: types.ModuleType) -> dict[str, Any]:
+    """transformers' own conversion table, built once per process (a build costs ~0.1-0.5 s)."""
+    if not _BUILTIN_CONVERSIONS:
+        _BUILTIN_CONVERSIONS.update(cm._build_checkpoint_conversion_mapping())
+    return _BUILTIN_CONVERSIONS
+
+
 @contextmanager
 def without_patches() -> Iterator[PatchStateSnapshot]:
     """Run a block against transformers' built-in state: no patches, no user conversions.
@@ -494,10 +504,10 @@ def without_patches() -> Iterator[PatchStateSnapshot]:
         cm = sys.modules.get(CONVERSION_MAPPING)
         if cm is not None:
             registered = getattr(cm, "USER_REGISTERED_MAPPINGS", None)
-            if registered or (registered is None and cm._checkpoint_conversion_mapping_cache is not None):
-                cm._checkpoint_conversion_mapping_cache = None
-                if registered is not None:
-                    registered.clear()
+            if registered is not None:
+                registered.clear()
+            # a shallow copy of the built-in table: readers deep-copy what they get
+            cm._checkpoint_conversion_mapping_cache = dict(_builtin_conversions(cm))
         # Put class-level recorder tables back to the earliest state any active
         # snapshot saw (outermost last, so it wins): a patched model built earlier in
         # the test re-pointed them at the replacement classes.
