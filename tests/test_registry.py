@@ -1,0 +1,109 @@
+"""isolated_patch_state() and without_patches() restore every global a patch can touch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, conversion_mapping, monkey_patching
+from transformers.core_model_loading import WeightRenaming
+from transformers.models.llama import modeling_llama
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from pytest_modelpatch.registry import PatchStateGuard, isolated_patch_state, without_patches
+
+CONFIG = LlamaConfig(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+)  # fmt: skip
+
+
+class RecordingAttention(LlamaAttention):
+    pass
+
+
+class ExplodingAttention(LlamaAttention):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("replacement __init__ failed")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(CONFIG).save_pretrained(path)
+    return path
+
+
+def _attentions(path: Path) -> int:
+    model = LlamaForCausalLM.from_pretrained(path, attn_implementation="eager")
+    return len(model(torch.tensor([[1, 2, 3]]), output_attentions=True).attentions or ())
+
+
+def test_mapping_conversions_and_recorders_come_back(checkpoint: Path) -> None:
+    with isolated_patch_state():
+        monkey_patching.register_patch_mapping({"LlamaAttention": RecordingAttention, "(": RecordingAttention})
+        conversion_mapping.register_checkpoint_conversion_mapping("llama", [WeightRenaming("x", "y")])
+        LlamaForCausalLM.from_pretrained(checkpoint)
+        assert modeling_llama.LlamaPreTrainedModel._can_record_outputs["attentions"] is RecordingAttention
+    assert monkey_patching.get_patch_mapping() == {}
+    assert "(" not in monkey_patching._compiled_patterns_cache
+    assert conversion_mapping.get_checkpoint_conversion_mapping("llama") is None
+    assert modeling_llama.LlamaPreTrainedModel._can_record_outputs["attentions"] is LlamaAttention
+    assert _attentions(checkpoint) == CONFIG.num_hidden_layers
+
+
+def test_classes_stay_original_when_a_replacement_raises_during_from_pretrained(checkpoint: Path) -> None:
+    # transformers' apply_patches restores the swapped classes only on a clean exit
+    with isolated_patch_state():
+        monkey_patching.register_patch_mapping({"LlamaAttention": ExplodingAttention})
+        with pytest.raises(RuntimeError, match="replacement __init__ failed"):
+            LlamaForCausalLM.from_pretrained(checkpoint)
+        assert modeling_llama.LlamaAttention is LlamaAttention
+    assert modeling_llama.LlamaAttention is LlamaAttention
+
+
+def test_changes_name_what_leaked(checkpoint: Path) -> None:
+    guard = PatchStateGuard()
+    monkey_patching.register_patch_mapping({"LlamaAttention": RecordingAttention})
+    LlamaForCausalLM.from_pretrained(checkpoint)
+    changes = guard.restore()
+    assert any("'LlamaAttention' -> " in c and "RecordingAttention was registered" in c for c in changes)
+    assert any("LlamaPreTrainedModel._can_record_outputs['attentions']" in c for c in changes)
+    assert guard.restore() == []  # idempotent
+    assert monkey_patching.get_patch_mapping() == {}
+
+
+def test_without_patches_builds_the_original_model_and_keeps_the_patches(checkpoint: Path) -> None:
+    with isolated_patch_state():
+        monkey_patching.register_patch_mapping({"LlamaAttention": RecordingAttention})
+        conversion_mapping.register_checkpoint_conversion_mapping("llama", [WeightRenaming("x", "y")])
+        patched = LlamaForCausalLM.from_pretrained(checkpoint)
+        with without_patches():
+            assert monkey_patching.get_patch_mapping() == {}
+            assert conversion_mapping.get_checkpoint_conversion_mapping("llama") is None
+            assert _attentions(checkpoint) == CONFIG.num_hidden_layers
+        assert type(patched.model.layers[0].self_attn) is RecordingAttention
+        assert monkey_patching.get_patch_mapping() == {"LlamaAttention": RecordingAttention}
+        assert conversion_mapping.get_checkpoint_conversion_mapping("llama") is not None
+
+
+def test_fusion_caches_are_restored() -> None:
+    fusion = pytest.importorskip("transformers.fusion_mapping", reason="fusion_mapping arrived in transformers 5.10")
+    with isolated_patch_state():
+        fusion._FUSION_DISCOVERY_CACHE.setdefault("patch_embeddings", {})[LlamaForCausalLM] = {"X": RecordingAttention}
+        fusion._REGISTERED_FUSION_SOURCE_PATTERNS[("llama", "patch_embeddings")] = {("a",)}
+    assert LlamaForCausalLM not in fusion._FUSION_DISCOVERY_CACHE.get("patch_embeddings", {})
+    assert ("llama", "patch_embeddings") not in fusion._REGISTERED_FUSION_SOURCE_PATTERNS
+
+
+def test_saved_attributes_are_put_back_or_removed() -> None:
+    with isolated_patch_state() as snapshot:
+        snapshot.save_attribute(LlamaAttention, "forward")
+        snapshot.save_attribute(LlamaAttention, "brand_new")
+        original = LlamaAttention.forward
+        LlamaAttention.forward = lambda self: None  # type: ignore[method-assign]
+        LlamaAttention.brand_new = 1  # type: ignore[attr-defined]
+    assert LlamaAttention.forward is original
+    assert not hasattr(LlamaAttention, "brand_new")
