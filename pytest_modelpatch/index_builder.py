@@ -45,7 +45,7 @@ class Builder:
         for module in self.paths:
             self.package_modules.setdefault(module.rsplit(".", 1)[0], []).append(module)
         self.namespaces: dict[str, dict[str, Ref]] = {}
-        self.texts_memo: dict[tuple[int, str], list[str]] = {}
+        self.names_memo: dict[tuple[int, str], set[str]] = {}
         self.base_models: dict[str, list[tuple[str, str]]] | None = None
         self.keys: dict[str, int] = {}
         self.classes: list[ClassEntry] = []
@@ -190,12 +190,12 @@ class Builder:
         if located is None:
             return found
         module, scanned, name, names = located
-        texts = self.init_texts(scanned, name)
+        used = self.init_names(scanned, name)
         for base in scanned.classes[name].bases:
             ref = self.dotted_ref(names, base)
             if ref[0] == "class" and ref[1] != key:
                 found += [edge for edge in self.children(ref[1]) if edge not in found]
-        for word in sorted(_names_used(texts)):
+        for word in sorted(used):
             for ref in _flatten(names.get(word, OTHER)):
                 if ref[0] == "class" and ref[1] != key and self.nature(ref[1], set())[0]:
                     if (word, ref[1]) not in found:
@@ -221,13 +221,14 @@ class Builder:
             self.namespaces[module] = {k: self.object_ref(v) for k, v in vars(sys.modules[module]).items()}
         return module, scanned, cls.__name__, self.namespaces[module]
 
-    def init_texts(self, scanned: SourceFile, name: str) -> list[str]:
-        """``__init__`` and the methods and same-file functions it calls, as text."""
+    def init_names(self, scanned: SourceFile, name: str) -> set[str]:
+        """Names used by ``__init__`` and by the methods and same-file functions it calls."""
         memo = (id(scanned), name)
-        if memo in self.texts_memo:
-            return self.texts_memo[memo]
+        if memo in self.names_memo:
+            return self.names_memo[memo]
         cls = scanned.classes[name]
-        texts: list[str] = self.texts_memo.setdefault(memo, [])
+        used: set[str] = set()
+        self.names_memo[memo] = used
         pending = ["__init__"]
         seen: set[str] = set()
         while pending:
@@ -238,10 +239,11 @@ class Builder:
             text = cls.method(method) if not method.startswith("fn:") else scanned.function(method[3:])
             if text is None:
                 continue
-            texts.append(text)
+            words = _names_used(text)
+            used |= words
             pending += _SELF_CALL.findall(text)
-            pending += [f"fn:{word}" for word in _names_used([text]) if word in scanned.functions]
-        return texts
+            pending += [f"fn:{word}" for word in words if word in scanned.functions]
+        return used
 
     # -- the index -----------------------------------------------------------
     def build(self, transformers_version: str) -> ScanIndex:
@@ -276,7 +278,7 @@ class Builder:
             return []
         _, scanned, name, _ = located
         bases_text = " ".join(scanned.classes[name].bases)
-        if "AutoModel" not in " ".join(self.init_texts(scanned, name)) and "Generic" not in bases_text:
+        if "AutoModel" not in self.init_names(scanned, name) and "Generic" not in bases_text:
             return []
         if self.base_models is None:
             self.base_models = {}
@@ -309,12 +311,8 @@ def _base_model_names() -> set[str]:
     return _BASE_MODELS
 
 
-def _names_used(texts: list[str]) -> set[str]:
-    found: set[str] = set()
-    for text in texts:
-        code = _NOT_CHILD.sub("", _NOISE.sub("", text))
-        found.update(_IDENTIFIER.findall(code))
-    return found
+def _names_used(text: str) -> set[str]:
+    return set(_IDENTIFIER.findall(_NOT_CHILD.sub("", _NOISE.sub("", text))))
 
 
 def _flatten(ref: Ref) -> list[Ref]:

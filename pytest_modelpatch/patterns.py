@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.scan_index import CORE, ClassEntry, ScanIndex, load_index
@@ -197,6 +198,10 @@ class _Lint:
                 target.setdefault(attr, {}).setdefault(cls, []).append(module)
         self._winners: dict[str, str | None] = {}
 
+    @cached_property
+    def tails(self) -> dict[str, set[str]]:
+        return tail_table(self.inside)
+
     def winner(self, name: str) -> str | None:
         """The key transformers' ``_find_replacement_class`` picks for ``name``."""
         if name not in self._winners:
@@ -251,7 +256,7 @@ class _Lint:
                 else:
                     clean.add(name)
         avoid = {name for _, name, *_ in problems}
-        suggestion = suggest(clean - avoid, self.inside) if problems else ""
+        suggestion = suggest(clean - avoid, self.tails) if problems else ""
         return [self.describe(key, *problem, suggestion) for problem in problems]
 
     def containment(self, cls: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -315,27 +320,36 @@ class _Lint:
                         f"{len(families)} other families (e.g. {_names(found)} in {_names(families)}).")]
 
 
-def suggest(targets: set[str], names: Iterable[str]) -> str:
+def suggest(targets: set[str], names: Iterable[str] | Mapping[str, set[str]]) -> str:
     """A ``.*Tail$`` key matching as many ``targets`` as possible and nothing else in ``names``.
 
+    ``names`` may be given as a tail table (``tail_table(names)``) to reuse it.
     Example: ``suggest({"BertSelfAttention"}, ["BertAttention", "BertSelfAttention"])``
     gives ``".*SelfAttention$"``.
     """
-    by_tail: dict[str, set[str]] = {}
-    for name in names:
-        for i, char in enumerate(name):
-            if char.isupper():
-                by_tail.setdefault(name[i:], set()).add(name)
+    by_tail = names if isinstance(names, Mapping) else tail_table(names)
     best: tuple[int, int, str] | None = None
     for target in targets:
-        for i, char in enumerate(target):
-            tail = target[i:]
-            if not char.isupper() or not by_tail[tail] <= targets:
+        for tail in _TAILS.findall(target):
+            if not by_tail[tail] <= targets:
                 continue
-            score = (len(by_tail[tail] & targets), -len(tail), tail)
+            score = (len(by_tail[tail]), -len(tail), tail)
             if best is None or score > best:
                 best = score
     return f".*{best[2]}$" if best else ""
+
+
+# Every suffix of a name that starts at a capital letter: what `.*Tail$` can match.
+_TAILS = re.compile(r"(?=([A-Z][A-Za-z0-9_]*)\Z)")
+
+
+def tail_table(names: Iterable[str]) -> dict[str, set[str]]:
+    """Names by each capitalised suffix (``"BertSelfAttention"`` under ``"Attention"``, ...)."""
+    table: dict[str, set[str]] = {}
+    for name in names:
+        for tail in _TAILS.findall(name):
+            table.setdefault(tail, set()).add(name)
+    return table
 
 
 def _names(items: Iterable[str], *, quote: bool = False) -> str:
