@@ -61,3 +61,10 @@ def test_options_are_in_one_group(pytester: pytest.Pytester) -> None:
         ]
     )
     result.stdout.fnmatch_lines(["*modelpatch_leaks (string):*"])
+
+
+def test_every_public_name_resolves() -> None:
+    import pytest_modelpatch
+
+    missing = [name for name in pytest_modelpatch.__all__ if getattr(pytest_modelpatch, name, None) is None]
+    assert missing == []
