@@ -152,9 +152,14 @@ def _swapped_by_apply_patches(mapping: dict[str, type]) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     with isolated_patch_state():
         monkey_patching.register_patch_mapping(mapping)
+        # apply_patches walks the modules loaded when it starts; getattr on lazy
+        # packages during the walk may import more, which it does not swap.
+        loaded = set(sys.modules)
         with monkey_patching.apply_patches():
             for name, module in list(sys.modules.items()):
-                if name.startswith("transformers") and module is not None and not isinstance(module, _LazyModule):
+                if name not in loaded or module is None or isinstance(module, _LazyModule):
+                    continue
+                if name.startswith("transformers"):
                     found[name] = {a for a, v in vars(module).items() if any(v is r for r in replacements)}
     return found
 
