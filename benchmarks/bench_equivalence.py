@@ -1,0 +1,156 @@
+"""Cost of one check_equivalence example against two bare forwards and against a per-example reload.
+
+Three timings, in one run, on the same tiny model and the same drawn inputs:
+
+- ``check_equivalence``: hypothesis inside one call, models built once (wall time / examples run);
+- bare forwards: ``reference(**x)`` and ``patched(**x)`` under ``no_grad`` on exactly the examples
+  check_equivalence drew (goal: check_equivalence <= 1.3x this);
+- per-example reload: a hand-written ``@given`` test that loads both models with ``from_pretrained``
+  in every example and compares logits with ``torch.testing.assert_close``, as such tests are written today.
+
+Usage::
+
+    python benchmarks/bench_equivalence.py                      # llama_fused_qkv, 50 examples
+    python benchmarks/bench_equivalence.py --patch qwen2_moe --examples 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `fixtures` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.monkey_patching import register_patch_mapping
+
+from fixtures import load_patch, tiny_config
+from pytest_modelpatch.checkpoints import cached_checkpoint, load_pretrained
+from pytest_modelpatch.equivalence import compare_outputs
+from pytest_modelpatch.properties import check_equivalence
+from pytest_modelpatch.registry import isolated_patch_state, without_patches
+from pytest_modelpatch.strategies import model_inputs
+from pytest_modelpatch.tolerance import resolve_tolerance
+
+
+def register(patch: Any) -> None:
+    register_patch_mapping(patch.MAPPING)
+    for model_type, transforms in patch.CONVERSIONS.items():
+        register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
+
+
+def time_check(reference: Any, patched: Any, examples: int, seen: list[Mapping[str, Any]]) -> float:
+    seen.clear()
+    strategy = model_inputs(reference.config).map(lambda x: seen.append(x) or x)
+    start = time.perf_counter()
+    report = check_equivalence(reference, patched, inputs=strategy, max_examples=examples)
+    return (time.perf_counter() - start) / report.examples
+
+
+def time_bare(reference: Any, patched: Any, seen: list[Mapping[str, Any]]) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        for example in seen:
+            reference(**example)
+            patched(**example)
+    return (time.perf_counter() - start) / len(seen)
+
+
+def time_compare(reference: Any, patched: Any, seen: list[Mapping[str, Any]]) -> float:
+    """compare_outputs alone, on outputs computed beforehand."""
+    spec = resolve_tolerance()
+    with torch.no_grad():
+        outputs = [(reference(**example), patched(**example)) for example in seen]
+    start = time.perf_counter()
+    for ours, theirs in outputs:
+        compare_outputs(ours, theirs, spec)
+    return (time.perf_counter() - start) / len(seen)
+
+
+def time_draws(config: Any, examples: int) -> float:
+    """hypothesis and ``model_inputs`` alone, no models: the floor under any property check."""
+    count = [0]
+
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(model_inputs(config))
+    def draw_only(inputs: Mapping[str, Any]) -> None:
+        count[0] += 1
+
+    start = time.perf_counter()
+    draw_only()
+    return (time.perf_counter() - start) / count[0]
+
+
+def time_reload(path: Path, patch: Any, examples: int) -> float:
+    runs: list[float] = []
+    config = load_pretrained(path).config
+
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(model_inputs(config))
+    def test_patched_matches(inputs: Mapping[str, Any]) -> None:
+        start = time.perf_counter()
+        with isolated_patch_state():
+            register(patch)
+            with without_patches():
+                reference = load_pretrained(path)
+            patched = load_pretrained(path)
+        with torch.no_grad():
+            torch.testing.assert_close(patched(**inputs).logits, reference(**inputs).logits)
+        runs.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    test_patched_matches()
+    return (time.perf_counter() - start) / len(runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--patch", default="llama_fused_qkv", help="example patch under fixtures/patches")
+    parser.add_argument("--examples", type=int, default=50, help="check_equivalence examples")
+    parser.add_argument("--reload-examples", type=int, default=5, help="examples for the per-example reload test")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    patch = load_patch(args.patch)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = cached_checkpoint(tiny_config(patch.MODEL_TYPE), cache_dir=tmp)
+        with isolated_patch_state():
+            register(patch)
+            with without_patches():
+                reference = load_pretrained(path)
+            patched = load_pretrained(path)
+        seen: list[Mapping[str, Any]] = []
+        time_check(reference, patched, 5, seen)  # warm-up: first forwards, hypothesis imports
+        checks, bares, draws, compares = [], [], [], []
+        for _ in range(args.repeats):  # interleaved: load on a shared machine drifts
+            checks.append(time_check(reference, patched, args.examples, seen))
+            bares.append(min(time_bare(reference, patched, seen) for _ in range(3)))
+            draws.append(time_draws(reference.config, args.examples))
+            compares.append(time_compare(reference, patched, seen))
+        check, bare = statistics.median(checks), statistics.median(bares)
+        draw, compare = statistics.median(draws), statistics.median(compares)
+        reload = time_reload(path, patch, args.reload_examples)
+
+    print(f"model: {type(reference).__name__} ({args.patch}), {args.examples} examples, median of {args.repeats} runs")
+    print(f"check_equivalence        {check * 1e3:8.2f} ms/example")
+    print(f"two bare forwards        {bare * 1e3:8.2f} ms/example   check/bare = {check / bare:.2f}x (goal <= 1.3x)")
+    print(f"  drawing inputs         {draw * 1e3:8.2f} ms/example   (hypothesis + model_inputs, no models)")
+    print(f"  comparing outputs      {compare * 1e3:8.2f} ms/example   (compare_outputs alone)")
+    rest = check - bare - draw - compare
+    print(f"  the rest               {rest * 1e3:8.2f} ms/example   (hypothesis running the test, cache effects)")
+    print(f"reload per example       {reload * 1e3:8.2f} ms/example   reload/check = {reload / check:.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
