@@ -218,8 +218,6 @@ class Tolerance:
         return self.atol == 0.0 and self.rtol == 0.0 and self.ulps == 0.0
 
     def __str__(self) -> str:
-        if self.exact:
-            return f"exact ({self.dtype}, {self.atol_source})"
         ulps = f" or {self.ulps:g} ulps of max|ref|" if self.ulps else ""
         if self.atol_source == self.rtol_source:
             return f"atol={self.atol:g}{ulps}, rtol={self.rtol:g} at {self.dtype} ({self.atol_source})"

@@ -118,3 +118,50 @@ def test_custom_policy_entries_and_fallback_for_other_float_dtypes() -> None:
 def test_tolerance_text_says_where_each_number_came_from() -> None:
     text = str(resolve_tolerance(rtol=1e-3).for_dtype(torch.float32))
     assert text == "atol=1e-05 or 4 ulps of max|ref| (policy 'default'), rtol=0.001 (argument) at float32"
+
+
+def test_marker_and_ini_reach_assert_equivalent_in_a_real_run(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nmodelpatch_atol = 1e-6\nmodelpatch_rtol = 0\n")
+    pytester.makepyfile(
+        """
+        import pytest
+        import torch
+        from pytest_modelpatch.equivalence import assert_equivalent
+
+        class Scale(torch.nn.Module):
+            def __init__(self, factor):
+                super().__init__()
+                self.factor = torch.nn.Parameter(torch.tensor(factor))
+
+            def forward(self, x):
+                return x * self.factor
+
+        INPUTS = {"x": torch.ones(3)}
+
+        def test_ini_applies():
+            assert_equivalent(Scale(1.0), Scale(1.001), INPUTS)
+
+        @pytest.mark.tolerance(atol=1e-2)
+        def test_marker_beats_ini():
+            assert_equivalent(Scale(1.0), Scale(1.001), INPUTS)
+
+        @pytest.mark.tolerance(atol=1e-2)
+        def test_argument_beats_marker():
+            assert_equivalent(Scale(1.0), Scale(1.001), INPUTS, atol=0.0)
+
+        @pytest.mark.tolerance(tol=1e-2)
+        def test_misspelled_marker_argument():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*PatchUsageError: @pytest.mark.tolerance on *test_misspelled_marker_argument: takes only keyword arguments*",
+            "*test_ini_applies*",
+            "E*tolerance: atol=1e-06, rtol=0 at float32 (ini)",
+            "*test_argument_beats_marker*",
+            "E*tolerance: atol=0 (argument), rtol=0 (ini) at float32",
+        ]
+    )
