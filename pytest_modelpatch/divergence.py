@@ -13,7 +13,7 @@ import copy
 import difflib
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,14 +53,32 @@ class ModuleCall:
     output: dict[str, Any]
 
 
+Hook = Callable[..., None]
+
+
+def run_with_hooks(
+    model: torch.nn.Module, inputs: Mapping[str, Any], hooks: list[tuple[torch.nn.Module, Hook, Hook]]
+) -> None:
+    """One forward of ``model`` with ``(module, pre_hook, hook)`` installed (both with kwargs); removed after."""
+    handles = []
+    try:
+        for module, before, after in hooks:
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(module.register_forward_hook(after, with_kwargs=True))
+        with evaluating(model):
+            forward(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def record_module_calls(model: torch.nn.Module, inputs: Mapping[str, Any]) -> list[ModuleCall]:
     """Run ``model`` on ``inputs`` and return every submodule call in the order the calls finished."""
     calls: list[ModuleCall] = []
     open_calls: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
     counts: dict[str, int] = defaultdict(int)
-    handles = []
 
-    def hooks(name: str, module: torch.nn.Module) -> None:
+    def hooks(name: str, module: torch.nn.Module) -> tuple[torch.nn.Module, Hook, Hook]:
         def before(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             open_calls[name].append((counts[name], {**_flat_clone(args, "args"), **_flat_clone(kwargs)}))
             counts[name] += 1
@@ -69,18 +87,10 @@ def record_module_calls(model: torch.nn.Module, inputs: Mapping[str, Any]) -> li
             index, seen = open_calls[name].pop()
             calls.append(ModuleCall(name, index, type(module).__name__, seen, _flat_clone(output, "output")))
 
-        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-        handles.append(module.register_forward_hook(after, with_kwargs=True))
+        return module, before, after
 
-    for name, module in model.named_modules():
-        if name:  # the root's output is the model output, compared already
-            hooks(name, module)
-    try:
-        with evaluating(model):
-            forward(model, inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    # The root is skipped: its output is the model output, compared already.
+    run_with_hooks(model, inputs, [hooks(name, module) for name, module in model.named_modules() if name])
     return calls
 
 
@@ -183,16 +193,7 @@ def capture_module_calls(
         call_args, call_kwargs = pending.pop()
         calls.append(CapturedCall(call_args, call_kwargs, _flat_clone(output, "output")))
 
-    handles = [
-        module.register_forward_pre_hook(before, with_kwargs=True),
-        module.register_forward_hook(after, with_kwargs=True),
-    ]
-    try:
-        with evaluating(model):
-            forward(model, inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_with_hooks(model, inputs, [(module, before, after)])
     return calls
 
 

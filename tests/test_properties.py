@@ -132,7 +132,10 @@ def test_one_property_record_per_check(pair: Callable[[str], Pair], records: lis
     check_equivalence(*pair("qwen3_moe_router"), max_examples=5)
     with pytest.raises(AssertionError):
         check_equivalence(*pair("llama_fused_qkv_noncausal"), max_examples=5)
-    assert [(r.kind, r.outcome, r.examples >= 5) for r in records] == [("property", "passed", True), ("property", "failed", True)]
+    assert [(r.kind, r.outcome, r.examples >= 5) for r in records] == [
+        ("property", "passed", True),
+        ("property", "failed", True),
+    ]
     assert "first diverging module" in records[1].detail
 
 
