@@ -448,7 +448,7 @@ def model_class_for(config: PretrainedConfig, task: str | None = None) -> type[P
             cls = mapping[type(config)]
             # some composite configs map to a text-only head (Qwen3.5 -> Qwen3_5ForCausalLM
             # takes the text sub-config); skip to a class that takes this config
-            if isinstance(config, cls.config_class) or task:
+            if task or cls.config_class not in type(config).sub_configs.values():
                 return cls
     tried = task or " / ".join(DEFAULT_TASK_ORDER)
     raise PatchUsageError(
