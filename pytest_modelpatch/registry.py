@@ -202,8 +202,15 @@ class PatchStateSnapshot:
         new_keys = sorted(registered - (self.user_registered or set())) if registered is not None else []
         found = [f"checkpoint conversions: {key!r} was registered and not removed" for key in new_keys]
         cache = cm._checkpoint_conversion_mapping_cache
-        if cache is None or self.conversions is None:
+        if cache is None:
             return found
+        if self.conversions is None:
+            if registered is not None:
+                return found
+            # transformers < 5.x without USER_REGISTERED_MAPPINGS: compare with the built-in table
+            builtin = _builtin_conversions(cm)
+            changed = [k for k in sorted(cache) if k not in builtin or repr(cache[k]) != repr(builtin[k])]
+            return found + [f"checkpoint conversions: the mapping for {key!r} was registered or changed" for key in changed]
         for key in sorted(cache.keys() | self.conversions.keys()):
             if key in new_keys:
                 continue
