@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import pytest
+
+Pair = tuple[Any, Any]  # (reference model, patched model)
 
 # The key scenarios run three ways: plain, under xdist with two workers, and with xdist disabled.
 XDIST_MODES = [
@@ -60,3 +65,55 @@ def _repo_on_pytester_path(request: pytest.FixtureRequest, monkeypatch: pytest.M
 
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``pair(patch_name, *, mapping="MAPPING", dtype="float32", attn_implementation=None, **config_overrides)``.
+
+    The reference (no patches) and the patched model of a ``fixtures.patches`` example,
+    both ``from_pretrained`` of one seeded checkpoint; built once per argument set.
+    """
+    from fixtures import load_patch, tiny_config
+    from pytest_modelpatch.checkpoints import cached_checkpoint
+
+    cache = tmp_path_factory.mktemp("checkpoints")
+
+    @functools.cache
+    def build(
+        name: str, mapping: str = "MAPPING", dtype: str = "float32", attn_implementation: str | None = None, **config: Any
+    ) -> tuple[Any, Any]:
+        patch = load_patch(name)
+        path = cached_checkpoint(tiny_config(patch.MODEL_TYPE, **config), dtype=dtype, cache_dir=cache)
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        return load_pair(path, patch, mapping=mapping, dtype=dtype, **extra)
+
+    return build
+
+
+def load_pair(path: Any, patch: Any, *, mapping: str = "MAPPING", dtype: str = "float32", **load_kwargs: Any) -> Any:
+    """Reference and patched model of ``path``, with ``patch``'s mapping and conversions registered for the load."""
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.monkey_patching import register_patch_mapping
+
+    from pytest_modelpatch.checkpoints import load_pretrained
+    from pytest_modelpatch.registry import isolated_patch_state, without_patches
+
+    with isolated_patch_state():
+        register_patch_mapping(getattr(patch, mapping))
+        for model_type, transforms in patch.CONVERSIONS.items():
+            register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
+        with without_patches():
+            reference = load_pretrained(path, dtype=dtype, **load_kwargs)
+        return reference, load_pretrained(path, dtype=dtype, **load_kwargs)
+
+
+@pytest.fixture
+def records() -> Any:
+    """The CheckRecords the code under test records, in order."""
+    from pytest_modelpatch.records import set_record_sink
+
+    rows: list[Any] = []
+    previous = set_record_sink(rows.append)
+    yield rows
+    set_record_sink(previous)

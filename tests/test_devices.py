@@ -87,15 +87,15 @@ def test_grid(device, dtype):
 
 def test_gpu_marker_skips_with_reason_without_a_gpu(pytester: pytest.Pytester, xdist_args: tuple[str, ...]) -> None:
     pytester.makepyfile(MARKED)
-    result = pytester.runpytest("-rs", "-v", *xdist_args)
+    result = pytester.runpytest("-rA", *xdist_args)
     result.assert_outcomes(passed=3, skipped=3)
-    result.stdout.fnmatch_lines(
+    result.stdout.fnmatch_lines_random(
         [
-            "*test_grid?cpu-float32? PASSED*",
-            "*test_grid?cuda-bfloat16? SKIPPED*",
-            "SKIPPED * test_gpu_marker_skips_with_reason_without_a_gpu.py:*: needs a CUDA GPU for device 'cuda'*",
-        ],
-        consecutive=False,
+            "PASSED *::test_grid?cpu-float32?",
+            "PASSED *::test_grid?cpu-bfloat16?",
+            "PASSED *::test_cpu_only",
+            "SKIPPED ?2? test_gpu_marker_skips_with_reason_without_a_gpu.py:*: needs a CUDA GPU for device 'cuda'*",
+        ]
     )
 
 

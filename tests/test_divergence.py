@@ -2,44 +2,20 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.monkey_patching import register_patch_mapping
+from conftest import Pair
 
-from fixtures import load_patch, tiny_config
-from pytest_modelpatch.checkpoints import cached_checkpoint, load_pretrained
-from pytest_modelpatch.divergence import check_module_equivalence, first_divergence, record_module_calls
+from pytest_modelpatch.divergence import (
+    check_module_equivalence,
+    first_divergence,
+    record_module_calls,
+)
 from pytest_modelpatch.equivalence import assert_equivalent
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
-from pytest_modelpatch.registry import isolated_patch_state, without_patches
 from pytest_modelpatch.tolerance import resolve_tolerance
-
-Pair = tuple[torch.nn.Module, torch.nn.Module]
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pair]:
-    """``pair(patch_name, mapping=None, **config_overrides)``: reference and patched model, one checkpoint."""
-    cache = tmp_path_factory.mktemp("checkpoints")
-
-    @functools.cache
-    def build(name: str, mapping: str = "MAPPING", **config_overrides: Any) -> Pair:
-        patch = load_patch(name)
-        path = cached_checkpoint(tiny_config(patch.MODEL_TYPE, **config_overrides), cache_dir=cache)
-        with isolated_patch_state():
-            register_patch_mapping(getattr(patch, mapping))
-            for model_type, transforms in patch.CONVERSIONS.items():
-                register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
-            with without_patches():
-                reference = load_pretrained(path)
-            return reference, load_pretrained(path)
-
-    return build
 
 
 def ids(batch: int = 2, length: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:

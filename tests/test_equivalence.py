@@ -2,53 +2,24 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from conftest import Pair
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.monkey_patching import register_patch_mapping
 
-from fixtures import load_patch, tiny_config
-from pytest_modelpatch.checkpoints import cached_checkpoint, load_pretrained
-from pytest_modelpatch.equivalence import assert_equivalent, compare_outputs, flatten_outputs
-from pytest_modelpatch.records import CheckRecord, set_record_sink
-from pytest_modelpatch.registry import isolated_patch_state, without_patches
-from pytest_modelpatch.tolerance import DtypeTolerance, TolerancePolicy, resolve_tolerance
-
-Pair = tuple[torch.nn.Module, torch.nn.Module]
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pair]:
-    """``pair(patch_name, dtype=..., **load_kwargs)``: reference and patched model from one seeded checkpoint."""
-    cache = tmp_path_factory.mktemp("checkpoints")
-
-    @functools.cache
-    def build(name: str, dtype: str = "float32", **load_kwargs: Any) -> Pair:
-        patch = load_patch(name)
-        path: Path = cached_checkpoint(tiny_config(patch.MODEL_TYPE), dtype=dtype, cache_dir=cache)
-        with isolated_patch_state():
-            register_patch_mapping(patch.MAPPING)
-            for model_type, transforms in patch.CONVERSIONS.items():
-                register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
-            with without_patches():
-                reference = load_pretrained(path, dtype=dtype, **load_kwargs)
-            return reference, load_pretrained(path, dtype=dtype, **load_kwargs)
-
-    return build
-
-
-@pytest.fixture
-def records() -> Iterator[list[CheckRecord]]:
-    rows: list[CheckRecord] = []
-    previous = set_record_sink(rows.append)
-    yield rows
-    set_record_sink(previous)
+from pytest_modelpatch.equivalence import (
+    assert_equivalent,
+    compare_outputs,
+    flatten_outputs,
+)
+from pytest_modelpatch.records import CheckRecord
+from pytest_modelpatch.tolerance import (
+    DtypeTolerance,
+    TolerancePolicy,
+    resolve_tolerance,
+)
 
 
 def ids(batch: int = 2, length: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:

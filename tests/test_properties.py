@@ -2,62 +2,28 @@
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import transformers
+from conftest import Pair, load_pair
 from hypothesis import given, settings
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.monkey_patching import register_patch_mapping
 
-from fixtures import load_patch, tiny_config
-from pytest_modelpatch.checkpoints import cached_checkpoint, load_pretrained
+from fixtures import load_patch
+from pytest_modelpatch.checkpoints import cached_checkpoint
 from pytest_modelpatch.equivalence import assert_equivalent
 from pytest_modelpatch.properties import check_equivalence, set_default_seed
-from pytest_modelpatch.records import CheckRecord, set_record_sink
-from pytest_modelpatch.registry import isolated_patch_state, without_patches
+from pytest_modelpatch.records import CheckRecord
 from pytest_modelpatch.strategies import model_inputs, tiny_configs
-
-Pair = tuple[torch.nn.Module, torch.nn.Module]
-
-
-def load_pair(path: Path, patch: Any) -> Pair:
-    """Reference (no patches) and patched model, both ``from_pretrained`` of ``path``."""
-    with isolated_patch_state():
-        register_patch_mapping(patch.MAPPING)
-        for model_type, transforms in patch.CONVERSIONS.items():
-            register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
-        with without_patches():
-            reference = load_pretrained(path)
-        return reference, load_pretrained(path)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("checkpoints")
-
-
-@pytest.fixture(scope="module")
-def pair(checkpoints: Path) -> Callable[[str], Pair]:
-    @functools.cache
-    def build(name: str) -> Pair:
-        patch = load_patch(name)
-        return load_pair(cached_checkpoint(tiny_config(patch.MODEL_TYPE), cache_dir=checkpoints), patch)
-
-    return build
-
-
-@pytest.fixture
-def records() -> Iterator[list[CheckRecord]]:
-    rows: list[CheckRecord] = []
-    previous = set_record_sink(rows.append)
-    yield rows
-    set_record_sink(previous)
 
 
 @pytest.mark.parametrize("name", ["llama_fused_qkv", "qwen2_moe", "qwen3_moe_router"])
