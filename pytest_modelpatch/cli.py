@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="modelpatch", description="Check patches of transformers models.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_lint(subparsers)
+    _add_gate(subparsers)
     return parser
 
 
@@ -76,6 +77,44 @@ def _run_lint(args: argparse.Namespace) -> int:
         print(f"{len(findings)} findings, {len(bad)} failing, for {len(args.patterns)} keys{scope} "
               f"(transformers {index.transformers_version})")
     return EXIT_FINDINGS if bad else EXIT_OK
+
+
+def _add_gate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    gate = subparsers.add_parser(
+        "gate",
+        help="judge a --modelpatch-report file against thresholds and a baseline",
+        description="Print the verdict and a markdown summary (for $GITHUB_STEP_SUMMARY). "
+        "Exit 1 when a check failed, passed a threshold, grew beyond the baseline or vanished from it.",
+    )
+    gate.add_argument("report", metavar="REPORT.json", help="a report written by pytest --modelpatch-report")
+    gate.add_argument("--baseline", metavar="BASE.json", help="an earlier report to compare against")
+    gate.add_argument("--markdown", metavar="OUT.md", help="also write (append) the markdown summary to this file")
+    gate.add_argument("--max-abs-error", type=float, metavar="X", help="fail when a check's max abs error exceeds X")
+    gate.add_argument("--max-rel-error", type=float, metavar="X", help="fail when a check's max rel error exceeds X")
+    gate.add_argument("--factor", type=float, default=None, metavar="F", help="allowed growth over the baseline (default 2)")
+    gate.add_argument("--floor", type=float, default=None, metavar="X", help="growth below X always passes (default 1e-6)")
+    gate.set_defaults(run=_run_gate)
+
+
+def _run_gate(args: argparse.Namespace) -> int:
+    from pytest_modelpatch import gate
+    from pytest_modelpatch.report import load_report
+
+    rows = load_report(args.report)["rows"]
+    baseline = load_report(args.baseline)["rows"] if args.baseline else None
+    thresholds = gate.Thresholds(
+        args.max_abs_error, args.max_rel_error,
+        gate.DEFAULT_FACTOR if args.factor is None else args.factor, gate.DEFAULT_FLOOR if args.floor is None else args.floor,
+    )  # fmt: skip
+    verdict = gate.evaluate(rows, thresholds, baseline, args.baseline or "")
+    markdown = verdict.markdown(rows)
+    print(verdict)
+    print()
+    print(markdown, end="")
+    if args.markdown:
+        with open(args.markdown, "a", encoding="utf-8") as out:
+            out.write(markdown)
+    return EXIT_OK if verdict.passed else EXIT_FINDINGS
 
 
 def main(argv: Sequence[str] | None = None) -> int:

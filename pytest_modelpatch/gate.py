@@ -74,9 +74,9 @@ class GateVerdict:
         mark = ":white_check_mark:" if self.passed else ":x:"
         against = f" against `{self.baseline}`" if self.baseline else ""
         lines = [f"### {mark} modelpatch gate {'passed' if self.passed else 'failed'}", "",
-                 f"{self.checks} checks{against}, {len(self.failures)} failures.", ""]  # fmt: skip
-        lines += [f"- :x: {_md(f)}" for f in self.failures]
-        lines += [f"- {_md(n)}" for n in self.notes]
+                 f"{self.checks} checks{against}, {len(self.failures)} failures."]  # fmt: skip
+        items = [f"- :x: {_md(f)}" for f in self.failures] + [f"- {_md(n)}" for n in self.notes]
+        lines += ["", *items] if items else []
         if rows:
             lines += ["", "| outcome | max abs | max rel | check | model | dtype@device | test |", "|---|---|---|---|---|---|---|"]
             for r in sorted(rows, key=worst_first)[:limit]:
