@@ -1,0 +1,273 @@
+"""The docs cannot rot: every ```python block in docs/*.md and README.md runs here.
+
+A block that defines ``test_`` functions, a ``Test`` class or uses ``@pytest.mark`` is a
+test module: all such blocks of one markdown file are written as separate test files and
+run in one pytester run (with ``docs/conftest.py`` as the conftest); each must pass. Any
+other block is a snippet: the snippets of one file are exec'd one by one, each in a fresh
+namespace and inside ``isolated_patch_state()``, in one subprocess with the repo root on
+``PYTHONPATH``; each must run without raising. The comment line right before a block
+changes that:
+
+- ``<!-- doc: expect-fail -->`` or ``<!-- doc: expect-fail: TEXT -->``: the block must fail
+  (a test fails or errors, a snippet raises), with TEXT in the failure when given;
+- ``<!-- doc: skip: REASON -->``: not run (only for what cannot run here, e.g. needs a GPU).
+
+``<!-- doc: pytest-args: -n 2 -->`` anywhere in a file adds arguments to its pytester run.
+Output blocks (```text, ```console, ```bash) are not run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DOC_FILES = [*sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "README.md"]
+REFERENCE = REPO_ROOT / "docs" / "reference.md"
+
+_FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
+_DIRECTIVE = re.compile(r"^\s*<!--\s*doc:\s*(?P<name>[\w-]+)\s*(?::\s*(?P<arg>.*?))?\s*-->\s*$")
+_PYTEST_ARGS = re.compile(r"<!--\s*doc:\s*pytest-args:\s*(?P<args>.*?)\s*-->")
+_TEST_MODULE = re.compile(r"^(\s*(async\s+)?def test_|class Test|\s*@pytest\.mark\.|pytestmark\s*=)", re.M)
+_DIRECTIVES = ("expect-fail", "skip")
+
+
+@dataclass(frozen=True)
+class CodeBlock:
+    """One fenced code block of a markdown file, with the directive comment right before it."""
+
+    path: Path
+    line: int  # of the opening fence, 1-based
+    language: str
+    code: str
+    directive: str = ""
+    directive_arg: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(REPO_ROOT)}:{self.line}"
+
+    @property
+    def is_test_module(self) -> bool:
+        return bool(_TEST_MODULE.search(self.code))
+
+    @property
+    def module_name(self) -> str:
+        """The test file this block becomes in its pytester run, e.g. ``test_quickstart_L12``."""
+        stem = re.sub(r"\W", "_", self.path.stem.lower())
+        return f"test_{stem}_L{self.line}"
+
+    def __str__(self) -> str:
+        return f"{self.id} ({self.language}{', ' + self.directive if self.directive else ''})"
+
+
+def code_blocks(path: Path, text: str | None = None) -> list[CodeBlock]:
+    """Every fenced block of a markdown file, in order."""
+    lines = (path.read_text() if text is None else text).splitlines()
+    blocks: list[CodeBlock] = []
+    i = 0
+    while i < len(lines):
+        opening = _FENCE.match(lines[i])
+        if opening is None:
+            i += 1
+            continue
+        indent = len(opening["indent"])
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), len(lines))
+        body = "\n".join(line[indent:] for line in lines[i + 1 : end]) + "\n"
+        previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        directive = _DIRECTIVE.match(previous)
+        name, arg = (directive["name"], directive["arg"] or "") if directive else ("", "")
+        blocks.append(CodeBlock(path, i + 1, opening["lang"].lower(), body, "" if name == "pytest-args" else name, arg))
+        i = end + 1
+    return blocks
+
+
+def python_blocks() -> list[CodeBlock]:
+    return [b for path in DOC_FILES for b in code_blocks(path) if b.language in ("python", "py")]
+
+
+# ---------------------------------------------------------------------------
+# running a file's blocks: once per file per process, shared by its blocks' tests
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class FileRun:
+    """What happened to each block of one markdown file (keyed by line)."""
+
+    outcomes: dict[int, list[tuple[str, str]]] = field(default_factory=dict)  # line -> [(outcome, message)]
+    output: str = ""
+
+
+_RUNS: dict[tuple[Path, str], FileRun] = {}
+
+
+def run_test_modules(path: Path, pytester: pytest.Pytester) -> FileRun:
+    """All test-module blocks of ``path`` in one pytester run; outcomes per block from its JUnit XML."""
+    key = (path, "tests")
+    if key in _RUNS:
+        return _RUNS[key]
+    blocks = [b for b in python_blocks() if b.path == path and b.is_test_module and b.directive != "skip"]
+    pytester.makeconftest((REPO_ROOT / "docs" / "conftest.py").read_text())
+    pytester.makepyfile(**{b.module_name: b.code for b in blocks})
+    extra = _PYTEST_ARGS.search(path.read_text())
+    args = extra["args"].split() if extra else []
+    result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider", "--junitxml=junit.xml", "-rA", *args)
+    run = FileRun(output=str(result.stdout) + str(result.stderr))
+    by_module = {b.module_name: b.line for b in blocks}
+    junit = pytester.path / "junit.xml"
+    cases = ET.parse(junit).getroot().iter("testcase") if junit.exists() else []
+    for case in cases:
+        module = (case.get("classname") or case.get("name") or "").split(".")[0]
+        if module not in by_module:
+            continue
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = "xfailed" if child.get("type") == "pytest.xfail" else child.tag
+                message = f"{child.get('message', '')}\n{child.text or ''}"
+        run.outcomes.setdefault(by_module[module], []).append((outcome, message))
+    _RUNS[key] = run
+    return run
+
+
+_SNIPPET_RUNNER = """
+import contextlib, io, json, sys, traceback
+from pytest_modelpatch.registry import isolated_patch_state
+blocks, results = json.load(open(sys.argv[1])), {}
+for block in blocks:
+    out = io.StringIO()
+    try:
+        with isolated_patch_state(), contextlib.redirect_stdout(out):
+            exec(compile(block["code"], block["id"], "exec"), {"__name__": "__main__"})
+        results[block["line"]] = [["passed", out.getvalue()]]
+    except BaseException:
+        results[block["line"]] = [["failure", traceback.format_exc()]]
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+def run_snippets(path: Path, tmp_path: Path) -> FileRun:
+    """All snippet blocks of ``path``, each in a fresh namespace, in one subprocess."""
+    key = (path, "snippets")
+    if key in _RUNS:
+        return _RUNS[key]
+    blocks = [b for b in python_blocks() if b.path == path and not b.is_test_module and b.directive != "skip"]
+    source, results = tmp_path / "snippets.json", tmp_path / "results.json"
+    source.write_text(json.dumps([{"id": b.id, "line": b.line, "code": b.code} for b in blocks]))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _SNIPPET_RUNNER, str(source), str(results)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    outcomes = json.loads(results.read_text()) if results.exists() else {}
+    run = FileRun({int(line): [tuple(o) for o in found] for line, found in outcomes.items()}, done.stdout + done.stderr)
+    _RUNS[key] = run
+    return run
+
+
+def check_outcomes(block: CodeBlock, run: FileRun) -> None:
+    """The block ran as its directive says; otherwise fail with what happened."""
+    __tracebackhide__ = True
+    found = run.outcomes.get(block.line)
+    if not found:
+        pytest.fail(f"{block}: nothing ran (a collection error?). Output:\n{run.output[-6000:]}", pytrace=False)
+    bad = [message for outcome, message in found if outcome in ("failure", "error")]
+    if block.directive == "expect-fail":
+        if not bad:
+            pytest.fail(f"{block} is marked expect-fail but passed: {[o for o, _ in found]}", pytrace=False)
+        if block.directive_arg and not any(block.directive_arg in message for message in bad):
+            pytest.fail(f"{block} failed without {block.directive_arg!r} in the failure:\n{bad[0][-4000:]}", pytrace=False)
+    elif bad:
+        pytest.fail(f"{block} failed:\n{bad[0][-6000:]}", pytrace=False)
+
+
+@pytest.mark.parametrize("block", python_blocks(), ids=lambda b: b.id)
+def test_python_block_runs_as_documented(block: CodeBlock, pytester: pytest.Pytester, tmp_path: Path) -> None:
+    if block.directive and block.directive not in _DIRECTIVES:
+        pytest.fail(f"{block}: unknown directive {block.directive!r}; use one of {_DIRECTIVES}", pytrace=False)
+    if block.directive == "skip":
+        assert block.directive_arg, f"{block}: <!-- doc: skip: REASON --> needs the reason it cannot run here"
+        pytest.skip(f"{block.id}: {block.directive_arg}")
+    run = run_test_modules(block.path, pytester) if block.is_test_module else run_snippets(block.path, tmp_path)
+    check_outcomes(block, run)
+
+
+# ---------------------------------------------------------------------------
+# the block collector itself
+# ---------------------------------------------------------------------------
+
+
+def test_code_blocks_reads_language_line_and_directive() -> None:
+    text = "intro\n\n<!-- doc: expect-fail: AssertionError -->\n```python\nassert False\n```\n\n```text\nout\n```\n"
+    blocks = code_blocks(REPO_ROOT / "docs" / "x.md", text)
+    assert [(b.language, b.line, b.directive, b.directive_arg) for b in blocks] == [
+        ("python", 4, "expect-fail", "AssertionError"),
+        ("text", 8, "", ""),
+    ]
+    assert blocks[0].code == "assert False\n" and not blocks[0].is_test_module
+
+
+def test_blocks_with_tests_or_marks_are_test_modules() -> None:
+    text = "```python\nimport pytest\n\n@pytest.mark.model('llama')\ndef test_x(): ...\n```\n```python\nprint(1)\n```\n"
+    assert [b.is_test_module for b in code_blocks(REPO_ROOT / "docs" / "x.md", text)] == [True, False]
+
+
+def test_every_doc_file_has_its_python_blocks_collected() -> None:
+    files = {b.path.name for b in python_blocks()}
+    assert {"README.md", "quickstart.md", "troubleshooting.md", "reference.md"} <= files
+
+
+# ---------------------------------------------------------------------------
+# docs/reference.md against pytest --markers / --help / --fixtures
+# ---------------------------------------------------------------------------
+
+
+def _our_markers() -> list[str]:
+    from pytest_modelpatch.plugin import MARKERS
+
+    return list(MARKERS)
+
+
+def test_reference_has_every_marker_line_of_pytest_markers_verbatim(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--markers")
+    ours = [
+        line
+        for line in result.stdout.lines
+        if any(line.startswith((f"@pytest.mark.{name}:", f"@pytest.mark.{name}(")) for name in _our_markers())
+    ]
+    assert len(ours) == len(_our_markers()), f"not every marker is registered: {ours}"
+    reference = REFERENCE.read_text()
+    missing = [line for line in ours if line not in reference]
+    assert not missing, "docs/reference.md lacks these `pytest --markers` lines (paste them verbatim):\n" + "\n".join(missing)
+
+
+def test_reference_documents_every_option_and_ini_key_of_pytest_help(pytester: pytest.Pytester) -> None:
+    help_text = str(pytester.runpytest("--help").stdout)
+    options = set(re.findall(r"(--modelpatch-[\w-]+)", help_text))
+    ini_keys = set(re.findall(r"^\s+(modelpatch_\w+) \(", help_text, re.M))
+    assert options and ini_keys
+    reference = REFERENCE.read_text()
+    missing = sorted(name for name in options | ini_keys if f"`{name}" not in reference)
+    assert not missing, f"docs/reference.md does not document {missing} (shown by pytest --help)"
+    stale = sorted(set(re.findall(r"`(--modelpatch-[\w-]+)", reference)) - options)
+    assert not stale, f"docs/reference.md documents {stale}, which pytest --help does not show"
+
+
+def test_reference_documents_every_fixture_of_the_plugin(pytester: pytest.Pytester) -> None:
+    output = str(pytester.runpytest("--fixtures").stdout)
+    section = output.split("fixtures defined from pytest_modelpatch.plugin", 1)[1].split("\n---", 1)[0]
+    fixtures = re.findall(r"^(\w+)(?: \[\w+ scope\])? -- ", section, re.M)
+    assert {"reference_model", "patched_model", "patch_registry"} <= set(fixtures)
+    reference = REFERENCE.read_text()
+    missing = [name for name in fixtures if f"### `{name}`" not in reference]
+    assert not missing, f"docs/reference.md has no '### `name`' section for fixtures {missing}"
