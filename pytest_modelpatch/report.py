@@ -249,7 +249,7 @@ class ReportSession:
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.rows:
-            terminalreporter.write_sep("-", f"modelpatch: {len(self.rows)} checks, worst first")
+            terminalreporter.write_sep("-", f"modelpatch: {len(self.rows)} check{'s' * (len(self.rows) != 1)}, worst first")
             for line in summary_lines(self.rows):
                 terminalreporter.write_line(line)
         if self.verdict is not None:
