@@ -1,0 +1,118 @@
+"""The gate: thresholds and baselines judge a run's checks, and a failing gate fails the session."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pytest_modelpatch.gate import Thresholds, evaluate
+from pytest_modelpatch.records import CheckRecord
+from pytest_modelpatch.report import row_from_record
+
+# A real replacement whose attention output drifts by $MODELPATCH_TEST_EPS: 0 is exact.
+SUITE = """
+import os
+import pytest
+from transformers.models.llama.modeling_llama import LlamaAttention
+from pytest_modelpatch import assert_equivalent
+
+
+class DriftingAttention(LlamaAttention):
+    def forward(self, *args, **kwargs):
+        output, weights = super().forward(*args, **kwargs)
+        return output + float(os.environ.get("MODELPATCH_TEST_EPS", "0")), weights
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch({"LlamaAttention": DriftingAttention})
+@pytest.mark.tolerance(atol=0.5)
+def test_attention(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+"""
+
+SECOND = """
+import pytest
+from pytest_modelpatch import check_module_equivalence
+
+
+@pytest.mark.model("llama")
+def test_mlp(reference_model, patched_model):
+    check_module_equivalence("model.layers.0.mlp", reference=reference_model, patched=patched_model)
+"""
+
+
+def test_baseline_passes_then_fails_when_the_patch_drifts_or_a_check_is_removed(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(test_attention_suite=SUITE, test_mlp_suite=SECOND)
+    baseline = ["--modelpatch-baseline", "base.json"]
+    written = pytester.runpytest("-n", "2", *baseline, "--modelpatch-update-baseline")
+    written.assert_outcomes(passed=2)
+    written.stdout.fnmatch_lines(["note baseline base.json rewritten with 2 checks"])
+
+    same = pytester.runpytest("-p", "no:xdist", *baseline)
+    assert same.ret == pytest.ExitCode.OK
+    same.stdout.fnmatch_lines(["modelpatch gate PASSED: 2 checks against baseline base.json, 0 failures"])
+
+    monkeypatch.setenv("MODELPATCH_TEST_EPS", "1e-3")  # still within the test's atol: the test passes
+    worse = pytester.runpytest("-n", "2", *baseline)
+    worse.assert_outcomes(passed=2)
+    assert worse.ret == pytest.ExitCode.TESTS_FAILED
+    worse.stdout.fnmatch_lines([
+        "modelpatch gate FAILED: 2 checks against baseline base.json, 1 failures",
+        "FAIL test_attention_suite.py::test_attention equivalence#1 (LlamaForCausalLM): "
+        "max abs error grew from 0 (baseline) to *, more than allowed 1e-06 (modelpatch_baseline_factor = 2, *",
+    ])  # fmt: skip
+
+    monkeypatch.delenv("MODELPATCH_TEST_EPS")
+    (pytester.path / "test_mlp_suite.py").unlink()
+    removed = pytester.runpytest("-p", "no:xdist", *baseline)
+    assert removed.ret == pytest.ExitCode.TESTS_FAILED
+    removed.stdout.fnmatch_lines(["FAIL test_mlp_suite.py::test_mlp module#1 (*): in the baseline * but did not run; *"])
+
+
+def test_bad_gate_settings_are_usage_errors_at_startup(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nmodelpatch_baseline_factor = twice\n")
+    pytester.makepyfile("def test_a():\n    pass\n")
+    result = pytester.runpytest("-p", "no:xdist")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*ini modelpatch_baseline_factor = 'twice': expected a non-negative number*"])
+
+
+def _row(nodeid: str, error: float | None, outcome: str = "passed", kind: str = "equivalence") -> dict[str, Any]:
+    record = CheckRecord(kind=kind, outcome=outcome, model="LlamaForCausalLM", max_abs_error=error, max_rel_error=error)
+    return row_from_record(record, nodeid, 1)
+
+
+def test_growth_within_the_factor_or_the_floor_passes() -> None:
+    baseline = [_row("a.py::t", 1e-6), _row("b.py::t", 0.0)]
+    verdict = evaluate([_row("a.py::t", 1.9e-6), _row("b.py::t", 1e-9)], Thresholds(), baseline, "base.json")
+    assert verdict.passed, str(verdict)
+
+
+def test_growth_beyond_the_factor_names_the_check_and_both_numbers() -> None:
+    verdict = evaluate([_row("a.py::t", 5e-5)], Thresholds(factor=3.0, floor=0.0), [_row("a.py::t", 1e-5)])
+    assert verdict.failures == [
+        "a.py::t equivalence#1 (LlamaForCausalLM): max abs error grew from 1e-05 (baseline) to 5e-05, "
+        "more than allowed 3e-05 (modelpatch_baseline_factor = 3, modelpatch_baseline_floor = 0)"
+    ]
+
+
+def test_thresholds_and_failed_checks_fail_without_a_baseline() -> None:
+    rows = [_row("a.py::t", 2e-3), _row("b.py::t", 1e-7, outcome="failed")]
+    verdict = evaluate(rows, Thresholds(max_abs_error=1e-3))
+    assert not verdict.passed
+    assert "a.py::t equivalence#1 (LlamaForCausalLM): max abs error 0.002 exceeds modelpatch_max_abs_error = 0.001" in (
+        verdict.failures
+    )
+    assert any(f.startswith("b.py::t equivalence#1 (LlamaForCausalLM): the check failed") for f in verdict.failures)
+
+
+def test_new_checks_are_noted_not_failed_and_markdown_shows_the_verdict() -> None:
+    verdict = evaluate([_row("a.py::t", 0.0), _row("new.py::t", 0.1)], Thresholds(), [_row("a.py::t", 0.0)], "b.json")
+    assert verdict.passed and verdict.notes == ["1 checks not in the baseline (e.g. new.py::t equivalence#1 (LlamaForCausalLM))"]
+    markdown = verdict.markdown([_row("a.py::t", 0.0), _row("new.py::t", 0.1)])
+    assert markdown.startswith("### :white_check_mark: modelpatch gate passed\n")
+    table = [line for line in markdown.splitlines() if line.startswith("| passed")]
+    assert table[0].endswith("`new.py::t` |") and "| 0.1 |" in table[0]
