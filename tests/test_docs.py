@@ -32,6 +32,8 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [*sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "README.md"]
 REFERENCE = REPO_ROOT / "docs" / "reference.md"
+# pytester points HOME at its tmp dir: keep the lint's scan index where it is, or every run rebuilds it
+LINT_CACHE = __import__("pytest_modelpatch.scan_index", fromlist=["cache_dir"]).cache_dir()
 
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
 _DIRECTIVE = re.compile(r"^\s*<!--\s*doc:\s*(?P<name>[\w-]+)\s*(?::\s*(?P<arg>.*?))?\s*-->\s*$")
@@ -192,12 +194,15 @@ def check_outcomes(block: CodeBlock, run: FileRun) -> None:
 
 
 @pytest.mark.parametrize("block", python_blocks(), ids=lambda b: b.id)
-def test_python_block_runs_as_documented(block: CodeBlock, pytester: pytest.Pytester, tmp_path: Path) -> None:
+def test_python_block_runs_as_documented(
+    block: CodeBlock, pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if block.directive and block.directive not in _DIRECTIVES:
         pytest.fail(f"{block}: unknown directive {block.directive!r}; use one of {_DIRECTIVES}", pytrace=False)
     if block.directive == "skip":
         assert block.directive_arg, f"{block}: <!-- doc: skip: REASON --> needs the reason it cannot run here"
         pytest.skip(f"{block.id}: {block.directive_arg}")
+    monkeypatch.setenv("MODELPATCH_CACHE_DIR", os.environ.get("MODELPATCH_CACHE_DIR") or str(LINT_CACHE))
     run = run_test_modules(block.path, pytester) if block.is_test_module else run_snippets(block.path, tmp_path)
     check_outcomes(block, run)
 
