@@ -130,3 +130,32 @@ def test_summary_table_puts_the_worst_error_first_and_caps_its_length() -> None:
     assert lines[1].split()[1] == "0.25" and lines[1].endswith("c.py::t")
     assert lines[2].split()[1] == "1e-07"
     assert lines[-1] == "... and 1 more (see --modelpatch-report)"
+
+
+def test_divergence_profile_is_zero_before_the_changed_layer_and_drawn_as_html(tmp_path: Any) -> None:
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pytest_modelpatch.profile_html import divergence_profile, write_profile_html
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64)  # fmt: skip
+    reference = LlamaForCausalLM(config).eval()
+    patched = copy.deepcopy(reference)
+    with torch.no_grad():
+        patched.model.layers[1].mlp.down_proj.weight.add_(1e-3)
+    profile = divergence_profile(reference, patched, {"input_ids": torch.tensor([[1, 5, 9, 2]])})
+    names = [name for name, _ in profile]
+    first = next(name for name, error in profile if error > 0)
+    assert first == "model.layers.1.mlp.down_proj"
+    assert all(error == 0 for name, error in profile[: names.index(first)])
+    row = {"nodeid": "t.py::test_a", "check": "equivalence#1", "kind": "equivalence", "outcome": "failed",
+           "max_abs_error": 0.01, "model": "LlamaForCausalLM", "detail": "logits: <differs>", "profile": profile}  # fmt: skip
+    write_profile_html(tmp_path / "p.html", [row])
+    page = (tmp_path / "p.html").read_text()
+    assert "<svg" in page and page.count("<rect") == len(profile)
+    assert "first module whose output differs: <code>model.layers.1.mlp.down_proj</code>" in page
+    assert "logits: &lt;differs&gt;" in page
