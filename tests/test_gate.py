@@ -61,8 +61,10 @@ def test_baseline_passes_then_fails_when_the_patch_drifts_or_a_check_is_removed(
     assert worse.ret == pytest.ExitCode.TESTS_FAILED
     worse.stdout.fnmatch_lines([
         "modelpatch gate FAILED: 2 checks against baseline base.json, 1 failures",
-        "FAIL test_attention_suite.py::test_attention equivalence#1 (LlamaForCausalLM): "
-        "max abs error grew from 0 (baseline) to *, more than allowed 1e-06 (modelpatch_baseline_factor = 2, *",
+        (
+            "FAIL test_attention_suite.py::test_attention equivalence#1 (LlamaForCausalLM): "
+            "max abs error grew from 0 (baseline) to *, more than allowed 1e-06 (modelpatch_baseline_factor = 2, *"
+        ),
     ])  # fmt: skip
 
     monkeypatch.delenv("MODELPATCH_TEST_EPS")
@@ -94,8 +96,10 @@ def test_growth_within_the_factor_or_the_floor_passes() -> None:
 def test_growth_beyond_the_factor_names_the_check_and_both_numbers() -> None:
     verdict = evaluate([_row("a.py::t", 5e-5)], Thresholds(factor=3.0, floor=0.0), [_row("a.py::t", 1e-5)])
     assert verdict.failures == [
-        "a.py::t equivalence#1 (LlamaForCausalLM): max abs error grew from 1e-05 (baseline) to 5e-05, "
-        "more than allowed 3e-05 (modelpatch_baseline_factor = 3, modelpatch_baseline_floor = 0)"
+        (
+            "a.py::t equivalence#1 (LlamaForCausalLM): max abs error grew from 1e-05 (baseline) to 5e-05, "
+            "more than allowed 3e-05 (modelpatch_baseline_factor = 3, modelpatch_baseline_floor = 0)"
+        )
     ]
 
 

@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 
 from pytest_modelpatch.records import CheckRecord, record_check
-from pytest_modelpatch.report import attaching_checks, row_from_record, sort_rows, summary_lines
+from pytest_modelpatch.report import (
+    attaching_checks,
+    row_from_record,
+    sort_rows,
+    summary_lines,
+)
 
 SUITE_EQUIVALENCE = """
 import pytest
@@ -94,8 +99,9 @@ def test_seed_reaches_the_report_header_line_and_is_validated(pytester: pytest.P
 
 def test_sink_stamps_the_node_id_numbers_checks_and_adds_key_figures(records: list[CheckRecord]) -> None:
     class Item:
-        nodeid = "tests/test_x.py::test_a"
-        user_properties: list[tuple[str, Any]] = []
+        def __init__(self) -> None:
+            self.nodeid = "tests/test_x.py::test_a"
+            self.user_properties: list[tuple[str, Any]] = []
 
     item = Item()
     with attaching_checks(item):  # type: ignore[arg-type]
