@@ -45,7 +45,7 @@ _EXPORTS: dict[str, str] = {
     "GateVerdict": "gate",
     "Thresholds": "gate",
     "load_report": "report",
-    "divergence_profile": "profile_html",
+    "divergence_profile": "divergence",
     "ModelPatchError": "errors",
     "PatchUsageError": "errors",
     "PatchLeakError": "errors",

@@ -105,6 +105,7 @@ class Divergence:
     inputs_agree: bool
     output_differences: list[TensorComparison]
     input_differences: list[TensorComparison] = field(default_factory=list)
+    profile: list[tuple[str, float]] = field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
         call = f" (call {self.index + 1})" if self.index else ""
@@ -128,33 +129,58 @@ class Divergence:
         return "\n".join(lines)
 
 
+def _call_label(call: ModuleCall) -> str:
+    return call.name if not call.index else f"{call.name}#{call.index}"
+
+
 def first_divergence(
     reference: torch.nn.Module, patched: torch.nn.Module, inputs: Mapping[str, Any], spec: ToleranceSpec
 ) -> Divergence | None:
     """The first module, in the order calls finish, present in both models whose output differs.
 
     Prefers a module whose inputs agree (it introduced the difference); falls back to the
-    first differing module at all. ``None`` when every shared module agrees.
+    first differing module at all. ``None`` when every shared module agrees. The result's
+    ``profile`` holds every shared call's max abs output difference, in forward order.
 
     Example::
 
         first_divergence(reference, patched, inputs, resolve_tolerance()).name  # "model.layers.0.self_attn"
     """
     patched_calls = {(c.name, c.index): c for c in record_module_calls(patched, inputs)}
-    fallback = None
+    found = fallback = None
+    profile: list[tuple[str, float]] = []
     for call in record_module_calls(reference, inputs):
         other = patched_calls.get((call.name, call.index))
         if other is None:
             continue
-        outputs = [c for c in compare_flat(call.output, other.output, spec) if not c.passed]
-        if not outputs:
+        comparisons = compare_flat(call.output, other.output, spec)
+        profile.append((_call_label(call), max((c.max_abs for c in comparisons if c.problem is None), default=0.0)))
+        outputs = [c for c in comparisons if not c.passed]
+        if not outputs or found is not None:
             continue
         ins = [c for c in compare_flat(call.inputs, other.inputs, spec, common_only=True) if not c.passed]
-        found = Divergence(call.name, call.index, call.module_class, other.module_class, not ins, outputs, ins)
-        if found.inputs_agree:
-            return found
-        fallback = fallback or found
-    return fallback
+        candidate = Divergence(call.name, call.index, call.module_class, other.module_class, not ins, outputs, ins)
+        if candidate.inputs_agree:
+            found = candidate
+        else:
+            fallback = fallback or candidate
+    result = found or fallback
+    if result is not None:
+        result.profile = profile
+    return result
+
+
+def divergence_profile(
+    reference: torch.nn.Module, patched: torch.nn.Module, inputs: Mapping[str, Any], spec: ToleranceSpec | None = None
+) -> list[tuple[str, float]]:
+    """``[(module call, max abs output difference), ...]`` for every call both models make, in forward order."""
+    from pytest_modelpatch.tolerance import resolve_tolerance
+
+    found = first_divergence(reference, patched, inputs, spec or resolve_tolerance())
+    if found is not None:
+        return found.profile
+    patched_calls = {(c.name, c.index): c for c in record_module_calls(patched, inputs)}
+    return [(_call_label(call), 0.0) for call in record_module_calls(reference, inputs) if (call.name, call.index) in patched_calls]
 
 
 # ---------------------------------------------------------------------------

@@ -337,6 +337,8 @@ class EquivalenceReport:
                 atol=tol.atol if tol else None, rtol=tol.rtol if tol else None,
                 elements_over_tolerance=over, elements_compared=sum(c.total for c in self.comparisons),
                 duration_s=self.duration_s, detail=detail or ("" if self.passed else str(self)),
+                output=max(self.comparisons, key=lambda c: c.max_abs).path if self.comparisons else "",
+                profile=self.divergence.profile if self.divergence is not None else [],
             )
         )  # fmt: skip
 

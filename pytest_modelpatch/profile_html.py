@@ -1,13 +1,13 @@
 """Divergence profiles drawn as a self-contained HTML page (inline SVG, no matplotlib).
 
-``divergence_profile`` runs both models once with hooks and gives, for every module
-call in forward order, the largest absolute difference of its output. The page from
-``write_profile_html`` shows, for each failing equivalence check, that profile as a bar
-chart on a log scale (where a row carries one under ``"profile"``) and the check's text.
+A failing equivalence check records its divergence profile (``divergence.py``: for
+every module call in forward order, the largest absolute difference of its output)
+on its report row. The page from ``write_profile_html`` shows, for each failing
+check, that profile as a bar chart on a log scale and the check's text.
 
 Example::
 
-    profile = divergence_profile(reference_model, patched_model, inputs)
+    profile = divergence_profile(reference_model, patched_model, inputs)  # from pytest_modelpatch.divergence
     write_profile_html(Path("profile.html"), [{"nodeid": "t.py::t", "check": "equivalence#1", "profile": profile}])
 """
 
@@ -15,28 +15,10 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 _BAR_W, _HEIGHT, _FLOOR = 6, 160, 1e-12
-
-
-def divergence_profile(reference: Any, patched: Any, inputs: Mapping[str, Any]) -> list[tuple[str, float]]:
-    """``[(module name, max abs output difference), ...]`` for every module call both models make, in forward order."""
-    from pytest_modelpatch.divergence import record_module_calls
-    from pytest_modelpatch.equivalence import compare_flat
-    from pytest_modelpatch.tolerance import resolve_tolerance
-
-    spec = resolve_tolerance()
-    patched_calls = {(c.name, c.index): c for c in record_module_calls(patched, inputs)}
-    profile = []
-    for call in record_module_calls(reference, inputs):
-        other = patched_calls.get((call.name, call.index))
-        if other is not None:
-            worst = max((c.max_abs for c in compare_flat(call.output, other.output, spec) if c.problem is None), default=0.0)
-            profile.append((call.name if not call.index else f"{call.name}#{call.index}", worst))
-    return profile
 
 
 def profile_svg(profile: list[tuple[str, float]]) -> str:

@@ -33,6 +33,8 @@ class CheckRecord:
     duration_s: float = 0.0
     detail: str = ""
     nodeid: str = ""
+    output: str = ""  # the output that erred most, e.g. "logits"
+    profile: list[tuple[str, float]] = field(default_factory=list)  # per-module max abs error, forward order
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
