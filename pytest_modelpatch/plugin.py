@@ -48,6 +48,13 @@ def _device_option(value: str) -> str:
         raise pytest.UsageError(f"--modelpatch-device: {exc}") from None
 
 
+def _seed_option(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise pytest.UsageError(f"--modelpatch-seed {value!r}: expected an integer, e.g. --modelpatch-seed 1234") from None
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("modelpatch", "verify patched transformers models (pytest-modelpatch)")
     group.addoption(
@@ -82,6 +89,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "what to do when a test leaves transformers patch state changed: error (default), warn or off",
         default="error",
     )
+    group.addoption("--modelpatch-seed", dest="modelpatch_seed", type=_seed_option, default=None, metavar="N",
+                    help="session seed for property checks, sent to every xdist worker (default: ini modelpatch_seed, else 0)")
+    group.addoption("--modelpatch-report", dest="modelpatch_report", default=None, metavar="PATH",
+                    help="write every check's row (errors, tolerance, device, patches) and a header to PATH as JSON")
+    group.addoption("--modelpatch-baseline", dest="modelpatch_baseline", default=None, metavar="PATH",
+                    help="fail the session when a check's max error grew beyond this earlier report, or a check vanished")
+    group.addoption("--modelpatch-update-baseline", dest="modelpatch_update_baseline", action="store_true", default=False,
+                    help="rewrite --modelpatch-baseline PATH with this run's checks instead of comparing")
+    group.addoption("--modelpatch-html", dest="modelpatch_html", default=None, metavar="PATH",
+                    help="write an HTML page with the divergence profile of each failing equivalence check")
+    parser.addini("modelpatch_seed", "session seed for property checks (default 0)", default="")
+    parser.addini("modelpatch_max_abs_error", "gate: fail the session when a check's max abs error exceeds this", default="")
+    parser.addini("modelpatch_max_rel_error", "gate: fail the session when a check's max rel error exceeds this", default="")
+    parser.addini("modelpatch_baseline_factor", "gate: allowed growth of max abs error over the baseline (default 2.0)", default="")
+    parser.addini("modelpatch_baseline_floor", "gate: growth below this absolute amount always passes (default 1e-6)", default="")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -92,6 +114,9 @@ def pytest_configure(config: pytest.Config) -> None:
         devices.requested_device(config.getoption("modelpatch_device"))
     except PatchUsageError as exc:
         raise pytest.UsageError(str(exc)) from None
+    from . import report  # torch-free: reads options, registers the xdist seed hook
+
+    report.configure(config)
 
 
 # ---------------------------------------------------------------------------
@@ -360,42 +385,9 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return None
 
 
-# --- reports and gates ---
-# Hooks use specname= so they sit beside the hooks above of the same name.
-
-
-def _seed_option(value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise pytest.UsageError(f"--modelpatch-seed {value!r}: expected an integer, e.g. --modelpatch-seed 1234") from None
-
-
-@pytest.hookimpl(specname="pytest_addoption")
-def pytest_addoption_reports(parser: pytest.Parser) -> None:
-    group = parser.getgroup("modelpatch")
-    group.addoption("--modelpatch-seed", dest="modelpatch_seed", type=_seed_option, default=None, metavar="N",
-                    help="session seed for property checks, sent to every xdist worker (default: ini modelpatch_seed, else 0)")
-    group.addoption("--modelpatch-report", dest="modelpatch_report", default=None, metavar="PATH",
-                    help="write every check's row (errors, tolerance, device, patches) and a header to PATH as JSON")
-    group.addoption("--modelpatch-baseline", dest="modelpatch_baseline", default=None, metavar="PATH",
-                    help="fail the session when a check's max error grew beyond this earlier report, or a check vanished")
-    group.addoption("--modelpatch-update-baseline", dest="modelpatch_update_baseline", action="store_true", default=False,
-                    help="rewrite --modelpatch-baseline PATH with this run's checks instead of comparing")
-    group.addoption("--modelpatch-html", dest="modelpatch_html", default=None, metavar="PATH",
-                    help="write an HTML page with the divergence profile of each failing equivalence check")
-    parser.addini("modelpatch_seed", "session seed for property checks (default 0)", default="")
-    parser.addini("modelpatch_max_abs_error", "gate: fail the session when a check's max abs error exceeds this", default="")
-    parser.addini("modelpatch_max_rel_error", "gate: fail the session when a check's max rel error exceeds this", default="")
-    parser.addini("modelpatch_baseline_factor", "gate: allowed growth of max abs error over the baseline (default 2.0)", default="")
-    parser.addini("modelpatch_baseline_floor", "gate: growth below this absolute amount always passes (default 1e-6)", default="")
-
-
-@pytest.hookimpl(specname="pytest_configure")
-def pytest_configure_reports(config: pytest.Config) -> None:
-    from . import report
-
-    report.configure(config)
+# ---------------------------------------------------------------------------
+# reports and gates
+# ---------------------------------------------------------------------------
 
 
 @pytest.hookimpl(wrapper=True)
