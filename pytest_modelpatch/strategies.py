@@ -18,13 +18,13 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models import (
-    KV_HEAD_KEYS,
     forward_parameters,
     model_class_for,
     ordinary_token_ids,
     text_companions,
     tiny_config,
 )
+from pytest_modelpatch.shrinking import KV_HEAD_KEYS
 
 PADDING_SIDES = ("none", "left", "right")
 

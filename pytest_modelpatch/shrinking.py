@@ -1,0 +1,369 @@
+"""Shrink a config dict so any transformers family builds tiny and stays valid.
+
+Pure dict work, no torch: ``shrink_config_dict(config.to_dict(), overrides)`` keeps
+grouped-query ratios, head sizes the rope settings depend on, per-layer lists sized
+to the new layer count, experts and top-k, and special token ids inside the smaller
+vocabulary; sub-configs (text, vision, audio) are shrunk the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# ---------------------------------------------------------------------------
+# tiny configs
+# ---------------------------------------------------------------------------
+
+# Every size below is shared by all sub-configs, so cross-config equalities that
+# families rely on (a vision tower's ``out_hidden_size`` == the text ``hidden_size``,
+# a projector's ``projection_dim``) still hold after shrinking.
+TINY_WIDTH = 64
+TINY_HEADS = 4
+TINY_LAYERS = 2
+TINY_INTERMEDIATE = 128
+TINY_MOE_INTERMEDIATE = 64
+TINY_VOCAB = 256
+TINY_POSITIONS = 128
+TINY_EXPERTS = 4
+TINY_TOP_K = 2
+TINY_SLIDING_WINDOW = 4  # shorter than example inputs, so the sliding mask is exercised
+TINY_IMAGE = 32
+TINY_PATCH = 8
+TINY_LORA_RANK = 32
+
+LAYER_KEYS = (
+    "num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+     "num_encoder_layers", "num_decoder_layers", "depth",
+)
+HEAD_KEYS = (
+    "num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
+     "decoder_attention_heads", "decoder_num_attention_heads",
+)
+KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
+WIDTH_KEYS = (
+    "hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "model_dim", "word_embed_proj_dim",
+     "projection_dim", "out_hidden_size", "text_hidden_size", "encoder_hidden_size", "decoder_hidden_size",
+     "output_hidden_size", "projector_hidden_size", "embedding_size", "vision_output_dim",
+    "attention_hidden_size", "embedding_dim", "lru_width",
+)
+# distilbert's ``hidden_dim`` is its feed-forward size
+FFN_KEYS = (
+    "intermediate_size", "ffn_dim", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "hidden_dim",
+     "mlp_dim", "ffn_hidden_size", "intermediate_dim",
+)
+MOE_FFN_KEYS = (
+    "moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
+     "shared_intermediate_size", "moe_ffn_hidden_size",
+)
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k")
+SHARED_EXPERT_KEYS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+POSITION_KEYS = (
+    "max_position_embeddings", "n_positions", "n_ctx", "max_source_positions", "max_target_positions",
+)
+# Multi-head latent attention (DeepSeek V2/V3, ...) and linear attention (Qwen3-Next) sizes.
+FIXED_SIZES: dict[str, int] = {
+    "q_lora_rank": TINY_LORA_RANK,
+    "kv_lora_rank": TINY_LORA_RANK,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "qk_head_dim": 16,
+    "v_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "index_head_dim": 16,
+    "index_n_heads": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_groups": 1,  # Mamba2 state groups: must divide the (tiny) head count
+    "emb_dim": TINY_WIDTH,  # XLM
+    "hidden_size_per_layer_input": 16,  # Gemma 3n/4 per-layer embeddings
+}
+# Modeling code that falls back to a default sized for the full model when the key
+# is absent from the config (transformers 5.23: Qwen2-VL family, PaddleOCR-VL).
+IMPLICIT_ROPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2_vl": {"mrope_section": [16, 24, 24]},
+    "qwen2_5_vl": {"mrope_section": [16, 24, 24]},
+    "qwen2_5_omni": {"mrope_section": [16, 24, 24]},
+    "paddleocr_vl": {"mrope_section": [16, 24, 24]},
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_config_dict(key: Any, value: Any) -> bool:
+    return isinstance(value, dict) and ("model_type" in value or str(key).endswith("_config"))
+
+
+def shrink_config_dict(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Shrink a ``to_dict()`` config tree; token ids are moved into the tiny vocabulary."""
+    shrunk = _shrink_level(config, overrides)
+    return _remap_token_ids(shrunk, _large_token_ids(shrunk))
+
+
+def _shrink_level(level: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = dict(level)
+    for key, value in level.items():
+        if _is_config_dict(key, value):
+            sub = overrides.get(key)
+            out[key] = _shrink_level(value, sub if isinstance(sub, dict) else {})
+        elif _is_int(value):
+            out[key] = _shrink_int(key, value)
+        elif isinstance(value, list) and value and all(map(_is_int, value)):
+            out[key] = _shrink_int_list(key, value)
+    _shrink_layers(level, out)
+    if any(_is_int(out.get(k)) for k in EXPERT_KEYS):
+        # some defaults leave top-k unset (DeepSeek-V2) and the router then crashes
+        for key in TOP_K_KEYS:
+            if key in out and out[key] is None:
+                out[key] = TINY_TOP_K
+    plain = {k: v for k, v in overrides.items() if not (isinstance(v, dict) and _is_config_dict(k, out.get(k)))}
+    _resize_per_layer_lists(out, plain)
+    out.update(plain)
+    _derive_head_sizes(level, out, set(plain))
+    return out
+
+
+def _shrink_int_list(key: str, values: list[int]) -> list[int]:
+    """Per-stage lists of hierarchical vision models (Swin: depths, heads per stage)."""
+    if key in ("image_size", "patch_size"):
+        return [_shrink_int(key, v) for v in values]
+    if key in HEAD_KEYS:
+        return [TINY_HEADS] * len(values)  # every stage width (64 * 2**i) divides by it
+    if key == "depths":
+        return [min(v, TINY_LAYERS) for v in values]
+    return values
+
+
+def _shrink_int(key: str, value: int) -> int:
+    if key in WIDTH_KEYS:
+        return min(value, TINY_WIDTH) if value > 0 else value
+    if key in FFN_KEYS:
+        return min(value, TINY_INTERMEDIATE) if value > 0 else value
+    if key in MOE_FFN_KEYS:
+        return min(value, TINY_MOE_INTERMEDIATE) if value > 0 else value
+    if key in HEAD_KEYS:
+        return min(value, TINY_HEADS)
+    if key in EXPERT_KEYS:
+        return min(value, TINY_EXPERTS)
+    if key in TOP_K_KEYS:
+        return min(value, TINY_TOP_K)
+    if key in SHARED_EXPERT_KEYS:
+        return min(value, 1)
+    if key in POSITION_KEYS:
+        return min(value, TINY_POSITIONS)
+    if key in ("vocab_size", "n_words", "vocab_size_per_layer_input"):
+        return min(value, TINY_VOCAB)
+    if key in ("sliding_window", "attention_window_size") and value > 0:
+        return min(value, TINY_SLIDING_WINDOW)
+    if key == "image_size":
+        return min(value, TINY_IMAGE)
+    if key == "patch_size" and value > TINY_PATCH:
+        return TINY_PATCH
+    if key in FIXED_SIZES and value > 0:
+        return min(value, FIXED_SIZES[key])
+    return value
+
+
+def _shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
+    """Cut the layer count; keep one layer of each kind named in per-layer lists."""
+    counts = {k: v for k, v in before.items() if k in LAYER_KEYS and _is_int(v) and v > TINY_LAYERS}
+    if not counts:
+        return
+    old = max(counts.values())
+    per_layer = {k: v for k, v in before.items() if isinstance(v, list) and len(v) == old and old > 1}
+    keep = _layers_to_keep(per_layer, old)
+    keep = _cover_block_pattern(before, old, keep)
+    for key, value in counts.items():
+        out[key] = len(keep) if value == old else TINY_LAYERS
+    for key, value in per_layer.items():
+        out[key] = [value[i] for i in keep]
+    n = len(keep)
+    if "stage_names" in before:
+        # backbones: stage names follow the layer count; let the default (last stage) apply
+        out["out_features"] = out["out_indices"] = None
+    if isinstance(before.get("per_layer_config"), dict):
+        out["per_layer_config"] = _keep_layer_entries(before["per_layer_config"], keep)
+    for key in ("first_k_dense_replace", "max_window_layers"):
+        if _is_int(before.get(key)):
+            out[key] = min(before[key], 1 if key == "first_k_dense_replace" else n)
+    if _is_int(before.get("decoder_sparse_step")) and before["decoder_sparse_step"] > n:
+        out["decoder_sparse_step"] = 1
+    for key, value in before.items():
+        # Jamba-style schedules: layer i is special when i % period == offset
+        if _is_int(value) and str(key).endswith("_layer_period"):
+            out[key] = min(value, n)
+        elif _is_int(value) and str(key).endswith("_layer_offset"):
+            out[key] = min(value, n - 1)
+    for key, value in before.items():
+        # lists of layer indices (mlp_only_layers, global_attn_indexes, ...): scale into range
+        if str(key).endswith(("_layers", "_indexes")) and isinstance(value, list) and key not in per_layer:
+            if all(_is_int(i) and 0 <= i < old for i in value):
+                out[key] = sorted({i * n // old for i in value})
+
+
+def _cover_block_pattern(before: dict[str, Any], old: int, keep: list[int]) -> list[int]:
+    """Keep enough layers to reach every kind of a repeating block pattern (RecurrentGemma)."""
+    for key, value in before.items():
+        if str(key).endswith("block_types") and isinstance(value, list) and 0 < len(value) < old:
+            wanted = min(len(value), 4)
+            keep = sorted(set(keep) | set(range(wanted)))[: max(wanted, len(keep))]
+    return keep
+
+
+def _keep_layer_entries(per_layer: dict[str, Any], keep: list[int]) -> dict[str, Any]:
+    """``per_layer_config`` entries of the kept layers, renumbered ("05" -> "1")."""
+    kept: dict[str, Any] = {}
+    for key, value in per_layer.items():
+        if str(key).isdigit() and int(key) in keep:
+            kept[str(keep.index(int(key)))] = value
+    return kept
+
+
+def _resize_per_layer_lists(shrunk: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """An overridden layer count resizes the per-layer lists it did not override, cyclically."""
+    for key in LAYER_KEYS:
+        old, new = shrunk.get(key), overrides.get(key)
+        if not (_is_int(old) and _is_int(new)) or old == new:
+            continue
+        for name, value in shrunk.items():
+            if isinstance(value, list) and len(value) == old and old > 1 and name not in overrides:
+                shrunk[name] = [value[i % old] for i in range(new)]
+
+
+def _layers_to_keep(per_layer: dict[str, list[Any]], old: int) -> list[int]:
+    """Indices of the layers to keep: the first of each kind, then the earliest others."""
+    keep: list[int] = []
+    for values in per_layer.values():
+        seen: list[Any] = []
+        for index, value in enumerate(values):
+            if value not in seen and len(keep) < 4:
+                seen.append(value)
+                if index not in keep:
+                    keep.append(index)
+        break  # the first per-layer list (layer_types) decides
+    for index in range(old):
+        if len(keep) >= TINY_LAYERS:
+            break
+        if index not in keep:
+            keep.append(index)
+    return sorted(keep)
+
+
+def _derive_head_sizes(before: dict[str, Any], out: dict[str, Any], fixed: set[str]) -> None:
+    """Make head counts and per-head sizes agree with the (possibly overridden) width."""
+    width = next((out[k] for k in WIDTH_KEYS if _is_int(out.get(k)) and out[k] > 0), None)
+    heads_key = next((k for k in HEAD_KEYS if _is_int(out.get(k)) and out[k] > 0), None)
+    if heads_key is None:
+        return
+    heads = out[heads_key]
+    for kv_key in [k for k in KV_HEAD_KEYS if k in out and k not in fixed]:
+        out[kv_key] = _kv_heads(before, kv_key, heads_key, heads)
+    if width is None or width % heads:
+        return
+    head_dim = width // heads
+    expand = before.get("expand")
+    if _is_int(expand) and before.get(heads_key, 0) * (before.get("head_dim") or 0) == before.get(
+        next(k for k in WIDTH_KEYS if k in before), 0
+    ) * expand:
+        head_dim = width * expand // heads  # Mamba2: heads * head_dim == hidden_size * expand
+    for key in ("head_dim", "d_kv", "attention_head_size", "query_pre_attn_scalar"):
+        if _is_int(before.get(key)) and before[key] > 0 and key not in fixed:
+            out[key] = head_dim
+    if "head_dim" in before and before["head_dim"] is None and "head_dim" not in fixed:
+        out["head_dim"] = head_dim  # some modeling code reads it without a fallback (Ministral)
+    rope_dim = before.get("qk_rope_head_dim")
+    if _is_int(rope_dim) and before.get("head_dim") == rope_dim and "head_dim" not in fixed:
+        out["head_dim"] = out["qk_rope_head_dim"]  # MLA models rotate only the rope part
+    head_dim = out.get("head_dim") if _is_int(out.get("head_dim")) else head_dim
+    if _is_int(before.get("rotary_dim")) and "rotary_dim" not in fixed:
+        out["rotary_dim"] = max(2, head_dim // 2)
+    _shrink_rope(out, head_dim, fixed)
+    _scale_per_layer_head_dims(before, out)
+
+
+def _scale_per_layer_head_dims(before: dict[str, Any], out: dict[str, Any]) -> None:
+    """Per-layer overrides (Gemma 4's wider global layers) keep their ratio to the tiny head_dim."""
+    old, new = before.get("head_dim"), out.get("head_dim")
+    layers = out.get("per_layer_config")
+    if not (_is_int(old) and _is_int(new) and old > 0 and isinstance(layers, dict)):
+        return
+    for values in layers.values():
+        if isinstance(values, dict) and _is_int(values.get("head_dim")):
+            values["head_dim"] = max(2, values["head_dim"] * new // old)
+
+
+def _kv_heads(before: dict[str, Any], kv_key: str, heads_key: str, heads: int) -> Any:
+    """Keep the grouped-query shape: multi-head, multi-query, or grouped (two kv heads)."""
+    old_kv, old_heads = before.get(kv_key), before.get(heads_key)
+    if old_kv is None:
+        return heads  # unset means multi-head, but some modeling code divides by it (Nemotron)
+    if not _is_int(old_kv) or not _is_int(old_heads) or old_kv >= old_heads:
+        return heads if _is_int(old_kv) else old_kv
+    if old_kv == 1:
+        return 1
+    return max(d for d in range(1, heads // 2 + 1) if heads % d == 0) if heads > 1 else 1
+
+
+def _shrink_rope(level: dict[str, Any], head_dim: int, fixed: set[str]) -> None:
+    """Resize rope settings whose lengths follow the head size (mrope sections, longrope factors)."""
+    partial = level.get("partial_rotary_factor") or 1.0
+    rope = level.get("rope_parameters") or level.get("rope_scaling")
+    implicit = IMPLICIT_ROPE_DEFAULTS.get(str(level.get("model_type", "")).removesuffix("_text"), {})
+    if isinstance(rope, dict) and implicit:
+        rope = level["rope_parameters" if "rope_parameters" in level else "rope_scaling"] = {**implicit, **rope}
+    if isinstance(rope, dict) and "rope_parameters" not in fixed and "rope_scaling" not in fixed:
+        nested = [v for v in rope.values() if isinstance(v, dict)] or [rope]
+        for params in nested:
+            factor = params.get("partial_rotary_factor") or partial
+            half = max(1, int(head_dim * factor) // 2)
+            if isinstance(params.get("mrope_section"), list):
+                params["mrope_section"] = _split_evenly(params["mrope_section"], half)
+            for key in ("short_factor", "long_factor"):
+                if isinstance(params.get(key), list) and params[key]:
+                    values = params[key]
+                    params[key] = [values[i * len(values) // half] for i in range(half)]
+
+
+def _split_evenly(sections: list[int], total: int) -> list[int]:
+    """Scale ``sections`` to sum to ``total``, each at least 1 (mrope splits head_dim/2)."""
+    old = sum(sections) or 1
+    new = [max(1, s * total // old) for s in sections]
+    new[-1] += total - sum(new)
+    return new
+
+
+def _large_token_ids(tree: dict[str, Any]) -> dict[int, int]:
+    """Special token ids that fall outside the tiny vocab -> free ids at its top."""
+    special = special_token_ids(tree)
+    large = sorted(i for i in special if i >= TINY_VOCAB)
+    free = [i for i in range(TINY_VOCAB - 1, -1, -1) if i not in special]
+    return dict(zip(large, free))
+
+
+def _remap_token_ids(tree: dict[str, Any], mapping: dict[int, int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out[key] = _remap_token_ids(value, mapping)
+        elif isinstance(key, str) and key.endswith(("_token_id", "_token_index", "_token_ids")) and mapping:
+            out[key] = [mapping.get(v, v) for v in value] if isinstance(value, list) else mapping.get(value, value)
+        else:
+            out[key] = value
+    return out
+
+
+def special_token_ids(tree: Any) -> set[int]:
+    found: set[int] = set()
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                found |= special_token_ids(value)
+            elif isinstance(key, str) and key.endswith(("_token_id", "_token_index", "_token_ids")):
+                values = value if isinstance(value, list) else [value]
+                found |= {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
+    return found
