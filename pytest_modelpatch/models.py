@@ -132,7 +132,10 @@ def example_inputs(
     ``decoder_input_ids`` for encoder-decoders; ``pixel_values`` for vision-only
     models and beside the text for CLIP-like contrastive models;
     ``input_features`` for Whisper-like and ``input_values`` for wav2vec2-like
-    audio models. Models with image placeholder tokens get text-only inputs.
+    audio models; one 4x4-patch image per row, between vision start/end tokens, for
+    Qwen-VL-style models (``pixel_values`` + ``image_grid_thw``), so a patch of the
+    vision tower (e.g. ``fusion_config={"patch_embeddings": True}``) is exercised.
+    Other models with image placeholder tokens get text-only inputs.
 
     Example: ``model(**example_inputs(model.config))``.
     """
@@ -143,6 +146,8 @@ def example_inputs(
     inputs: dict[str, torch.Tensor]
     if main == "input_ids" or (main not in params and "input_ids" in params):
         inputs = text_inputs(config, batch_size, seq_len, generator)
+        if _takes_image_grid(config, params):
+            inputs.update(_grid_image_inputs(config, inputs["input_ids"], params, generator))
         inputs.update(text_companions(config, cls, inputs["input_ids"]))
         if _is_contrastive(config, params):
             inputs["pixel_values"] = _pixel_values(config, batch_size, generator)
@@ -200,6 +205,43 @@ def ordinary_token_ids(config: PretrainedConfig) -> torch.Tensor:
     special = special_token_ids(config.to_dict())
     ids = torch.tensor([i for i in range(vocab) if i not in special], dtype=torch.long)
     return ids if len(ids) else torch.arange(vocab)
+
+
+_GRID = (1, 4, 4)  # (frames, patch rows, patch columns) of the example image
+
+
+def _takes_image_grid(config: PretrainedConfig, params: Any) -> bool:
+    vision = getattr(config, "vision_config", None)
+    return (
+        {"pixel_values", "image_grid_thw"} <= set(params)
+        and getattr(config, "image_token_id", None) is not None
+        and all(hasattr(vision, k) for k in ("patch_size", "temporal_patch_size", "spatial_merge_size", "in_channels"))
+    )
+
+
+def _grid_image_inputs(
+    config: PretrainedConfig, text_ids: torch.Tensor, params: Any, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """Each row's text with one image spliced in, laid out as Qwen-VL processors do."""
+    vision = config.vision_config
+    batch = text_ids.shape[0]
+    patches = _GRID[0] * _GRID[1] * _GRID[2]
+    image = [config.image_token_id] * (patches // vision.spatial_merge_size**2)
+    start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
+    if start is not None and end is not None:
+        image = [start, *image, end]
+    head = text_ids[:, :2]
+    ids = torch.cat([head, torch.tensor([image] * batch, dtype=text_ids.dtype), text_ids[:, 2:]], dim=1)
+    volume = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.randn(batch * patches, volume, generator=generator),
+        "image_grid_thw": torch.tensor([_GRID] * batch),
+    }
+    if "mm_token_type_ids" in params:
+        inputs["mm_token_type_ids"] = (ids == config.image_token_id).long()
+    return inputs
 
 
 def _is_contrastive(config: PretrainedConfig, params: Any) -> bool:

@@ -23,6 +23,7 @@ from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import PATCH_MODULES, load_patch
 from fixtures.make_checkpoints import write_checkpoint
+from pytest_modelpatch.models import example_inputs
 from pytest_modelpatch.registry import isolated_patch_state
 
 FP32 = {"atol": 1e-5, "rtol": 1.3e-6}
@@ -501,21 +502,6 @@ def test_tiny_config_and_load_patch_name_what_exists_when_asked_for_something_el
 # ---------------------------------------------------------------------------
 
 
-def image_inputs(config: transformers.PretrainedConfig) -> dict[str, torch.Tensor]:
-    """One 56x56 image (4x4 patches, 4 tokens after the 2x2 merge) inside a short prompt."""
-    vision = config.vision_config
-    patch_pixels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    pixel_values = torch.randn(16, patch_pixels, generator=torch.Generator().manual_seed(0))
-    image = [config.vision_start_token_id, *[config.image_token_id] * 4, config.vision_end_token_id]
-    ids = torch.tensor([[3, 4, *image, 5, 6]])
-    return {
-        "input_ids": ids,
-        "pixel_values": pixel_values,
-        "image_grid_thw": torch.tensor([[1, 4, 4]]),
-        "mm_token_type_ids": (ids == config.image_token_id).int(),
-    }
-
-
 def test_qwen3_vl_patch_embedding_fusion_is_equivalent_and_round_trips(
     checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
@@ -527,7 +513,7 @@ def test_qwen3_vl_patch_embedding_fusion_is_equivalent_and_round_trips(
         )
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert type(fused.model.visual.patch_embed).__name__ == "FusedQwen3VLVisionPatchEmbed"
-    inputs = image_inputs(reference.config)
+    inputs = example_inputs(reference.config, model_class=type(reference))
     with torch.no_grad():
         expected, actual = reference(**inputs).logits, fused.eval()(**inputs).logits
     torch.testing.assert_close(actual, expected, **FP32)  # Conv3d vs Linear: ~5e-7 apart

@@ -19,7 +19,7 @@ from fixtures.patches._fused_qkv import ConcatenateQKV, qkv_sizes
 from pytest_modelpatch.registration import register_patches
 from pytest_modelpatch.registry import isolated_patch_state
 from pytest_modelpatch.roundtrip import Roundtrip, check_roundtrip
-from pytest_modelpatch.models import CheckpointError
+from pytest_modelpatch.models import CheckpointError, example_inputs
 from pytest_modelpatch.safetensors_diff import diff_checkpoints
 
 torch.set_num_threads(1)
@@ -151,24 +151,6 @@ def test_fused_qkv_roundtrip_is_bit_exact_over_tiny_configs(
 FUSION = {"patch_embeddings": True}
 
 
-def vision_inputs(config: Any, *, seed: int = 0) -> dict[str, torch.Tensor]:
-    """One 4x4-patch image between text tokens, in the layout Qwen-VL processors produce."""
-    vision = config.vision_config
-    generator = torch.Generator().manual_seed(seed)
-    grid = (1, 4, 4)
-    patches = grid[0] * grid[1] * grid[2]
-    volume = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    placeholders = patches // vision.spatial_merge_size**2
-    text = torch.randint(0, config.image_token_id, (1, 10), generator=generator)
-    ids = torch.cat([text[:, :3], torch.full((1, placeholders), config.image_token_id), text[:, 3:]], dim=1)
-    return {
-        "input_ids": ids,
-        "pixel_values": torch.randn(patches, volume, generator=generator),
-        "image_grid_thw": torch.tensor([grid]),
-        "mm_token_type_ids": (ids == config.image_token_id).long(),
-    }
-
-
 @pytest.fixture(scope="module")
 def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     from transformers import Qwen3VLForConditionalGeneration
@@ -192,14 +174,15 @@ def test_fused_patch_embeddings_match_the_conv3d_model_and_leak_nothing(qwen3_vl
     fused = load_with_fusion(path, FUSION)
     assert type(fused.model.visual.patch_embed).__name__ == "FusedQwen3VLVisionPatchEmbed"
     assert dict(get_patch_mapping()) == before
-    inputs = vision_inputs(reference.config)
+    inputs = example_inputs(reference.config, model_class=type(reference))
     (logits,) = compare_outputs(model_outputs(reference, inputs), model_outputs(fused, inputs))
     assert logits.name == "logits" and logits.max_abs_diff <= 1e-5
 
 
 def test_fused_patch_embeddings_roundtrip_bit_exact(qwen3_vl: tuple[Any, Path], tmp_path: Path) -> None:
     reference, path = qwen3_vl
-    report = check_roundtrip(path, tmp_path=tmp_path, fusion_config=FUSION, inputs=vision_inputs(reference.config))
+    inputs = example_inputs(reference.config, model_class=type(reference))
+    report = check_roundtrip(path, tmp_path=tmp_path, fusion_config=FUSION, inputs=inputs)
     assert report.passed and report.outputs
     assert "'fusion_config' added: {'patch_embeddings': True}" in str(report)
 
