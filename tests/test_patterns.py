@@ -4,6 +4,8 @@ with what ``apply_patches`` swaps and with real module trees."""
 from __future__ import annotations
 
 import importlib
+import json
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -11,8 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import monkey_patching
-from transformers.utils.import_utils import _LazyModule
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models import model_class_for, tiny_config
@@ -25,7 +25,6 @@ from pytest_modelpatch.patterns import (
     matched_classes,
     suggest,
 )
-from pytest_modelpatch.registry import isolated_patch_state
 from pytest_modelpatch.scan_index import INDEX_FORMAT, ScanIndex, _read, index_path, load_index
 
 FAMILIES = ["bert", "llama", "t5", "gpt2", "qwen2_moe", "mixtral", "vit", "clip"]
@@ -146,30 +145,46 @@ def test_registration_lint_rejects_allow_for_a_key_not_in_the_mapping() -> None:
 
 
 # -- agreement with transformers ---------------------------------------------------
-def _swapped_by_apply_patches(mapping: dict[str, type]) -> dict[str, set[str]]:
-    """Module -> attribute names that apply_patches set to a replacement, recorded inside it."""
-    replacements = set(mapping.values())
-    found: dict[str, set[str]] = {}
-    with isolated_patch_state():
-        monkey_patching.register_patch_mapping(mapping)
-        # apply_patches walks the modules loaded when it starts; getattr on lazy
-        # packages during the walk may import more, which it does not swap.
-        loaded = set(sys.modules)
-        with monkey_patching.apply_patches():
-            for name, module in list(sys.modules.items()):
-                if name not in loaded or module is None or isinstance(module, _LazyModule):
-                    continue
-                if name.startswith("transformers"):
-                    found[name] = {a for a, v in vars(module).items() if any(v is r for r in replacements)}
-    return found
+_SWAPPED_BY_APPLY_PATCHES = """
+import importlib, json, sys
+from torch import nn
+from transformers import monkey_patching
+from transformers.utils.import_utils import _LazyModule
+
+keys = json.loads(sys.argv[1])
+for family in ("bert", "llama", "t5", "qwen2_moe"):
+    importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+mapping = {key: type(f"Replacement{i}", (nn.Module,), {}) for i, key in enumerate(keys)}
+replacements = set(mapping.values())
+monkey_patching.register_patch_mapping(mapping)
+# apply_patches walks the modules loaded when it starts; getattr on lazy
+# packages during the walk may import more, which it does not swap.
+loaded = set(sys.modules)
+found = {}
+with monkey_patching.apply_patches():
+    for name, module in list(sys.modules.items()):
+        if name in loaded and module is not None and not isinstance(module, _LazyModule) and name.startswith("transformers"):
+            found[name] = sorted(a for a, v in vars(module).items() if any(v is r for r in replacements))
+print(json.dumps(found))
+"""
+
+
+def _swapped_by_apply_patches(keys: list[str]) -> dict[str, set[str]]:
+    """Module -> attributes transformers' own apply_patches swaps, in a fresh interpreter.
+
+    A fresh process fixes which modules are loaded, so the comparison does not depend on
+    what earlier tests in this worker happened to import.
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", _SWAPPED_BY_APPLY_PATCHES, json.dumps(keys)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return {module: set(attrs) for module, attrs in json.loads(result.stdout.strip().splitlines()[-1]).items()}
 
 
 @pytest.mark.parametrize("keys", [[".*Attention", ".*MLP"], [".*Layer"], ["LlamaAttention", ".*Experts$"]])
 def test_matches_agree_with_what_apply_patches_swaps(index: ScanIndex, keys: list[str]) -> None:
-    for family in ("bert", "llama", "t5", "qwen2_moe"):
-        importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    mapping = {key: type(f"Replacement{i}", (nn.Module,), {}) for i, key in enumerate(keys)}
-    swapped = _swapped_by_apply_patches(mapping)
+    swapped = _swapped_by_apply_patches(keys)
     matched = matched_classes(keys, index=index)
     compared = 0
     for module, attrs in swapped.items():
