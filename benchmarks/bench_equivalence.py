@@ -118,12 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=50, help="check_equivalence examples")
     parser.add_argument("--reload-examples", type=int, default=5, help="examples for the per-example reload test")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--config", default="", metavar="K=V,...",
+        help="tiny-config overrides, e.g. hidden_size=256,intermediate_size=512,num_hidden_layers=4: "
+        "the fixed per-example cost of hypothesis weighs less as the forward grows",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
     patch = load_patch(args.patch)
     with tempfile.TemporaryDirectory() as tmp:
-        path = cached_checkpoint(tiny_config(patch.MODEL_TYPE), cache_dir=tmp)
+        overrides = {k: int(v) for k, v in (item.split("=") for item in args.config.split(",") if item)}
+        path = cached_checkpoint(tiny_config(patch.MODEL_TYPE, **overrides), cache_dir=tmp)
         with isolated_patch_state():
             register(patch)
             with without_patches():
@@ -141,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         draw, compare = statistics.median(draws), statistics.median(compares)
         reload = time_reload(path, patch, args.reload_examples)
 
-    print(f"model: {type(reference).__name__} ({args.patch}), {args.examples} examples, median of {args.repeats} runs")
+    print(
+        f"model: {type(reference).__name__} ({args.patch}{', ' + args.config if args.config else ''}), "
+        f"{args.examples} examples, median of {args.repeats} runs"
+    )
     print(f"check_equivalence        {check * 1e3:8.2f} ms/example")
     print(f"two bare forwards        {bare * 1e3:8.2f} ms/example   check/bare = {check / bare:.2f}x (goal <= 1.3x)")
     print(f"  drawing inputs         {draw * 1e3:8.2f} ms/example   (hypothesis + model_inputs, no models)")
