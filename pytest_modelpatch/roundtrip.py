@@ -63,6 +63,7 @@ class RoundtripReport:
     weights: CheckpointDiff
     outputs: list[OutputDiff] = field(default_factory=list)
     outputs_checked: bool = False
+    outputs_implied: bool = False  # identical tensors and config.json: the reload is the source model
     config_changes: list[str] = field(default_factory=list)
     duration_s: float = 0.0
 
@@ -77,6 +78,8 @@ class RoundtripReport:
     def summary(self) -> str:
         if not self.outputs_checked:
             outputs = "outputs not checked"
+        elif self.outputs_implied:
+            outputs = "outputs unchanged (implied: identical tensors and config)"
         elif self.outputs_identical:
             outputs = "outputs identical"
         else:
@@ -247,9 +250,17 @@ def _run_roundtrip(
     del patched
 
     outputs: list[OutputDiff] = []
+    weights: CheckpointDiff | None = None
+    changes: list[str] = []
+    outputs_implied = False
     if save_original_format:
         compared_from, compared_to = source_dir, saved_dir
-        if check_outputs:
+        weights, changes = diff_checkpoints(source_dir, saved_dir), config_changes(source_dir, saved_dir)
+        # Same tensors, same config.json, same modeling code: reloading the saved copy
+        # without patches builds the source model again, so its outputs cannot differ.
+        # Reload and run it only when something did change, to show what that costs.
+        outputs_implied = check_outputs and weights.identical and not changes and reference_outputs is None
+        if check_outputs and not outputs_implied:
             with without_patches():
                 if reference_outputs is None:
                     reference = _load(cls, source_dir, load_dtype, fusion_config={})
@@ -274,10 +285,11 @@ def _run_roundtrip(
         model_class=cls.__name__,
         dtype=resolved_dtype,
         save_original_format=save_original_format,
-        weights=diff_checkpoints(compared_from, compared_to),
+        weights=weights or diff_checkpoints(compared_from, compared_to),
         outputs=outputs,
-        outputs_checked=reference_outputs is not None,
-        config_changes=config_changes(compared_from, compared_to),
+        outputs_checked=reference_outputs is not None or outputs_implied,
+        outputs_implied=outputs_implied,
+        config_changes=changes or config_changes(compared_from, compared_to),
     )
 
 

@@ -47,8 +47,10 @@ def sharded_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_fused_qkv_llama_roundtrip_is_bit_exact(patch_registry: Any, llama_dir: Path, tmp_path: Path) -> None:
     register(llama_fused_qkv, patch_registry)
     report = check_roundtrip(llama_dir, tmp_path=tmp_path)
-    assert report.passed and report.outputs_checked and report.outputs
+    # identical tensors and config.json: the unpatched reload would be the source model itself
+    assert report.passed and report.outputs_checked and report.outputs_implied and not report.outputs
     assert report.weights.summary() == "21/21 tensors identical, 361.7 kB compared"
+    assert "outputs unchanged (implied: identical tensors and config)" in report.summary()
     assert "model.layers.0.self_attn.q_proj.weight" in {row.name for row in report.weights.tensors}
 
 
