@@ -278,10 +278,19 @@ def diff_checkpoints(source: str | Path | SafetensorsCheckpoint, saved: str | Pa
     return result
 
 
+def _widest_words(flat: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``flat`` as the widest integers that fit: equality on int64 runs ~5x faster than on uint8."""
+    raw = flat.view(torch.uint8)
+    for width, kind in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if raw.numel() % width == 0 and raw.storage_offset() % width == 0:
+            return raw.view(kind)
+    return raw
+
+
 def compare_tensors(name: str, a: TensorEntry, b: TensorEntry, x: torch.Tensor, y: torch.Tensor) -> TensorDiff:
     """Bit-compare two same-shape tensors; on a difference, count differing elements and the max abs diff."""
     flat_x, flat_y = x.reshape(-1), y.reshape(-1)
-    if a.dtype == b.dtype and torch.equal(flat_x.view(torch.uint8), flat_y.view(torch.uint8)):
+    if a.dtype == b.dtype and torch.equal(_widest_words(flat_x), _widest_words(flat_y)):
         return TensorDiff(name, "identical", a, b, elements=flat_x.numel())
     if a.dtype == b.dtype and x.element_size() in _BIT_VIEW:
         bits = _BIT_VIEW[x.element_size()]
