@@ -24,11 +24,6 @@ from .errors import ModelPatchError, PatchUsageError
 from .proof import track_patch_usage
 from .registry import without_patches
 
-MODEL_MARKER_HELP = (
-    "@pytest.mark.model(spec, *, seed=0, fusion_config=None, **config_overrides): the model for reference_model "
-    "and patched_model: a model type ('llama'), a PretrainedConfig or a local checkpoint directory"
-)
-
 
 class PatchNotAppliedError(ModelPatchError):
     """A registered patch key replaced nothing in the model under test."""
