@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
+from pytest_modelpatch.devices import to_torch_dtype
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models import (
     CONFIG_MAPPING_NAMES,
@@ -45,32 +46,12 @@ BUILD_INFO_FILE = "modelpatch-build.json"
 # dtypes
 # ---------------------------------------------------------------------------
 
-DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float64": torch.float64,
-    "fp64": torch.float64,
-}
-
-
 def parse_dtype(value: torch.dtype | str) -> torch.dtype:
-    """A ``torch.dtype`` from a dtype or a name such as ``"bf16"``.
+    """A ``torch.dtype`` from a dtype or a name such as ``"bf16"`` (the names ``devices.dtype_name`` knows).
 
     Example: ``parse_dtype("fp16") is torch.float16``.
     """
-    if isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        name = value.strip().lower().removeprefix("torch.")
-        if name in DTYPE_NAMES:
-            return DTYPE_NAMES[name]
-    raise PatchUsageError(f"unknown dtype {value!r}: use a torch.dtype or one of {', '.join(DTYPE_NAMES)}")
+    return to_torch_dtype(value)
 
 
 # ---------------------------------------------------------------------------
