@@ -37,8 +37,9 @@ def test_fused_qkv_llama_is_equivalent_and_lossless(reference_model, patched_mod
 
 @pytest.mark.model("qwen2_moe")
 @pytest.mark.patch(qwen2_moe.MAPPING, conversions=qwen2_moe.CONVERSIONS, overwrite=True)
-def test_qwen2_moe_module_list_experts_and_fused_qkv(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+def test_qwen2_moe_module_list_experts_and_fused_qkv(reference_model, patched_model, model_builder, roundtrip) -> None:  # type: ignore[no-untyped-def]
     _verify(reference_model, patched_model)
+    print(roundtrip.check(model_builder.checkpoint(ModelRequest("qwen2_moe"))))
 
 
 @pytest.mark.model("qwen3_moe")
