@@ -83,22 +83,17 @@ def _merge_mark(spec: PatchSpec, mark: pytest.Mark, where: str) -> None:
             f"@pytest.mark.patch on {where} got unknown keyword(s) {sorted(extra)}. It takes "
             f"{', '.join(_KEYWORDS)}; extra keywords are only allowed with context=factory, which receives them."
         )
-    mapping = kwargs.get("mapping") or {}
-    if not isinstance(mapping, Mapping):
-        raise PatchUsageError(
-            f"@pytest.mark.patch on {where}: the mapping must be a dict {{class name or regex: replacement class}}, "
-            f"got {type(mapping).__name__}. Example: @pytest.mark.patch({{'LlamaAttention': MyAttention}})."
-        )
-    for key, value in mapping.items():
-        spec._merge_key("patch", spec.mapping, key, value, where)
-    conversions = kwargs.get("conversions") or {}
-    if not isinstance(conversions, Mapping):
-        raise PatchUsageError(
-            f"@pytest.mark.patch on {where}: conversions must be a dict {{model_type: [WeightConverter, ...]}}, "
-            f"got {type(conversions).__name__}."
-        )
-    for key, value in conversions.items():
-        spec._merge_key("conversions", spec.conversions, key, value, where)
+    for keyword, kind, target, shape in (
+        ("mapping", "patch", spec.mapping, "{class name or regex: replacement class}, e.g. {'LlamaAttention': MyAttention}"),
+        ("conversions", "conversions", spec.conversions, "{model_type: [WeightConverter, ...]}"),
+    ):
+        given = kwargs.get(keyword) or {}
+        if not isinstance(given, Mapping):
+            raise PatchUsageError(
+                f"@pytest.mark.patch on {where}: {keyword} must be a dict {shape}, got {type(given).__name__}."
+            )
+        for key, value in given.items():
+            spec._merge_key(kind, target, key, value, where)
     overwrite = kwargs.get("overwrite", False)
     if not isinstance(overwrite, bool):
         raise PatchUsageError(f"@pytest.mark.patch on {where}: overwrite must be True or False, got {overwrite!r}.")

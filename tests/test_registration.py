@@ -92,6 +92,8 @@ MARKER_ERRORS = [
     ("@pytest.mark.patch(context=42)", "*context must be a callable returning a context manager*"),
     ("@pytest.mark.patch(context=lambda: 1)", "*must return a context manager, got int*contextmanager*"),
     ("@pytest.mark.patch(methods=[Plain])", "*must declare _PATCHED_CLASS_*_PATCHES_*"),
+    ("@pytest.mark.patch(['LlamaAttention'])", "*mapping must be a dict {class name or regex: replacement class}*"),
+    ("@pytest.mark.patch(conversions=[1])", "*conversions must be a dict {model_type: ?WeightConverter, ...?}, got list*"),
 ]
 
 
