@@ -61,6 +61,7 @@ def _run_lint(args: argparse.Namespace) -> int:
     index = load_index(rebuild=args.rebuild_index)
     findings = patterns.lint_patterns(args.patterns, families=args.families, index=index)
     bad = patterns.failing(findings, allow)
+    failed = {id(f) for f in bad}  # findings compare by value; thousands of them, so by identity
     if args.json:
         matches = patterns.matched_classes(args.patterns, families=args.families, index=index)
         print(json.dumps({
@@ -68,11 +69,11 @@ def _run_lint(args: argparse.Namespace) -> int:
             "families": sorted(args.families or []),
             "failing": len(bad),
             "matches": {key: sorted(names) for key, names in matches.items()},
-            "findings": [dict(f.to_json(), failing=f in bad) for f in findings],
+            "findings": [dict(f.to_json(), failing=id(f) in failed) for f in findings],
         }, indent=2))
     else:
         for finding in findings:
-            print(("FAIL " if finding in bad else "note ") + str(finding))
+            print(("FAIL " if id(finding) in failed else "note ") + str(finding))
         scope = f" in {', '.join(args.families)}" if args.families else ""
         print(f"{len(findings)} findings, {len(bad)} failing, for {len(args.patterns)} keys{scope} "
               f"(transformers {index.transformers_version})")
