@@ -1,19 +1,26 @@
 """Build the scan index: run as ``python -m pytest_modelpatch.index_builder PATH``.
 
-The transformers core (and torch) is imported; family modules
-(``transformers/models/*/modeling_*.py`` and ``configuration_*.py``) are read as text
-by :mod:`pytest_modelpatch.source_scan`. Names a family module imports from the core
-or from third parties are resolved on the imported objects; names it imports from
-other family modules are resolved in their source.
+Nothing is imported: transformers, torch and whatever else the family modules use are
+read as text (:mod:`pytest_modelpatch.source_scan`) and their names resolved the way
+Python's import system would bind them, lazily, one name at a time, so a build reads
+only the files some family module's names lead to. Importing the transformers core and
+torch alone costs more than reading every family module, and the lint never needs an
+object: a class's nature comes from its bases, and its children from its ``__init__``.
+
+Three roots give natures: ``torch.nn.Module`` (a module), transformers' ``ModelOutput``
+(an output) and ``PreTrainedConfig`` (a config). The core modules listed are those
+importing ``transformers``, ``transformers.modeling_utils``, ``transformers.generation``
+and every core module a family module imports from would load, followed through their
+module-level imports (both arms of an ``if``; a ``try`` body and its ``else``).
+Classes compiled into extension modules have no source and are not listed.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
 import re
 import sys
-import types
+from importlib import metadata, util
 from pathlib import Path
 from typing import Any
 
@@ -27,127 +34,276 @@ _SELF_CALL = re.compile(r"\bself\.(\w+)\s*\(")
 # Names passed here are not children: super(Cls, self), isinstance(x, Cls).
 _NOT_CHILD = re.compile(r"\b(?:super|isinstance|issubclass)\s*\([^()]*\)")
 
-Ref = tuple[Any, ...]  # ("class", key) | ("module", name) | ("function", module, name) | ("other",)
+# ("class", key) | ("module", name) | ("function", module, name) | ("dict", [Ref]) | ("other",)
+# and, until first looked up, ("import", module, name) | ("expr", ast.expr)
+Ref = tuple[Any, ...]
 OTHER: Ref = ("other",)
+_LAZY = ("import", "expr")
+
+# Where natures come from: every nn.Module, ModelOutput and config class derives from one.
+ROOTS = {
+    "torch.nn.modules.module:Module": (True, "module"),
+    "transformers.utils.generic:ModelOutput": (False, "output"),
+    "transformers.configuration_utils:PreTrainedConfig": (False, "config"),
+}
+# What importing a model loads before any family module: the package, the model base
+# class and the generation mixins every generative model binds.
+CORE_ROOTS = ("transformers", "transformers.modeling_utils", "transformers.generation")
+
+
+class ModuleFinder:
+    """Source files of modules by dotted name, found on a search path without importing."""
+
+    def __init__(self, search_path: list[str]) -> None:
+        self.search_path = [entry or "." for entry in search_path]
+        self.memo: dict[str, Path | None] = {}
+
+    def path(self, module: str) -> Path | None:
+        """The ``.py`` file (``__init__.py`` for a package), or None: absent or compiled."""
+        if module in self.memo:
+            return self.memo[module]
+        parent, _, last = module.rpartition(".")
+        if parent:
+            parent_path = self.path(parent)
+            folders = [parent_path.parent] if parent_path is not None and parent_path.name == "__init__.py" else []
+        else:
+            folders = [Path(entry) for entry in self.search_path]
+        found = None
+        for folder in folders:
+            if (folder / last / "__init__.py").is_file():
+                found = folder / last / "__init__.py"
+                break
+            if (folder / f"{last}.py").is_file():
+                found = folder / f"{last}.py"
+                break
+        self.memo[module] = found
+        return found
 
 
 class Builder:
-    """Resolves names in family sources and imported modules into one ScanIndex."""
+    """Resolves names in transformers' (and its imports') sources into one ScanIndex."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, search_path: list[str] | None = None) -> None:
         self.root = root
-        self.files: dict[str, SourceFile] = {}  # static family modules by module name
-        self.paths: dict[str, Path] = {}
+        self.finder = ModuleFinder(search_path if search_path is not None else sys.path)
+        self.finder.memo["transformers"] = root / "__init__.py"
+        self.paths: dict[str, Path] = {}  # family modules, the ones every build lists
         for folder in sorted((root / "models").iterdir()):
             for path in sorted(folder.glob("modeling_*.py")) + sorted(folder.glob("configuration_*.py")):
                 self.paths[f"transformers.models.{folder.name}.{path.stem}"] = path
+                self.finder.memo[f"transformers.models.{folder.name}.{path.stem}"] = path
         self.package_modules: dict[str, list[str]] = {}
         for module in self.paths:
             self.package_modules.setdefault(module.rsplit(".", 1)[0], []).append(module)
+        self.files: dict[str, SourceFile | None] = {}
+        self.texts: dict[Path, str] = {}
         self.namespaces: dict[str, dict[str, Ref]] = {}
+        self.statements: dict[str, list[ast.stmt]] = {}  # import statements, for the closure
+        self.exports: dict[str, list[str]] = {}  # literal __all__
         self.names_memo: dict[tuple[int, str], set[str]] = {}
+        self.natures: dict[str, tuple[bool, str]] = {}
         self.base_models: dict[str, list[tuple[str, str]]] | None = None
         self.keys: dict[str, int] = {}
         self.classes: list[ClassEntry] = []
-        self.runtime: dict[str, type] = {}  # key -> class object, for imported classes
         self.static: dict[str, tuple[str, str]] = {}  # key -> (module, class name)
         self.made: set[str] = set()  # classes made by a call such as namedtuple(...)
-        self.core_files: dict[str, SourceFile | None] = {}
         self.children_memo: dict[str, list[tuple[str, str]]] = {}
+        self.lazy_memo: dict[tuple[str, str], Ref] = {}
+        self._family_definitions: dict[str, str] | None = None
+        self.installed_memo: dict[str, bool] = {}
 
     # -- names ---------------------------------------------------------------
-    def source(self, module: str) -> SourceFile:
+    def text(self, path: Path) -> str:
+        if path not in self.texts:
+            self.texts[path] = path.read_text(encoding="utf-8", errors="replace")
+        return self.texts[path]
+
+    def source(self, module: str) -> SourceFile | None:
+        """The scanned source of a module, or None when it has none (or does not parse)."""
         if module not in self.files:
-            self.files[module] = SourceFile.read(self.paths[module].read_text(encoding="utf-8"))
+            path = self.finder.path(module)
+            try:
+                self.files[module] = SourceFile.read(self.text(path), self.installed) if path is not None else None
+            except (OSError, SyntaxError, ValueError):
+                self.files[module] = None
         return self.files[module]
 
+    def installed(self, top: str) -> bool:
+        """Whether a top-level module could be imported here: source, compiled or built in."""
+        if top not in self.installed_memo:
+            try:
+                found = self.finder.path(top) is not None or util.find_spec(top) is not None
+            except (ImportError, ValueError):
+                found = False
+            self.installed_memo[top] = found
+        return self.installed_memo[top]
+
+    def is_lazy(self, module: str) -> bool:
+        """A package whose ``__init__`` replaces itself by transformers' ``_LazyModule``."""
+        path = self.finder.path(module)
+        return path is not None and path.name == "__init__.py" and "_LazyModule(" in self.text(path)
+
     def namespace(self, module: str) -> dict[str, Ref]:
-        """Top-level names of a static family module, resolved."""
+        """Top-level names of a module, imports and assignments unresolved until looked up."""
         if module in self.namespaces:
             return self.namespaces[module]
         names: dict[str, Ref] = {}
         self.namespaces[module] = names  # early, so that import cycles end
         scanned = self.source(module)
-        for node in scanned.statements:
-            self._bind(module, node, names)
-        for name in scanned.functions:
-            names[name] = ("function", module, name)
+        if scanned is None:
+            return names
+        imports: list[ast.stmt] = []
+        self.statements[module] = imports
+        # A module may rename itself (_collections_abc is "collections.abc"); its
+        # classes' __module__ follows.
+        shown = _renamed(scanned) or module
         for name in scanned.classes:
-            key = f"{module}:{name}"
-            self.static[key] = (module, name)
-            names[name] = ("class", key)
+            self.static[f"{shown}:{name}"] = (module, name)
+        for node in scanned.statements:
+            if isinstance(node, ast.ClassDef):
+                names[node.name] = ("class", f"{shown}:{node.name}")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names[node.name] = ("function", module, node.name)
+            else:
+                self._bind(module, node, names, imports)
+        for name in scanned.functions:
+            if name not in scanned.conditional:
+                names[name] = ("function", module, name)
+        for name in scanned.classes:
+            if name not in scanned.conditional:
+                names[name] = ("class", f"{shown}:{name}")
         return names
 
-    def _bind(self, module: str, node: ast.stmt, names: dict[str, Ref]) -> None:
+    def lookup(self, module: str, name: str) -> Ref:
+        """What ``module.name`` is bound to at the end of the module's top level."""
+        names = self.namespace(module)
+        ref = names.get(name, OTHER)
+        if ref[0] in _LAZY:
+            names[name] = OTHER  # while resolving: a cycle back here finds nothing
+            ref = names[name] = self._resolve(module, ref)
+        return ref
+
+    def _resolve(self, module: str, ref: Ref) -> Ref:
+        if ref[0] == "import":
+            return self.import_ref(ref[1], ref[2])
+        return self.expression_ref(module, ref[1])
+
+    def _bind(self, module: str, node: ast.stmt, names: dict[str, Ref], imports: list[ast.stmt]) -> None:
         if isinstance(node, ast.Import):
+            imports.append(node)
             for alias in node.names:
                 top = alias.name if alias.asname else alias.name.split(".")[0]
                 names[alias.asname or top] = ("module", top)
         elif isinstance(node, ast.ImportFrom):
-            base = _absolute(module, node.level, node.module or "")
+            imports.append(node)
+            base = _absolute(module, node.level, node.module or "", self.finder.path(module))
             for alias in node.names:
                 if alias.name == "*":
-                    continue
-                names[alias.asname or alias.name] = self.import_ref(base, alias.name)
+                    names.update(self.star(base))
+                else:
+                    names[alias.asname or alias.name] = ("import", base, alias.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            value = self.expression_ref(module, node.value, names)
             for target in targets:
                 if isinstance(target, ast.Name):
-                    names[target.id] = value
+                    names[target.id] = ("expr", node.value)
+                    if target.id == "__all__" and isinstance(node.value, (ast.List, ast.Tuple)):
+                        self.exports[module] = [
+                            e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                        ]
 
-    def expression_ref(self, module: str, node: ast.expr, names: dict[str, Ref]) -> Ref:
+    def star(self, module: str) -> dict[str, Ref]:
+        """What ``from module import *`` binds: its ``__all__``, else its public names."""
+        names = self.namespace(module)
+        if module in self.exports:
+            return {name: ("import", module, name) for name in self.exports[module]}
+        return {name: ref for name, ref in names.items() if not name.startswith("_")}
+
+    def expression_ref(self, module: str, node: ast.expr) -> Ref:
         """An alias (``X = nn.LayerNorm``) or a dict of classes; anything else is not a class."""
         if isinstance(node, ast.Dict):
-            return ("dict", [self.expression_ref(module, v, names) for v in node.values])
+            return ("dict", [self.expression_ref(module, v) for v in node.values if v is not None])
         if isinstance(node, ast.Call) and (_dotted_name(node.func) or "").split(".")[-1] in _CLASS_FACTORIES:
             key = f"{module}:{_first_string(node) or 'namedtuple'}"
             self.made.add(key)
             return ("class", key)
         dotted = _dotted_name(node)
-        return self.dotted_ref(names, dotted) if dotted else OTHER
+        return self.dotted_ref(module, dotted) if dotted else OTHER
 
-    def dotted_ref(self, names: dict[str, Ref], dotted: str) -> Ref:
+    def dotted_ref(self, module: str, dotted: str) -> Ref:
+        """What ``a.b.c`` names, looked up in ``module``."""
         first, *rest = dotted.split(".")
-        ref = names.get(first, OTHER)
+        ref = self.lookup(module, first)
         for attr in rest:
-            if ref[0] == "module":
-                ref = self.import_ref(ref[1], attr)
-            elif ref[0] == "class" and ref[1] in self.runtime:
-                ref = self.object_ref(getattr(self.runtime[ref[1]], attr, None))
-            else:
-                return OTHER
+            if ref[0] != "module":
+                return OTHER  # attributes of classes and objects are not followed
+            ref = self.import_ref(ref[1], attr)
         return ref
 
     def import_ref(self, module: str, name: str) -> Ref:
         """What ``from module import name`` binds."""
-        if module in self.paths:
-            return self.namespace(module).get(name, OTHER)
         submodule = f"{module}.{name}"
-        if submodule in self.paths:
+        if self.finder.path(submodule) is not None:
             return ("module", submodule)
-        for inner in self.package_modules.get(module, ()):
-            # A family package re-exports its modules' names; importing it would
-            # scan the whole folder (transformers' lazy import structure).
-            if name in self.namespace(inner):
-                return self.namespace(inner)[name]
-        try:
-            imported = importlib.import_module(module)
-            return self.object_ref(getattr(imported, name))
-        except Exception:  # noqa: BLE001 - optional dependencies missing: the name is absent
-            try:
-                return self.object_ref(importlib.import_module(submodule))
-            except Exception:  # noqa: BLE001
-                return OTHER
+        if self.finder.path(module) is None:
+            return self.opaque(module, name)
+        ref = self.lookup(module, name)
+        if ref == OTHER and self.is_lazy(module):
+            ref = self.lazy_ref(module, name)
+        return ref if ref != OTHER else self.opaque(module, name)
 
-    def object_ref(self, value: Any) -> Ref:
-        if isinstance(value, type):
-            key = f"{value.__module__}:{value.__qualname__}"
-            self.runtime.setdefault(key, value)
-            return ("class", key)
-        if isinstance(value, types.ModuleType):
-            return ("module", value.__name__)
-        return OTHER
+    def opaque(self, module: str, name: str) -> Ref:
+        """A name no source binds: compiled (a C type) or exported at run time.
+
+        Named like a class (``Tokenizer``, ``defaultdict`` is not), it is taken for one
+        that is not an ``nn.Module``: every module class has Python source to read.
+        """
+        if not self.installed(module.split(".")[0]):
+            return OTHER
+        looks_like_class = name[:1].isupper() and not name.isupper() and not module.startswith("transformers")
+        return ("class", f"{module}:{name}") if looks_like_class else OTHER
+
+    def lazy_ref(self, package: str, name: str) -> Ref:
+        """A name of a lazy package: the submodule that defines it (as ``_LazyModule`` finds it)."""
+        if (package, name) not in self.lazy_memo:
+            self.lazy_memo[package, name] = OTHER  # while searching: a cycle finds nothing
+            self.lazy_memo[package, name] = self._search_package(package, name)
+        return self.lazy_memo[package, name]
+
+    def _search_package(self, package: str, name: str) -> Ref:
+        if package in self.package_modules:
+            # A family package re-exports its modules' names; only modeling and
+            # configuration modules can define a class the lint cares about.
+            candidates = self.package_modules[package]
+        elif package == "transformers" and name in self.family_definitions():
+            return self.lookup(self.family_definitions()[name], name)
+        else:
+            folder = self.finder.path(package).parent  # type: ignore[union-attr]
+            candidates = [f"{package}.{p.stem}" for p in sorted(folder.glob("*.py")) if p.stem != "__init__"]
+            candidates += [f"{package}.{p.parent.name}" for p in sorted(folder.glob("*/__init__.py"))]
+        word = re.compile(rf"\b{re.escape(name)}\b")
+        found = OTHER
+        for candidate in candidates:
+            path = self.finder.path(candidate)
+            if path is None or candidate == "transformers.models" or not word.search(self.text(path)):
+                continue
+            ref = self.import_ref(candidate, name) if path.name == "__init__.py" else self.lookup(candidate, name)
+            if ref[0] in ("class", "function") and ref[1].split(":")[0] == candidate:
+                return ref  # the defining module wins over one that re-imports the name
+            if found == OTHER:
+                found = ref
+        return found
+
+    def family_definitions(self) -> dict[str, str]:
+        """Class or function name -> the family module defining it (what the top-level
+        ``transformers`` package exports from its models)."""
+        if self._family_definitions is None:
+            self._family_definitions = {}
+            for module in self.paths:
+                scanned = self.source(module)
+                for name in [*scanned.classes, *scanned.functions] if scanned is not None else []:
+                    self._family_definitions.setdefault(name, module)
+        return self._family_definitions
 
     # -- classes -------------------------------------------------------------
     def class_index(self, key: str) -> int:
@@ -160,26 +316,25 @@ class Builder:
         return self.keys[key]
 
     def nature(self, key: str, seen: set[str]) -> tuple[bool, str]:
-        """(is an nn.Module, kind) of a class, from its bases for classes read as text."""
-        if key in self.runtime:
-            return _runtime_nature(self.runtime[key])
-        if key in self.made:
-            return False, "class"
-        if key in self.keys:
-            entry = self.classes[self.keys[key]]
-            return entry.is_module, entry.kind
-        if key in seen:
+        """(is an nn.Module, kind) of a class, from the roots its bases lead to."""
+        if key in ROOTS:
+            return ROOTS[key]
+        if key in self.natures:
+            return self.natures[key]
+        if key in self.made or key not in self.static or key in seen:
             return False, "class"
         seen.add(key)
         module, name = self.static[key]
-        names = self.namespace(module)
-        for base in self.source(module).classes[name].bases:
-            ref = self.dotted_ref(names, base)
-            if ref[0] == "class":
-                is_module, kind = self.nature(ref[1], seen)
-                if kind != "class":
-                    return is_module, kind
-        return False, "class"
+        found = [
+            self.nature(ref[1], seen)
+            for base in self.source(module).classes[name].bases  # type: ignore[union-attr]
+            if (ref := self.dotted_ref(module, base))[0] == "class"
+        ]
+        # issubclass order: a module first, then an output, then a config.
+        kinds = {kind for _, kind in found}
+        result = next(((k == "module", k) for k in ("module", "output", "config") if k in kinds), (False, "class"))
+        self.natures[key] = result
+        return result
 
     def children(self, key: str) -> list[tuple[str, str]]:
         """(name looked up, class key) for each module class an instance builds, directly."""
@@ -189,37 +344,29 @@ class Builder:
         located = self.locate(key)
         if located is None:
             return found
-        module, scanned, name, names = located
+        module, scanned, name = located
         used = self.init_names(scanned, name)
         for base in scanned.classes[name].bases:
-            ref = self.dotted_ref(names, base)
+            ref = self.dotted_ref(module, base)
             if ref[0] == "class" and ref[1] != key:
                 found += [edge for edge in self.children(ref[1]) if edge not in found]
+        names = self.namespace(module)
         for word in sorted(used):
-            for ref in _flatten(names.get(word, OTHER)):
-                if ref[0] == "class" and ref[1] != key and self.nature(ref[1], set())[0]:
-                    if (word, ref[1]) not in found:
-                        found.append((word, ref[1]))
+            if word not in names:
+                continue
+            for ref in _flatten(self.lookup(module, word)):
+                edge = (word, ref[1]) if ref[0] == "class" else None
+                if edge is not None and edge[1] != key and edge not in found and self.nature(edge[1], set())[0]:
+                    found.append(edge)
         return found
 
-    def locate(self, key: str) -> tuple[str, SourceFile, str, dict[str, Ref]] | None:
-        """(module, its source, class name, its names) for a class defined in transformers."""
-        if key in self.static:
-            module, name = self.static[key]
-            return module, self.source(module), name, self.namespace(module)
-        cls = self.runtime.get(key)
-        module = getattr(cls, "__module__", "")
-        if cls is None or not module.startswith("transformers") or "." in cls.__qualname__:
+    def locate(self, key: str) -> tuple[str, SourceFile, str] | None:
+        """(module, its source, class name) for a class defined in transformers."""
+        if key not in self.static or not key.startswith("transformers"):
             return None
-        if module not in self.core_files:
-            path = getattr(sys.modules.get(module), "__file__", None)
-            self.core_files[module] = SourceFile.read(Path(path).read_text(encoding="utf-8")) if path else None
-        scanned = self.core_files[module]
-        if scanned is None or cls.__name__ not in scanned.classes:
-            return None
-        if module not in self.namespaces:
-            self.namespaces[module] = {k: self.object_ref(v) for k, v in vars(sys.modules[module]).items()}
-        return module, scanned, cls.__name__, self.namespaces[module]
+        module, name = self.static[key]
+        scanned = self.source(module)
+        return (module, scanned, name) if scanned is not None else None
 
     def init_names(self, scanned: SourceFile, name: str) -> set[str]:
         """Names used by ``__init__`` and by the methods and same-file functions it calls."""
@@ -250,18 +397,15 @@ class Builder:
         modules: dict[str, tuple[str, dict[str, int]]] = {}
         model_types: dict[str, str] = {}
         for module in self.paths:
-            names = self.namespace(module)
-            modules[module] = (_family(module), {n: self.class_index(r[1]) for n, r in names.items() if r[0] == "class"})
-            for cls in self.source(module).classes.values():
-                if module.split(".")[-1].startswith("configuration_") and cls.model_type:
-                    model_types.setdefault(cls.model_type, _family(module))
-        for module in self._loaded_core():
-            namespace = vars(sys.modules[module])
-            modules[module] = (_family(module), {})
-            for attr, value in list(namespace.items()):
-                ref = self.object_ref(value)
-                if ref[0] == "class":
-                    modules[module][1][attr] = self.class_index(ref[1])
+            modules[module] = (_family(module), self.bound_classes(module))
+            scanned = self.source(module)
+            if scanned is not None and module.split(".")[-1].startswith("configuration_"):
+                for cls in scanned.classes.values():
+                    if cls.model_type:
+                        model_types.setdefault(cls.model_type, _family(module))
+        for module in sorted(self.loaded_core()):
+            if not self.is_lazy(module):
+                modules[module] = (CORE, self.bound_classes(module))
         children: dict[int, list[tuple[str, int]]] = {}
         for key in list(self.keys):
             if self.classes[self.keys[key]].is_module:
@@ -271,44 +415,99 @@ class Builder:
                     children[self.keys[key]] = edges
         return ScanIndex(transformers_version, self.classes, modules, children, model_types)
 
+    def bound_classes(self, module: str) -> dict[str, int]:
+        """Attribute name -> class index, for every class a module binds at top level."""
+        found = {}
+        for name in list(self.namespace(module)):
+            ref = self.lookup(module, name)
+            if ref[0] == "class":
+                found[name] = self.class_index(ref[1])
+        return found
+
+    def loaded_core(self) -> set[str]:
+        """The core modules importing the models loads: CORE_ROOTS and every core module a
+        family module imports from, followed through module-level imports."""
+        loaded: set[str] = set()
+        pending = list(CORE_ROOTS)
+        for module in self.paths:
+            self.namespace(module)
+            pending += self.imported(module)
+        while pending:
+            module = pending.pop()
+            if module in loaded or not module.startswith("transformers") or module in self.paths:
+                continue
+            if self.finder.path(module) is None:
+                continue
+            loaded.add(module)
+            self.namespace(module)
+            if "." in module:
+                pending.append(module.rsplit(".", 1)[0])
+            pending += self.imported(module)
+        return loaded
+
+    def imported(self, module: str) -> list[str]:
+        """The modules that running the top level of ``module`` imports."""
+        found: list[str] = []
+        for node in self.statements.get(module, []):
+            if isinstance(node, ast.Import):
+                found += [alias.name for alias in node.names]
+                continue
+            assert isinstance(node, ast.ImportFrom)
+            base = _absolute(module, node.level, node.module or "", self.finder.path(module))
+            found.append(base)
+            for alias in node.names:
+                if self.finder.path(f"{base}.{alias.name}") is not None:
+                    found.append(f"{base}.{alias.name}")
+                elif alias.name != "*" and base.startswith("transformers") and self.is_lazy(base):
+                    ref = self.lazy_ref(base, alias.name)
+                    if ref[0] in ("class", "function"):
+                        found.append(ref[1].split(":")[0])  # a function's module, a class's key
+        return found
+
     def auto_edges(self, key: str) -> list[tuple[str, int]]:
         """``AutoModel.from_config(config)`` in a family class builds that family's base model."""
         located = self.locate(key)
         if located is None or _family(self.classes[self.keys[key]].module) == CORE:
             return []
-        _, scanned, name, _ = located
+        _, scanned, name = located
         bases_text = " ".join(scanned.classes[name].bases)
         if "AutoModel" not in self.init_names(scanned, name) and "Generic" not in bases_text:
             return []
         if self.base_models is None:
             self.base_models = {}
-            wanted = _base_model_names()
+            wanted = self.base_model_names()
             for module in self.paths:
-                for word, ref in self.namespace(module).items():
-                    if word in wanted and ref[0] == "class" and ref[1] in self.static and ref[1].startswith(module):
+                for word in self.namespace(module):
+                    if word in wanted and (ref := self.lookup(module, word))[0] == "class" and ref[1].startswith(module + ":"):
                         self.base_models.setdefault(_family(module), []).append((word, ref[1]))
         family = self.classes[self.keys[key]].family
         return [(word, self.class_index(ref)) for word, ref in self.base_models.get(family, []) if ref != key]
 
-    def _loaded_core(self) -> list[str]:
-        lazy = getattr(importlib.import_module("transformers.utils.import_utils"), "_LazyModule", ())
-        return sorted(
-            name
-            for name, module in list(sys.modules.items())
-            if name.startswith("transformers") and module is not None
-            and name not in self.paths and not isinstance(module, lazy)
-        )
+    def base_model_names(self) -> set[str]:
+        """The class names in ``MODEL_MAPPING_NAMES`` (what ``AutoModel`` builds), read from source."""
+        scanned = self.source("transformers.models.auto.modeling_auto")
+        for node in scanned.statements if scanned is not None else []:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Name) and t.id == "MODEL_MAPPING_NAMES" for t in targets):
+                call = node.value  # type: ignore[union-attr]
+                pairs = call.args[0] if isinstance(call, ast.Call) and call.args else call
+                try:
+                    return {v for _, v in ast.literal_eval(pairs) if isinstance(v, str)}
+                except (ValueError, TypeError):
+                    return set()
+        return set()
 
 
-_BASE_MODELS: set[str] = set()
-
-
-def _base_model_names() -> set[str]:
-    if not _BASE_MODELS:
-        from transformers.models.auto import modeling_auto
-
-        _BASE_MODELS.update(v for v in modeling_auto.MODEL_MAPPING_NAMES.values() if isinstance(v, str))
-    return _BASE_MODELS
+def _renamed(scanned: SourceFile) -> str | None:
+    for node in scanned.statements:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "__name__" for t in node.targets)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            return node.value.value
+    return None
 
 
 def _names_used(text: str) -> set[str]:
@@ -319,29 +518,19 @@ def _flatten(ref: Ref) -> list[Ref]:
     return [r for item in ref[1] for r in _flatten(item)] if ref[0] == "dict" else [ref]
 
 
-def _runtime_nature(cls: type) -> tuple[bool, str]:
-    import torch
-    from transformers.configuration_utils import PretrainedConfig
-    from transformers.utils import ModelOutput
-
-    if issubclass(cls, torch.nn.Module):
-        return True, "module"
-    if issubclass(cls, ModelOutput):
-        return False, "output"
-    if issubclass(cls, PretrainedConfig):
-        return False, "config"
-    return False, "class"
-
-
 def _family(module: str) -> str:
     parts = module.split(".")
-    return parts[2] if len(parts) > 3 and parts[1] == "models" else CORE
+    return parts[2] if len(parts) > 3 and parts[:2] == ["transformers", "models"] else CORE
 
 
-def _absolute(module: str, level: int, target: str) -> str:
+def _absolute(module: str, level: int, target: str, path: Path | None) -> str:
+    """The module a ``from`` import names; a package's own ``__init__`` counts as level 0."""
     if level == 0:
         return target
-    package = module.split(".")[:-level]
+    package = module.split(".")
+    if path is None or path.name != "__init__.py":
+        package = package[:-1]
+    package = package[: len(package) - (level - 1)]
     return ".".join(package + ([target] if target else []))
 
 
@@ -361,16 +550,21 @@ def _dotted_name(node: ast.expr) -> str | None:
     return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
 
 
-def main(argv: list[str]) -> int:
-    import torch
-    import transformers
-    import transformers.generation  # noqa: F401 - bound by every generative model
-    import transformers.modeling_utils  # noqa: F401 - the core every modeling module imports
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
 
-    torch.set_num_threads(1)
-    builder = Builder(Path(transformers.__file__).parent)
-    index = builder.build(transformers.__version__)
-    write_atomically(Path(argv[0]), index.to_json(torch.__version__))
+
+def main(argv: list[str]) -> int:
+    spec = util.find_spec("transformers")  # a top-level name: found, not imported
+    if spec is None or spec.origin is None:
+        print("transformers is not installed", file=sys.stderr)
+        return 1
+    builder = Builder(Path(spec.origin).parent)
+    index = builder.build(_version("transformers"))
+    write_atomically(Path(argv[0]), index.to_json(_version("torch")))
     return 0
 
 

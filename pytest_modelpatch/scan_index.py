@@ -1,9 +1,9 @@
 """The scan index: every class ``apply_patches`` could swap, and what each one contains.
 
 Built once per installed transformers (and torch) version, in a subprocess, and cached
-on disk as JSON, so a lint loads it in milliseconds. Building reads the family source
-files without importing them (:mod:`pytest_modelpatch.source_scan`): the transformers
-core is imported, the ~500 modeling modules are not. Containment comes from the names
+on disk as JSON, so a lint loads it in milliseconds. Building imports nothing: it reads
+transformers' and torch's sources as text (:mod:`pytest_modelpatch.index_builder`).
+Containment comes from the names
 each module class's ``__init__`` (and what it calls) looks up in its module, the very
 lookups ``apply_patches`` redirects; ``tests/test_patterns.py`` checks the result
 against module trees built on the meta device.
@@ -28,7 +28,7 @@ from typing import Any
 
 from pytest_modelpatch.errors import ModelPatchError
 
-INDEX_FORMAT = 2  # bump whenever the builder changes what it records
+INDEX_FORMAT = 3  # bump whenever the builder changes what it records
 CORE = ""  # the family of modules outside transformers.models.*
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import bisect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -26,6 +27,25 @@ _SHALLOW = re.compile(r"\n {0,4}(?![\s#)\]}])")
 _NAME = re.compile(r"(?:async\s+)?(?:class|def)\s+(\w+)")
 
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
+Installed = Callable[[str], bool]  # whether a top-level module name can be imported
+
+_AVAILABLE = re.compile(r"is_(\w+?)_available$")
+# transformers' is_<name>_available() checks, where <name> is not the module it imports.
+_PACKAGES = {
+    "vision": "PIL",
+    "jinja": "jinja2",
+    "speech": "torchaudio",
+    "torchvision_v2": "torchvision",
+    "torch_flex_attn": "torch",
+    "torch_distributed": "torch",
+    "torch_sdpa": "torch",
+    "torch_greater_or_equal": "torch",
+    "flash_attn_2": "flash_attn",
+    "flash_attn_3": "flash_attn_interface",
+    "serve": "fastapi",
+    "torch_tpu": "torch_xla",
+    "torch_hpu": "habana_frameworks",
+}
 
 
 @dataclass
@@ -84,18 +104,28 @@ class SourceFile:
     statements: list[ast.stmt] = field(default_factory=list)  # imports, assignments
     classes: dict[str, ClassSource] = field(default_factory=dict)
     functions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Names defined by a class or def inside an `if` or `try`: their nodes are in
+    # `statements` too, in order, since a later import in the same arm may rebind them.
+    conditional: set[str] = field(default_factory=set)
+    installed: Installed | None = None
     _strings: list[int] = field(default_factory=list)  # triple-quote offsets, in pairs
     _parsed_functions: dict[str, FunctionNode] = field(default_factory=dict)  # whole-file fallback
 
     @classmethod
-    def read(cls, text: str) -> SourceFile:
-        """Scan ``text``; falls back to one whole-file parse when the cut does not parse."""
-        scanned = cls(text)
+    def read(cls, text: str, installed: Installed | None = None) -> SourceFile:
+        """Scan ``text``; falls back to one whole-file parse when the cut does not parse.
+
+        With ``installed``, ``if is_<package>_available():`` and ``try: import ...``
+        take the arm that runs with the packages installed here; without it, or for a
+        test it cannot decide, both arms are read and the one that runs with optional
+        dependencies present binds last.
+        """
+        scanned = cls(text, installed=installed)
         scanned._strings = _triple_quotes(text)
         try:
             scanned._scan()
         except SyntaxError:
-            scanned = cls(text)
+            scanned = cls(text, installed=installed)
             scanned._add_tree(ast.parse(text).body)
         return scanned
 
@@ -138,7 +168,7 @@ class SourceFile:
             block_start = None
         self._add_tree(ast.parse("".join(plain)).body)
 
-    def _add_tree(self, body: list[ast.stmt]) -> None:
+    def _add_tree(self, body: list[ast.stmt], nested: bool = False) -> None:
         for node in body:
             if isinstance(node, ast.ClassDef):
                 found = ClassSource(node.name, self, 0, 0, node=node)
@@ -148,16 +178,59 @@ class SourceFile:
             elif isinstance(node, FunctionNode):
                 self.functions[node.name] = (0, 0)
                 self._parsed_functions[node.name] = node
-            elif isinstance(node, ast.If) and _is_type_checking(node.test):
-                self._add_tree(node.orelse)
             elif isinstance(node, ast.If):
-                self._add_tree(node.body + node.orelse)
+                value = self.truth(node.test)
+                if value is not None:
+                    self._add_tree(node.body if value else node.orelse, nested=True)
+                else:
+                    negated = isinstance(node.test, ast.UnaryOp) and isinstance(node.test.op, ast.Not)
+                    self._add_tree(node.body + node.orelse if negated else node.orelse + node.body, nested=True)
+                continue
             elif isinstance(node, ast.Try):
-                # Only one branch runs at import: the body, when optional dependencies
-                # are present, which is what a lint should see.
-                self._add_tree(node.body)
+                if self._raises(node.body):
+                    self._add_tree([s for handler in node.handlers for s in handler.body], nested=True)
+                else:
+                    self._add_tree(node.body + node.orelse, nested=True)
+                self._add_tree(node.finalbody, nested=True)
+                continue
             else:
                 self.statements.append(node)
+                continue
+            if nested:
+                self.statements.append(node)
+                self.conditional.add(node.name)
+
+    def truth(self, test: ast.expr) -> bool | None:
+        """The value of an ``if`` test made of availability checks, or None if unknown."""
+        if _is_type_checking(test):
+            return False
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            value = self.truth(test.operand)
+            return None if value is None else not value
+        if isinstance(test, ast.BoolOp):
+            values = [self.truth(v) for v in test.values]
+            decisive = isinstance(test.op, ast.Or)  # any True decides an `or`, any False an `and`
+            if decisive in values:
+                return decisive
+            return None if None in values else not decisive
+        if isinstance(test, ast.Call) and not test.args and self.installed is not None:
+            name = test.func.id if isinstance(test.func, ast.Name) else getattr(test.func, "attr", "")
+            match = _AVAILABLE.match(name)
+            if match:
+                return self.installed(_PACKAGES.get(match.group(1), match.group(1)))
+        return None
+
+    def _raises(self, body: list[ast.stmt]) -> bool:
+        """Whether a ``try`` body fails at import: an unavailable dependency is checked
+        (``if not is_x_available(): raise``) or imported."""
+        for node in body:
+            if isinstance(node, ast.If) and any(isinstance(s, ast.Raise) for s in node.body) and self.truth(node.test):
+                return True
+            if self.installed is not None and isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if any(not self.installed(n.split(".")[0]) for n in names if n) and getattr(node, "level", 0) == 0:
+                    return True
+        return False
 
 
 def _triple_quotes(text: str) -> list[int]:
