@@ -1,20 +1,38 @@
 """Exceptions and warnings raised by pytest-modelpatch.
 
 Kept free of torch/transformers imports: pytest resolves the warning class from
-``filterwarnings`` ini lines before any test runs.
+``filterwarnings`` ini lines before any test runs. ``PatchUsageError`` is a
+``pytest.UsageError`` and is defined on first use, so that the ``modelpatch`` command,
+which imports this module but not pytest, starts in a fraction of the time.
 """
 
 from __future__ import annotations
 
-import pytest
+from typing import TYPE_CHECKING
 
 
 class ModelPatchError(Exception):
     """Base class for errors raised by pytest-modelpatch."""
 
 
-class PatchUsageError(ModelPatchError, pytest.UsageError):
-    """A patch, marker or option was used wrongly; the message says how to fix it."""
+if TYPE_CHECKING:
+    import pytest
+
+    class PatchUsageError(ModelPatchError, pytest.UsageError):
+        """A patch, marker or option was used wrongly; the message says how to fix it."""
+
+
+def __getattr__(name: str) -> type:
+    if name != "PatchUsageError":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import pytest
+
+    class PatchUsageError(ModelPatchError, pytest.UsageError):
+        """A patch, marker or option was used wrongly; the message says how to fix it."""
+
+    PatchUsageError.__module__, PatchUsageError.__qualname__ = __name__, name  # picklable by name
+    globals()[name] = PatchUsageError
+    return PatchUsageError
 
 
 class PatchLeakError(ModelPatchError):

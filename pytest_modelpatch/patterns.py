@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 
-from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.scan_index import CORE, ClassEntry, ScanIndex, load_index
 
 
@@ -140,7 +139,7 @@ def lint_for_registration(
         return
     lines = "\n".join(f"  {finding}" for finding in bad)
     example = f"{bad[0].key!r}: [{str(bad[0].kind)!r}]"
-    raise PatchUsageError(
+    raise _usage_error(
         f"the patch mapping would break the model:\n{lines}\n"
         f"Fix the keys, or accept a finding per key: "
         f"@pytest.mark.patch(..., allow={{{example}}}) or patch_registry.register(..., allow={{{example}}})."
@@ -151,10 +150,10 @@ def _check_allow(mapping: Mapping[str, object], allow: Mapping[str, Iterable[str
     known = {str(k) for k in Kind}
     for key, kinds in (allow or {}).items():
         if key not in mapping:
-            raise PatchUsageError(f"allow names key {key!r}, which is not in the mapping {sorted(mapping)}")
+            raise _usage_error(f"allow names key {key!r}, which is not in the mapping {sorted(mapping)}")
         wrong = sorted({str(k).upper() for k in kinds} - known)
         if isinstance(kinds, str) or wrong:
-            raise PatchUsageError(f"allow[{key!r}] must be a list of finding kinds from {sorted(known)}, got {kinds!r}")
+            raise _usage_error(f"allow[{key!r}] must be a list of finding kinds from {sorted(known)}, got {kinds!r}")
 
 
 def resolve_families(index: ScanIndex, families: Iterable[str] | None) -> set[str] | None:
@@ -170,7 +169,7 @@ def resolve_families(index: ScanIndex, families: Iterable[str] | None) -> set[st
         if folder not in known:
             close = difflib.get_close_matches(family, sorted(known | set(index.model_types)), n=3)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise PatchUsageError(f"unknown model family {family!r} in the installed transformers{hint}")
+            raise _usage_error(f"unknown model family {family!r} in the installed transformers{hint}")
         resolved.add(folder)
     return resolved
 
@@ -357,3 +356,11 @@ def _names(items: Iterable[str], *, quote: bool = False) -> str:
     shown = [repr(i) if quote else i for i in listed[:_EXAMPLES]]
     more = f" and {len(listed) - _EXAMPLES} more" if len(listed) > _EXAMPLES else ""
     return ", ".join(shown) + more
+
+
+def _usage_error(message: str) -> Exception:
+    # Imported here: PatchUsageError is a pytest.UsageError, and the CLI's warm lint
+    # should not pay for importing pytest.
+    from pytest_modelpatch.errors import PatchUsageError
+
+    return PatchUsageError(message)
