@@ -20,7 +20,7 @@ from __future__ import annotations
 import ast
 import re
 import sys
-from importlib import metadata, util
+from importlib import machinery, metadata, util
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +52,15 @@ CORE_ROOTS = ("transformers", "transformers.modeling_utils", "transformers.gener
 
 
 class ModuleFinder:
-    """Source files of modules by dotted name, found on a search path without importing."""
+    """Source files of modules by dotted name, found without importing anything.
 
-    def __init__(self, search_path: list[str]) -> None:
-        self.search_path = [entry or "." for entry in search_path]
+    Top-level names go through the import system's finders (``search_path`` None: the
+    interpreter's, so editable installs are found too; else a path finder over
+    ``search_path``); submodules are files in their package's folder.
+    """
+
+    def __init__(self, search_path: list[str] | None = None) -> None:
+        self.search_path = search_path
         self.memo: dict[str, Path | None] = {}
 
     def path(self, module: str) -> Path | None:
@@ -63,21 +68,33 @@ class ModuleFinder:
         if module in self.memo:
             return self.memo[module]
         parent, _, last = module.rpartition(".")
+        found = None
         if parent:
             parent_path = self.path(parent)
-            folders = [parent_path.parent] if parent_path is not None and parent_path.name == "__init__.py" else []
+            if parent_path is not None and parent_path.name == "__init__.py":
+                folder = parent_path.parent
+                if (folder / last / "__init__.py").is_file():
+                    found = folder / last / "__init__.py"
+                elif (folder / f"{last}.py").is_file():
+                    found = folder / f"{last}.py"
         else:
-            folders = [Path(entry) for entry in self.search_path]
-        found = None
-        for folder in folders:
-            if (folder / last / "__init__.py").is_file():
-                found = folder / last / "__init__.py"
-                break
-            if (folder / f"{last}.py").is_file():
-                found = folder / f"{last}.py"
-                break
+            found = self._top_level(module)
         self.memo[module] = found
         return found
+
+    def _top_level(self, name: str) -> Path | None:
+        # Frozen standard modules (abc, io) have their source on the path all the same.
+        finders = [util.find_spec, machinery.PathFinder.find_spec] if self.search_path is None else [
+            lambda top: machinery.PathFinder.find_spec(top, self.search_path)
+        ]
+        for find in finders:
+            try:
+                origin = getattr(find(name), "origin", None)  # a top-level name: found, not imported
+            except (ImportError, ValueError):
+                continue
+            if origin and origin.endswith(".py") and Path(origin).is_file():
+                return Path(origin)
+        return None
 
 
 class Builder:
@@ -85,7 +102,7 @@ class Builder:
 
     def __init__(self, root: Path, search_path: list[str] | None = None) -> None:
         self.root = root
-        self.finder = ModuleFinder(search_path if search_path is not None else sys.path)
+        self.finder = ModuleFinder(search_path)
         self.finder.memo["transformers"] = root / "__init__.py"
         self.paths: dict[str, Path] = {}  # family modules, the ones every build lists
         for folder in sorted((root / "models").iterdir()):

@@ -185,3 +185,31 @@ def test_if_tests_made_of_availability_checks_are_decided(test: str, installed: 
     scanned = SourceFile.read("x = 1\n", installed=lambda name: name in installed)
     node = ast.parse(test, mode="eval").body
     assert scanned.truth(node) is expected
+
+
+def test_top_level_packages_are_found_through_the_import_systems_finders(tmp_path: Path, monkeypatch) -> None:
+    """An editable install is found by a finder on sys.meta_path, not on sys.path."""
+    import importlib.util
+    import sys
+
+    from pytest_modelpatch.index_builder import ModuleFinder
+
+    package = tmp_path / "src" / "editable_demo_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from .core import Thing\n")
+    (package / "core.py").write_text("class Thing:\n    pass\n")
+
+    class EditableFinder:  # what setuptools' __editable__ finders do
+        @staticmethod
+        def find_spec(name: str, path: object = None, target: object = None) -> object:
+            if name == "editable_demo_pkg":
+                return importlib.util.spec_from_file_location(name, package / "__init__.py")
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [EditableFinder, *sys.meta_path])
+    finder = ModuleFinder()
+    assert finder.path("editable_demo_pkg") == package / "__init__.py"
+    assert finder.path("editable_demo_pkg.core") == package / "core.py"
+    assert finder.path("abc") is not None  # frozen in the interpreter, its source on the path
+    assert finder.path("_io") is None  # built in: no source
+    assert "editable_demo_pkg" not in sys.modules
