@@ -143,6 +143,8 @@ def example_inputs(
     params = forward_parameters(cls)
     generator = torch.Generator().manual_seed(seed)
     main = getattr(cls, "main_input_name", "input_ids")
+    if isinstance(main, (list, tuple)):
+        main = main[0]  # OneFormer: ["pixel_values", "task_inputs"]
     inputs: dict[str, torch.Tensor]
     if main == "input_ids" or (main not in params and "input_ids" in params):
         inputs = text_inputs(config, batch_size, seq_len, generator)
@@ -153,6 +155,8 @@ def example_inputs(
             inputs["pixel_values"] = _pixel_values(config, batch_size, generator)
     elif main == "pixel_values":
         inputs = {"pixel_values": _pixel_values(config, batch_size, generator)}
+        if _required(cls, "input_ids"):  # grounded detectors read a text query too
+            inputs.update(text_inputs(config, batch_size, seq_len, generator))
     elif main == "input_features" and hasattr(config, "max_source_positions"):
         frames = 2 * config.max_source_positions  # Whisper's two stride-2 convs
         inputs = {"input_features": torch.randn(batch_size, config.num_mel_bins, frames, generator=generator)}
@@ -161,6 +165,11 @@ def example_inputs(
     else:
         raise ModelPatchError(f"example_inputs cannot build {main!r} for {cls.__name__}: pass inputs= explicitly")
     return {name: tensor.to(device) for name, tensor in inputs.items()}
+
+
+def _required(model_class: type[PreTrainedModel], name: str) -> bool:
+    parameter = inspect.signature(model_class.forward).parameters.get(name)
+    return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 def forward_parameters(model_class: type[PreTrainedModel]) -> set[str]:

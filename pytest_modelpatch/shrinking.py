@@ -80,6 +80,7 @@ FIXED_SIZES: dict[str, int] = {
     "n_groups": 1,  # Mamba2 state groups: must divide the (tiny) head count
     "emb_dim": TINY_WIDTH,  # XLM
     "hidden_size_per_layer_input": 16,  # Gemma 3n/4 per-layer embeddings
+    "num_queries": 8,  # DETR-style object queries: RT-DETR picks them among the few anchors of a tiny image
 }
 # Modeling code that falls back to a default sized for the full model when the key
 # is absent from the config (transformers 5.23: Qwen2-VL family, PaddleOCR-VL).
@@ -113,8 +114,8 @@ def _shrink_level(level: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
             out[key] = _shrink_level(value, sub if isinstance(sub, dict) else {})
         elif _is_int(value):
             out[key] = _shrink_int(key, value)
-        elif isinstance(value, list) and value and all(map(_is_int, value)):
-            out[key] = _shrink_int_list(key, value)
+        elif isinstance(value, (list, tuple)) and value and all(map(_is_int, value)):
+            out[key] = _shrink_int_list(key, list(value))  # Swin V2 defaults are tuples
     _shrink_layers(level, out)
     if any(_is_int(out.get(k)) for k in EXPERT_KEYS):
         # some defaults leave top-k unset (DeepSeek-V2) and the router then crashes
@@ -125,7 +126,20 @@ def _shrink_level(level: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
     _resize_per_layer_lists(out, plain)
     out.update(plain)
     _derive_head_sizes(level, out, set(plain))
+    _fit_windows(out, set(plain))
     return out
+
+
+def _fit_windows(out: dict[str, Any], fixed: set[str]) -> None:
+    """Swin-style stages halve the patch grid each time; every stage's grid must hold a
+    window, or the relative-position tables (sized by the window) stop matching."""
+    depths, window, image = out.get("depths"), out.get("window_size"), out.get("image_size")
+    if not (isinstance(depths, list) and _is_int(window) and _is_int(image) and _is_int(out.get("patch_size"))):
+        return
+    if "window_size" not in fixed:
+        out["window_size"] = window = min(window, 2)
+    if "patch_size" not in fixed:
+        out["patch_size"] = max(1, min(out["patch_size"], image // (window * 2 ** (len(depths) - 1))))
 
 
 def _shrink_int_list(key: str, values: list[int]) -> list[int]:
@@ -171,21 +185,34 @@ def _shrink_int(key: str, value: int) -> int:
 
 def _shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
     """Cut the layer count; keep one layer of each kind named in per-layer lists."""
-    counts = {k: v for k, v in before.items() if k in LAYER_KEYS and _is_int(v) and v > TINY_LAYERS}
+    stages = before.get("depths")
+    counts = {
+        k: v for k, v in before.items() if k in LAYER_KEYS and _is_int(v) and v > TINY_LAYERS
+        # a hierarchical backbone's stage count: detection heads expect every level
+        and not (isinstance(stages, (list, tuple)) and v == len(stages))
+    }
     if not counts:
         return
     old = max(counts.values())
-    per_layer = {k: v for k, v in before.items() if isinstance(v, list) and len(v) == old and old > 1}
+    per_layer = {k: v for k, v in before.items() if isinstance(v, (list, tuple)) and len(v) == old and old > 1}
     keep = _layers_to_keep(per_layer, old)
     keep = _cover_block_pattern(before, old, keep)
     for key, value in counts.items():
         out[key] = len(keep) if value == old else TINY_LAYERS
     for key, value in per_layer.items():
-        out[key] = [value[i] for i in keep]
+        shrunk = out.get(key)  # already shrunk per entry (heads per stage), when it could be
+        source = shrunk if isinstance(shrunk, list) and len(shrunk) == len(value) else value
+        out[key] = [source[i] for i in keep]
     n = len(keep)
-    if "stage_names" in before:
-        # backbones: stage names follow the layer count; let the default (last stage) apply
-        out["out_features"] = out["out_indices"] = None
+    if isinstance(before.get("stage_names"), list) and len(before["stage_names"]) == old + 1:
+        # backbones: "stem" plus a name per stage; keep as many of the last stages as
+        # were wanted (detection heads read several feature levels).
+        names = out["stage_names"] = before["stage_names"][: n + 1]
+        wanted = len(before.get("out_indices") or before.get("out_features") or [None])
+        out["out_indices"] = list(range(n + 1 - min(wanted, n), n + 1))
+        out["out_features"] = [names[i] for i in out["out_indices"]]
+    elif "stage_names" in before:
+        out["out_features"] = out["out_indices"] = None  # let the default (last stage) apply
     if isinstance(before.get("per_layer_config"), dict):
         out["per_layer_config"] = _keep_layer_entries(before["per_layer_config"], keep)
     for key in ("first_k_dense_replace", "max_window_layers"):

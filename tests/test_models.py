@@ -128,6 +128,32 @@ def test_tiny_config_renumbers_per_layer_overrides_of_the_kept_layers() -> None:
     assert fields["per_layer_config"] == {"1": {"head_dim": 2 * fields["head_dim"]}}
 
 
+@pytest.mark.parametrize(
+    ("model_type", "why"),
+    [
+        ("swinv2", "its default depths and heads per stage are tuples"),
+        ("swin", "every stage's patch grid must hold a window"),
+        ("maskformer", "its head reads all four Swin stages"),
+        ("grounding-dino", "a detector whose forward also needs a text query"),
+        ("rt_detr", "object queries are picked among the few anchors of a tiny image"),
+    ],
+)
+def test_hierarchical_vision_and_detection_families_build_tiny_and_run(model_type: str, why: str) -> None:
+    config = tiny_config(model_type)
+    cls = model_class_for(config)
+    model = cls(config).eval()
+    with torch.no_grad():
+        outputs = model(**example_inputs(config, model_class=cls))
+    assert outputs[0] is not None, why
+
+
+def test_tiny_backbone_keeps_its_stages_and_their_names() -> None:
+    backbone = tiny_config("maskformer").backbone_config
+    assert len(backbone.depths) == 4 and max(backbone.depths) <= 2
+    assert backbone.out_features == ["stage1", "stage2", "stage3", "stage4"]
+    assert backbone.window_size == 2
+
+
 def test_model_class_for_skips_a_head_that_takes_only_the_text_sub_config() -> None:
     assert model_class_for(tiny_config("qwen3_5")).__name__ == "Qwen3_5Model"
 
