@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import json
+import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto import modeling_auto
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
 from pytest_modelpatch.shrinking import shrink_config_dict, special_token_ids
@@ -46,7 +50,8 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
         raise PatchUsageError(unknown_model_type_message(model_type))
     default = AutoConfig.for_model(model_type)
-    shrunk = shrink_config_dict(default.to_dict(), overrides)
+    tree = default.to_dict()
+    shrunk = shrink_config_dict(tree, overrides, {t: implicit_rope_defaults(t) for t in _model_types(tree)})
     try:
         return type(default).from_dict(shrunk)
     except Exception as exc:  # strict-dataclass validation errors are not ValueErrors
@@ -57,6 +62,37 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
             f"tiny_config({model_type!r}) with overrides {overrides} is not a valid {type(default).__name__}: "
             f"{' '.join(first[:2])}. Change the overrides so the sizes agree."
         ) from exc
+
+
+# `self.mrope_section = config.rope_parameters.get("mrope_section", [16, 24, 24])`
+_IMPLICIT_ROPE = re.compile(r"""rope_parameters\.get\(\s*["'](\w+)["']\s*,\s*(\[[\d,\s]+\])\s*\)""")
+
+
+def _model_types(tree: dict[str, Any]) -> set[str]:
+    found = {tree["model_type"]} if isinstance(tree.get("model_type"), str) else set()
+    for value in tree.values():
+        if isinstance(value, dict):
+            found |= _model_types(value)
+    return found
+
+
+def implicit_rope_defaults(model_type: str) -> dict[str, Any]:
+    """Rope settings a model type's modeling code falls back to when its config lacks them.
+
+    Read from the modeling source next to the config class (Qwen2-VL, GLM-4V, ERNIE-VL
+    default ``mrope_section`` to lists sized for the full model's head size).
+    """
+    try:
+        config_class = CONFIG_MAPPING[model_type]
+    except KeyError:
+        return {}
+    module = sys.modules.get(config_class.__module__)
+    folder = Path(module.__file__).parent if module is not None and module.__file__ else None
+    found: dict[str, Any] = {}
+    for path in sorted(folder.glob("modeling_*.py")) if folder is not None else []:
+        for key, value in _IMPLICIT_ROPE.findall(path.read_text(encoding="utf-8")):
+            found.setdefault(key, json.loads(value))
+    return found
 
 
 def unknown_model_type_message(model_type: object) -> str:

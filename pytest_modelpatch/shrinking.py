@@ -44,7 +44,7 @@ WIDTH_KEYS = (
     "hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "model_dim", "word_embed_proj_dim",
      "projection_dim", "out_hidden_size", "text_hidden_size", "encoder_hidden_size", "decoder_hidden_size",
      "output_hidden_size", "projector_hidden_size", "embedding_size", "vision_output_dim",
-    "attention_hidden_size", "embedding_dim", "lru_width",
+    "attention_hidden_size", "embedding_dim", "lru_width", "projection_size",
 )
 # distilbert's ``hidden_dim`` is its feed-forward size
 FFN_KEYS = (
@@ -56,7 +56,7 @@ MOE_FFN_KEYS = (
      "shared_intermediate_size", "moe_ffn_hidden_size",
 )
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k", "moe_k")
 SHARED_EXPERT_KEYS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 POSITION_KEYS = (
     "max_position_embeddings", "n_positions", "n_ctx", "max_source_positions", "max_target_positions",
@@ -82,16 +82,6 @@ FIXED_SIZES: dict[str, int] = {
     "hidden_size_per_layer_input": 16,  # Gemma 3n/4 per-layer embeddings
     "num_queries": 8,  # DETR-style object queries: RT-DETR picks them among the few anchors of a tiny image
 }
-# Modeling code that falls back to a default sized for the full model when the key
-# is absent from the config (transformers 5.23: Qwen2-VL family, PaddleOCR-VL).
-IMPLICIT_ROPE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen2_vl": {"mrope_section": [16, 24, 24]},
-    "qwen2_5_vl": {"mrope_section": [16, 24, 24]},
-    "qwen2_5_omni": {"mrope_section": [16, 24, 24]},
-    "paddleocr_vl": {"mrope_section": [16, 24, 24]},
-}
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -100,18 +90,27 @@ def _is_config_dict(key: Any, value: Any) -> bool:
     return isinstance(value, dict) and ("model_type" in value or str(key).endswith("_config"))
 
 
-def shrink_config_dict(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Shrink a ``to_dict()`` config tree; token ids are moved into the tiny vocabulary."""
-    shrunk = _shrink_level(config, overrides)
+def shrink_config_dict(
+    config: dict[str, Any], overrides: dict[str, Any], implicit_rope: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Shrink a ``to_dict()`` config tree; token ids are moved into the tiny vocabulary.
+
+    ``implicit_rope``: per model type, rope settings the modeling code falls back to
+    when the config lacks them (``rope_parameters.get("mrope_section", [16, 24, 24])``),
+    sized for the full model; they are written into the config and shrunk with it.
+    """
+    shrunk = _shrink_level(config, overrides, implicit_rope or {})
     return _remap_token_ids(shrunk, _large_token_ids(shrunk))
 
 
-def _shrink_level(level: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+def _shrink_level(
+    level: dict[str, Any], overrides: dict[str, Any], implicit_rope: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     out = dict(level)
     for key, value in level.items():
         if _is_config_dict(key, value):
             sub = overrides.get(key)
-            out[key] = _shrink_level(value, sub if isinstance(sub, dict) else {})
+            out[key] = _shrink_level(value, sub if isinstance(sub, dict) else {}, implicit_rope)
         elif _is_int(value):
             out[key] = _shrink_int(key, value)
         elif isinstance(value, (list, tuple)) and value and all(map(_is_int, value)):
@@ -125,7 +124,7 @@ def _shrink_level(level: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
     plain = {k: v for k, v in overrides.items() if not (isinstance(v, dict) and _is_config_dict(k, out.get(k)))}
     _resize_per_layer_lists(out, plain)
     out.update(plain)
-    _derive_head_sizes(level, out, set(plain))
+    _derive_head_sizes(level, out, set(plain), implicit_rope.get(str(level.get("model_type", "")), {}))
     _fit_windows(out, set(plain))
     return out
 
@@ -281,7 +280,9 @@ def _layers_to_keep(per_layer: dict[str, list[Any]], old: int) -> list[int]:
     return sorted(keep)
 
 
-def _derive_head_sizes(before: dict[str, Any], out: dict[str, Any], fixed: set[str]) -> None:
+def _derive_head_sizes(
+    before: dict[str, Any], out: dict[str, Any], fixed: set[str], implicit_rope: dict[str, Any]
+) -> None:
     """Make head counts and per-head sizes agree with the (possibly overridden) width."""
     width = next((out[k] for k in WIDTH_KEYS if _is_int(out.get(k)) and out[k] > 0), None)
     heads_key = next((k for k in HEAD_KEYS if _is_int(out.get(k)) and out[k] > 0), None)
@@ -309,7 +310,7 @@ def _derive_head_sizes(before: dict[str, Any], out: dict[str, Any], fixed: set[s
     head_dim = out.get("head_dim") if _is_int(out.get("head_dim")) else head_dim
     if _is_int(before.get("rotary_dim")) and "rotary_dim" not in fixed:
         out["rotary_dim"] = max(2, head_dim // 2)
-    _shrink_rope(out, head_dim, fixed)
+    _shrink_rope(out, head_dim, fixed, implicit_rope)
     _scale_per_layer_head_dims(before, out)
 
 
@@ -336,12 +337,11 @@ def _kv_heads(before: dict[str, Any], kv_key: str, heads_key: str, heads: int) -
     return max(d for d in range(1, heads // 2 + 1) if heads % d == 0) if heads > 1 else 1
 
 
-def _shrink_rope(level: dict[str, Any], head_dim: int, fixed: set[str]) -> None:
+def _shrink_rope(level: dict[str, Any], head_dim: int, fixed: set[str], implicit: dict[str, Any]) -> None:
     """Resize rope settings whose lengths follow the head size (mrope sections, longrope factors)."""
     partial = level.get("partial_rotary_factor") or 1.0
     rope = level.get("rope_parameters") or level.get("rope_scaling")
-    implicit = IMPLICIT_ROPE_DEFAULTS.get(str(level.get("model_type", "")).removesuffix("_text"), {})
-    if isinstance(rope, dict) and implicit:
+    if isinstance(rope, dict) and implicit and not any(isinstance(v, dict) for v in rope.values()):
         rope = level["rope_parameters" if "rope_parameters" in level else "rope_scaling"] = {**implicit, **rope}
     if isinstance(rope, dict) and "rope_parameters" not in fixed and "rope_scaling" not in fixed:
         nested = [v for v in rope.values() if isinstance(v, dict)] or [rope]

@@ -23,6 +23,7 @@ from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models import (
     CheckpointError,
     example_inputs,
+    implicit_rope_defaults,
     model_class_for,
     ordinary_token_ids,
     tiny_config,
@@ -104,10 +105,19 @@ def test_tiny_config_shrinks_experts_and_keeps_top_k_below_them() -> None:
     assert tiny_config("deepseek_v2").num_experts_per_tok == 2  # unset (None) by default, crashes the router
 
 
-def test_tiny_config_resizes_mrope_sections_to_the_tiny_head_dim() -> None:
-    text = tiny_config("qwen2_vl").text_config
-    head_dim = text.hidden_size // text.num_attention_heads
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "glm4v", "glm46v", "ernie4_5_vl_moe"])
+def test_tiny_config_resizes_mrope_sections_to_the_tiny_head_dim(model_type: str) -> None:
+    # Their defaults leave mrope_section out; the modeling code falls back to a list
+    # sized for the full model ([16, 24, 24], [8, 12, 12], ...), read here from its source.
+    text = tiny_config(model_type).text_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     assert sum(text.rope_parameters["mrope_section"]) == head_dim // 2
+
+
+def test_implicit_rope_defaults_are_read_from_the_modeling_source() -> None:
+    assert implicit_rope_defaults("glm4v_text") == {"mrope_section": [8, 12, 12]}
+    assert implicit_rope_defaults("llama") == {}
+    assert implicit_rope_defaults("no-such-type") == {}
 
 
 def test_tiny_config_moves_special_token_ids_into_the_tiny_vocabulary() -> None:
@@ -136,6 +146,9 @@ def test_tiny_config_renumbers_per_layer_overrides_of_the_kept_layers() -> None:
         ("maskformer", "its head reads all four Swin stages"),
         ("grounding-dino", "a detector whose forward also needs a text query"),
         ("rt_detr", "object queries are picked among the few anchors of a tiny image"),
+        ("glm46v", "rope sections default in another family's modeling code"),
+        ("siglip", "the text projection is sized by projection_size"),
+        ("ernie4_5_moe", "top-k is moe_k"),
     ],
 )
 def test_hierarchical_vision_and_detection_families_build_tiny_and_run(model_type: str, why: str) -> None:
