@@ -10,6 +10,7 @@ smaller vocabulary. Sub-configs (text, vision, audio) are shrunk the same way.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import json
 import re
@@ -208,9 +209,16 @@ def _required(model_class: type[PreTrainedModel], name: str) -> bool:
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
-def forward_parameters(model_class: type[PreTrainedModel]) -> set[str]:
+def forward_parameters(model_class: type[PreTrainedModel]) -> frozenset[str]:
     """Names the model's ``forward`` accepts."""
-    return set(inspect.signature(model_class.forward).parameters)
+    return _forward_parameters(model_class, model_class.forward)
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_parameters(model_class: type, forward: Any) -> frozenset[str]:
+    # Keyed by the function too: a patch may replace `forward` on the class. Called for
+    # every drawn input, and inspect.signature costs as much as the rest of a draw.
+    return frozenset(inspect.signature(forward).parameters)
 
 
 def text_companions(

@@ -77,19 +77,23 @@ def model_inputs(
     pad_id = _pad_token_id(config)
     with_positions = "position_ids" in forward_parameters(cls) if position_ids is None else position_ids
 
+    side_strategy = st.sampled_from(sides)
+
     @st.composite
     def draw_inputs(draw: st.DrawFn) -> dict[str, torch.Tensor]:
         batch, length = draw(batches), draw(lengths)
-        side = draw(st.sampled_from(sides))
+        side = draw(side_strategy)
         # One draw for all token ids: a list of integers costs hypothesis one draw per token,
         # which outweighs a tiny model's forward. Two bytes a token, shrinking towards allowed[0].
         raw = draw(st.binary(min_size=2 * batch * length, max_size=2 * batch * length))
-        pairs = torch.tensor(list(raw), dtype=torch.long).view(-1, 2)
+        pairs = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long().view(-1, 2)
         input_ids = allowed[(pairs[:, 0] * 256 + pairs[:, 1]) % len(allowed)].reshape(batch, length)
         mask = torch.ones(batch, length, dtype=torch.long)
         if side != "none":
-            pads = draw(st.lists(st.integers(0, length - 1), min_size=batch, max_size=batch))
-            for row, pad in enumerate(pads):
+            # a byte per row, shrinking towards no padding; each row keeps a real token
+            pads = draw(st.binary(min_size=batch, max_size=batch))
+            for row, byte in enumerate(pads):
+                pad = byte % length
                 padded = slice(0, pad) if side == "left" else slice(length - pad, length)
                 mask[row, padded] = 0
         if pad_id is not None:
