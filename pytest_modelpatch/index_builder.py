@@ -20,11 +20,11 @@ from __future__ import annotations
 import ast
 import re
 import sys
-from importlib import machinery, metadata, util
+from importlib import machinery, util
 from pathlib import Path
 from typing import Any
 
-from pytest_modelpatch.scan_index import CORE, ClassEntry, ScanIndex, write_atomically
+from pytest_modelpatch.scan_index import CORE, ClassEntry, ScanIndex, _version, write_atomically
 from pytest_modelpatch.source_scan import SourceFile
 
 # Strings and comments, removed before reading the names an __init__ uses.
@@ -503,28 +503,27 @@ class Builder:
     def base_model_names(self) -> set[str]:
         """The class names in ``MODEL_MAPPING_NAMES`` (what ``AutoModel`` builds), read from source."""
         scanned = self.source("transformers.models.auto.modeling_auto")
-        for node in scanned.statements if scanned is not None else []:
-            targets = node.targets if isinstance(node, ast.Assign) else []
-            if any(isinstance(t, ast.Name) and t.id == "MODEL_MAPPING_NAMES" for t in targets):
-                call = node.value  # type: ignore[union-attr]
-                pairs = call.args[0] if isinstance(call, ast.Call) and call.args else call
-                try:
-                    return {v for _, v in ast.literal_eval(pairs) if isinstance(v, str)}
-                except (ValueError, TypeError):
-                    return set()
-        return set()
+        call = _assigned(scanned, "MODEL_MAPPING_NAMES") if scanned is not None else None
+        if call is None:
+            return set()
+        pairs = call.args[0] if isinstance(call, ast.Call) and call.args else call
+        try:
+            return {v for _, v in ast.literal_eval(pairs) if isinstance(v, str)}
+        except (ValueError, TypeError):
+            return set()
+
+
+def _assigned(scanned: SourceFile, name: str) -> ast.expr | None:
+    """The value of the first top-level ``name = ...`` of a module."""
+    for node in scanned.statements:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return node.value
+    return None
 
 
 def _renamed(scanned: SourceFile) -> str | None:
-    for node in scanned.statements:
-        if (
-            isinstance(node, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == "__name__" for t in node.targets)
-            and isinstance(node.value, ast.Constant)
-            and isinstance(node.value.value, str)
-        ):
-            return node.value.value
-    return None
+    value = _assigned(scanned, "__name__")
+    return value.value if isinstance(value, ast.Constant) and isinstance(value.value, str) else None
 
 
 def _names_used(text: str) -> set[str]:
@@ -565,13 +564,6 @@ def _dotted_name(node: ast.expr) -> str | None:
         parts.append(node.attr)
         node = node.value
     return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "absent"
 
 
 def main(argv: list[str]) -> int:

@@ -83,17 +83,23 @@ def implicit_rope_defaults(model_type: str) -> dict[str, Any]:
     Read from the modeling source next to the config class (Qwen2-VL, GLM-4V, ERNIE-VL
     default ``mrope_section`` to lists sized for the full model's head size).
     """
+    return json.loads(_implicit_rope_json(model_type))  # a fresh copy: callers may edit it
+
+
+@functools.lru_cache(maxsize=None)
+def _implicit_rope_json(model_type: str) -> str:
+    # tiny_config runs for every model a session builds; read each family's source once.
     try:
         config_class = CONFIG_MAPPING[model_type]
     except KeyError:
-        return {}
+        return "{}"
     module = sys.modules.get(config_class.__module__)
     folder = Path(module.__file__).parent if module is not None and module.__file__ else None
     found: dict[str, Any] = {}
     for path in sorted(folder.glob("modeling_*.py")) if folder is not None else []:
         for key, value in _IMPLICIT_ROPE.findall(path.read_text(encoding="utf-8")):
             found.setdefault(key, json.loads(value))
-    return found
+    return json.dumps(found)
 
 
 def unknown_model_type_message(model_type: object) -> str:
@@ -205,20 +211,20 @@ def example_inputs(
 
 
 def _required(model_class: type[PreTrainedModel], name: str) -> bool:
-    parameter = inspect.signature(model_class.forward).parameters.get(name)
+    parameter = _signature(model_class.forward).parameters.get(name)
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 def forward_parameters(model_class: type[PreTrainedModel]) -> frozenset[str]:
     """Names the model's ``forward`` accepts."""
-    return _forward_parameters(model_class, model_class.forward)
+    return frozenset(_signature(model_class.forward).parameters)
 
 
 @functools.lru_cache(maxsize=256)
-def _forward_parameters(model_class: type, forward: Any) -> frozenset[str]:
-    # Keyed by the function too: a patch may replace `forward` on the class. Called for
-    # every drawn input, and inspect.signature costs as much as the rest of a draw.
-    return frozenset(inspect.signature(forward).parameters)
+def _signature(forward: Any) -> inspect.Signature:
+    # Keyed by the function, which a patch may replace on the class. Read for every
+    # drawn input, and inspect.signature costs as much as the rest of a draw.
+    return inspect.signature(forward)
 
 
 def text_companions(
