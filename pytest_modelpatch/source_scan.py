@@ -39,7 +39,6 @@ _PACKAGES = {
     "torch_flex_attn": "torch",
     "torch_distributed": "torch",
     "torch_sdpa": "torch",
-    "torch_greater_or_equal": "torch",
     "flash_attn_2": "flash_attn",
     "flash_attn_3": "flash_attn_interface",
     "serve": "fastapi",
