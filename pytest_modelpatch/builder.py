@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from .checkpoints import cached_checkpoint, load_pretrained, resolve_model_spec
-from .devices import dtype_name
-from .errors import ModelPatchError, PatchUsageError
-from .proof import track_patch_usage
-from .registry import without_patches
+from pytest_modelpatch.checkpoints import cached_checkpoint, load_pretrained, resolve_model_spec
+from pytest_modelpatch.devices import dtype_name
+from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
+from pytest_modelpatch.proof import track_patch_usage
+from pytest_modelpatch.registry import without_patches
 
 
 class PatchNotAppliedError(ModelPatchError):

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import PatchUsageError
+from pytest_modelpatch.errors import PatchUsageError
 
 DEVICE_ENV = "MODELPATCH_DEVICE"
 _DEVICE_RE = re.compile(r"^(cpu|cuda|auto|meta|mps|xpu)(:\d+)?$")

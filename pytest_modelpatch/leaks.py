@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import warnings
 
-from .errors import ModelPatchWarning, PatchUsageError
-from .registry import PatchStateGuard
+from pytest_modelpatch.errors import ModelPatchWarning, PatchUsageError
+from pytest_modelpatch.registry import PatchStateGuard
 
 LEAK_MODES = ("error", "warn", "off")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from .errors import PatchUsageError
+from pytest_modelpatch.errors import PatchUsageError
 
 PATCH_MARKER_HELP = (
     "patch(mapping=None, *, conversions=None, overwrite=False, methods=None, allow=None, context=None, **context_kwargs):"

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import PatchUsageError
-from .registry import PatchStateSnapshot
+from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.registry import PatchStateSnapshot
 
 
 def _method_patch_plan(patch: Any) -> tuple[Any, list[str]]:

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from . import devices
-from .errors import PatchUsageError
-from .leaks import LeakGuard, parse_leak_mode
-from .markers import PATCH_MARKER_HELP, collect_patch_spec
+from pytest_modelpatch import devices
+from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.leaks import LeakGuard, parse_leak_mode
+from pytest_modelpatch.markers import PATCH_MARKER_HELP, collect_patch_spec
 
 if TYPE_CHECKING:
-    from .builder import ModelBuilder, ModelRequest
-    from .registration import ActivePatches, PatchRegistry
+    from pytest_modelpatch.builder import ModelBuilder, ModelRequest
+    from pytest_modelpatch.registration import ActivePatches, PatchRegistry
 
 _GPU_SKIP = pytest.StashKey[str]()
 
@@ -114,7 +114,7 @@ def pytest_configure(config: pytest.Config) -> None:
         devices.requested_device(config.getoption("modelpatch_device"))
     except PatchUsageError as exc:
         raise pytest.UsageError(str(exc)) from None
-    from . import report  # torch-free: reads options, registers the xdist seed hook
+    from pytest_modelpatch import report  # torch-free: reads options, registers the xdist seed hook
 
     report.configure(config)
 
@@ -228,7 +228,7 @@ def _modelpatch_guard(request: pytest.FixtureRequest) -> Iterator[ActivePatches 
     try:
         spec = collect_patch_spec(request.node)
         if spec is not None:
-            from .registration import ActivePatches
+            from pytest_modelpatch.registration import ActivePatches
 
             active = ActivePatches(spec, lint=_registration_lint(request.node, spec.allow))
         reset_tolerance = _set_test_tolerance(request.node)
@@ -262,7 +262,7 @@ def _finish_guard(guard: LeakGuard | None, nodeid: str) -> None:
 
 def _model_request(item: pytest.Item) -> ModelRequest | None:
     """The test's ``@pytest.mark.model``, else ``--modelpatch-checkpoint``, else ``None``."""
-    from .builder import ModelRequest
+    from pytest_modelpatch.builder import ModelRequest
 
     found = next(iter(item.iter_markers_with_node("model")), None)
     if found is not None:
@@ -274,11 +274,11 @@ def _model_request(item: pytest.Item) -> ModelRequest | None:
 
 def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
     """Lint marks' keys at registration, against the test's model family when it has one."""
-    from .patterns import lint_for_registration
+    from pytest_modelpatch.patterns import lint_for_registration
 
     families = None
     if item.get_closest_marker("model") is not None:
-        from .checkpoints import resolve_model_spec
+        from pytest_modelpatch.checkpoints import resolve_model_spec
 
         request = _model_request(item)
         if request is not None:
@@ -291,7 +291,7 @@ def _set_test_tolerance(item: pytest.Item) -> Any:
         item.config.getini(k) for k in ("modelpatch_atol", "modelpatch_rtol", "modelpatch_tolerance_policy")
     ):
         return None
-    from .tolerance import ToleranceOverride, set_test_tolerance
+    from pytest_modelpatch.tolerance import ToleranceOverride, set_test_tolerance
 
     overrides = []
     mark = item.get_closest_marker("tolerance")
@@ -314,7 +314,7 @@ def _set_test_tolerance(item: pytest.Item) -> Any:
 @pytest.fixture(scope="session")
 def model_builder(tmp_path_factory: pytest.TempPathFactory) -> ModelBuilder:
     """Session cache of seeded checkpoints and reference models (checkpoints shared across xdist workers)."""
-    from .builder import ModelBuilder
+    from pytest_modelpatch.builder import ModelBuilder
 
     base = tmp_path_factory.getbasetemp()
     # under xdist every worker's basetemp sits in one run directory: share the checkpoints there
@@ -343,7 +343,7 @@ def patched_model(
     model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest, _modelpatch_guard: Any
 ) -> Iterator[Any]:
     """The same weights loaded with this test's patches and conversions (``@pytest.mark.patch``)."""
-    from .registry import PatchStateGuard
+    from pytest_modelpatch.registry import PatchStateGuard
 
     model_request = _required_model_request(request)
     guard = PatchStateGuard()  # fusion_config registers global patches while loading
@@ -356,7 +356,7 @@ def patched_model(
 @pytest.fixture
 def roundtrip(tmp_path: Any) -> Any:
     """``check_roundtrip`` bound to this test's ``tmp_path``: ``roundtrip.check(checkpoint_or_model)``."""
-    from .roundtrip import Roundtrip
+    from pytest_modelpatch.roundtrip import Roundtrip
 
     return Roundtrip(tmp_path)
 
@@ -370,7 +370,7 @@ def patch_registry() -> Iterator[PatchRegistry]:
         def test_fused(patch_registry):
             patch_registry.register({"LlamaAttention": FusedAttention}, conversions={"llama": [...]})
     """
-    from .registration import PatchRegistry
+    from pytest_modelpatch.registration import PatchRegistry
 
     registry = PatchRegistry()
     try:
@@ -392,7 +392,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    from .report import attaching_checks
+    from pytest_modelpatch.report import attaching_checks
 
     with attaching_checks(item):
         return (yield)

@@ -13,10 +13,10 @@ from contextlib import AbstractContextManager, ExitStack
 from types import MappingProxyType
 from typing import Any
 
-from .errors import PatchUsageError
-from .markers import PatchSpec
-from .methods import apply_method_patches
-from .registry import PatchStateGuard
+from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.markers import PatchSpec
+from pytest_modelpatch.methods import apply_method_patches
+from pytest_modelpatch.registry import PatchStateGuard
 
 
 def _describe(value: Any) -> str:
@@ -112,7 +112,7 @@ def register_patches(
     if lint is not None and checked:
         lint(checked)
     if checked_conversions:
-        from .reversibility import assert_reversible
+        from pytest_modelpatch.reversibility import assert_reversible
 
         assert_reversible(checked_conversions)
     from transformers import monkey_patching
@@ -166,7 +166,7 @@ class PatchRegistry:
         The keys are linted first (``allow={key: ["CONTAINER"]}`` accepts a finding);
         ``families=["bert"]`` limits the lint to those model types.
         """
-        from .patterns import lint_for_registration
+        from pytest_modelpatch.patterns import lint_for_registration
 
         def lint(checked: dict[str, type]) -> None:
             lint_for_registration(checked, families=families, allow=allow)
