@@ -60,8 +60,8 @@ def main() -> None:
         (warm_wall, warm_cpu), warm_median = warm[0], warm[2][0]
 
         os.environ["MODELPATCH_CACHE_DIR"] = cache
-        from pytest_modelpatch.patterns import lint_patterns
-        from pytest_modelpatch.scan_index import load_index
+        from pytest_modelpatch.lint.patterns import lint_patterns
+        from pytest_modelpatch.lint.scan_index import load_index
 
         start, cpu_start = time.perf_counter(), time.process_time()
         index = load_index()

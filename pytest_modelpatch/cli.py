@@ -52,8 +52,8 @@ def _parse_allow(values: list[str]) -> dict[str, list[str]]:
 
 
 def _run_lint(args: argparse.Namespace) -> int:
-    from pytest_modelpatch import patterns
-    from pytest_modelpatch.scan_index import load_index
+    from pytest_modelpatch.lint import patterns
+    from pytest_modelpatch.lint.scan_index import load_index
 
     mapping = dict.fromkeys(args.patterns)
     allow = _parse_allow(args.allow)

@@ -274,7 +274,7 @@ def _model_request(item: pytest.Item) -> ModelRequest | None:
 
 def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
     """Lint marks' keys at registration, against the test's model family when it has one."""
-    from pytest_modelpatch.patterns import lint_for_registration
+    from pytest_modelpatch.lint.patterns import lint_for_registration
 
     families = None
     if item.get_closest_marker("model") is not None:

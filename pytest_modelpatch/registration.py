@@ -166,7 +166,7 @@ class PatchRegistry:
         The keys are linted first (``allow={key: ["CONTAINER"]}`` accepts a finding);
         ``families=["bert"]`` limits the lint to those model types.
         """
-        from pytest_modelpatch.patterns import lint_for_registration
+        from pytest_modelpatch.lint.patterns import lint_for_registration
 
         def lint(checked: dict[str, type]) -> None:
             lint_for_registration(checked, families=families, allow=allow)

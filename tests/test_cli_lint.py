@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pytest_modelpatch.scan_index import load_index
+from pytest_modelpatch.lint.scan_index import load_index
 
 
 @pytest.fixture(scope="module", autouse=True)

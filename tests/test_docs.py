@@ -33,7 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [*sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "README.md"]
 REFERENCE = REPO_ROOT / "docs" / "reference.md"
 # pytester points HOME at its tmp dir: keep the lint's scan index where it is, or every run rebuilds it
-LINT_CACHE = __import__("pytest_modelpatch.scan_index", fromlist=["cache_dir"]).cache_dir()
+LINT_CACHE = __import__("pytest_modelpatch.lint.scan_index", fromlist=["cache_dir"]).cache_dir()
 
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
 _DIRECTIVE = re.compile(r"^\s*<!--\s*doc:\s*(?P<name>[\w-]+)\s*(?::\s*(?P<arg>.*?))?\s*-->\s*$")

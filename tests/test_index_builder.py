@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_modelpatch.index_builder import Builder
-from pytest_modelpatch.scan_index import CORE, ScanIndex
-from pytest_modelpatch.source_scan import SourceFile
+from pytest_modelpatch.lint.index_builder import Builder
+from pytest_modelpatch.lint.scan_index import CORE, ScanIndex
+from pytest_modelpatch.lint.source_scan import SourceFile
 
 # A site-packages folder: a miniature torch and transformers with one family.
 TREE = {
@@ -192,7 +192,7 @@ def test_top_level_packages_are_found_through_the_import_systems_finders(tmp_pat
     import importlib.util
     import sys
 
-    from pytest_modelpatch.index_builder import ModuleFinder
+    from pytest_modelpatch.lint.index_builder import ModuleFinder
 
     package = tmp_path / "src" / "editable_demo_pkg"
     package.mkdir(parents=True)

@@ -16,7 +16,7 @@ from torch import nn
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models import model_class_for, tiny_config
-from pytest_modelpatch.patterns import (
+from pytest_modelpatch.lint.patterns import (
     FAILING_KINDS,
     Kind,
     failing,
@@ -25,7 +25,7 @@ from pytest_modelpatch.patterns import (
     matched_classes,
     suggest,
 )
-from pytest_modelpatch.scan_index import INDEX_FORMAT, ScanIndex, _read, index_path, load_index
+from pytest_modelpatch.lint.scan_index import INDEX_FORMAT, ScanIndex, _read, index_path, load_index
 
 FAMILIES = ["bert", "llama", "t5", "gpt2", "qwen2_moe", "mixtral", "vit", "clip"]
 

@@ -2,7 +2,7 @@
 
 Built once per installed transformers (and torch) version, in a subprocess, and cached
 on disk as JSON, so a lint loads it in milliseconds. Building imports nothing: it reads
-transformers' and torch's sources as text (:mod:`pytest_modelpatch.index_builder`).
+transformers' and torch's sources as text (:mod:`pytest_modelpatch.lint.index_builder`).
 Containment comes from the names
 each module class's ``__init__`` (and what it calls) looks up in its module, the very
 lookups ``apply_patches`` redirects; ``tests/test_patterns.py`` checks the result
@@ -155,7 +155,7 @@ def _read(path: Path) -> dict[str, Any] | None:
 def build_in_subprocess(path: Path) -> None:
     """Build the index in a fresh interpreter so that the build's imports stay out of this one."""
     result = subprocess.run(
-        [sys.executable, "-m", "pytest_modelpatch.index_builder", str(path)],
+        [sys.executable, "-m", "pytest_modelpatch.lint.index_builder", str(path)],
         capture_output=True,
         text=True,
         check=False,

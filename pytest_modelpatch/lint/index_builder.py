@@ -1,7 +1,7 @@
-"""Build the scan index: run as ``python -m pytest_modelpatch.index_builder PATH``.
+"""Build the scan index: run as ``python -m pytest_modelpatch.lint.index_builder PATH``.
 
 Nothing is imported: transformers, torch and whatever else the family modules use are
-read as text (:mod:`pytest_modelpatch.source_scan`) and their names resolved the way
+read as text (:mod:`pytest_modelpatch.lint.source_scan`) and their names resolved the way
 Python's import system would bind them, lazily, one name at a time, so a build reads
 only the files some family module's names lead to. Importing the transformers core and
 torch alone costs more than reading every family module, and the lint never needs an
@@ -24,8 +24,8 @@ from importlib import machinery, util
 from pathlib import Path
 from typing import Any
 
-from pytest_modelpatch.scan_index import CORE, ClassEntry, ScanIndex, _version, write_atomically
-from pytest_modelpatch.source_scan import SourceFile
+from pytest_modelpatch.lint.scan_index import CORE, ClassEntry, ScanIndex, _version, write_atomically
+from pytest_modelpatch.lint.source_scan import SourceFile
 
 # Strings and comments, removed before reading the names an __init__ uses.
 _NOISE = re.compile(r'(?s)""".*?"""|\'\'\'.*?\'\'\'|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|#[^\n]*')

@@ -6,7 +6,7 @@ exact key first, then tries every key in mapping order with ``re.search``;
 module and swaps each class it finds. A broad key such as ``".*Attention"`` therefore
 also swaps containers (``BertAttention`` holds ``BertSelfAttention``) and ModelOutput
 dataclasses. ``lint_patterns`` reports those against the installed transformers,
-using the cached scan index (:mod:`pytest_modelpatch.scan_index`).
+using the cached scan index (:mod:`pytest_modelpatch.lint.scan_index`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 
-from pytest_modelpatch.scan_index import CORE, ClassEntry, ScanIndex, load_index
+from pytest_modelpatch.lint.scan_index import CORE, ClassEntry, ScanIndex, load_index
 
 
 class Kind(str, Enum):
