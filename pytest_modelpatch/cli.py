@@ -98,8 +98,8 @@ def _add_gate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def _run_gate(args: argparse.Namespace) -> int:
-    from pytest_modelpatch import gate
-    from pytest_modelpatch.report import load_report
+    from pytest_modelpatch.reporting import gate
+    from pytest_modelpatch.reporting.report import load_report
 
     rows = load_report(args.report)["rows"]
     baseline = load_report(args.baseline)["rows"] if args.baseline else None

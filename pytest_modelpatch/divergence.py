@@ -30,7 +30,7 @@ from pytest_modelpatch.equivalence import (
     forward,
 )
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
-from pytest_modelpatch.records import CheckRecord, record_check
+from pytest_modelpatch.reporting.records import CheckRecord, record_check
 from pytest_modelpatch.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 
 

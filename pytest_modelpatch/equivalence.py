@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pytest_modelpatch.records import CheckRecord, record_check
+from pytest_modelpatch.reporting.records import CheckRecord, record_check
 from pytest_modelpatch.tolerance import Tolerance, TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 
 if TYPE_CHECKING:

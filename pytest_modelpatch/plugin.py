@@ -392,7 +392,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    from pytest_modelpatch.report import attaching_checks
+    from pytest_modelpatch.reporting.report import attaching_checks
 
     with attaching_checks(item):
         return (yield)

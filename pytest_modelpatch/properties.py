@@ -93,7 +93,7 @@ class PropertyReport:
             self.failure.duration_s = self.duration_s
             self.failure.record(kind="property", examples=self.examples, detail=str(self))
             return
-        from pytest_modelpatch.records import CheckRecord, record_check
+        from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
         record_check(
             CheckRecord(

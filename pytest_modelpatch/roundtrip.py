@@ -28,7 +28,7 @@ import torch
 import transformers
 
 from pytest_modelpatch.models import CheckpointError, example_inputs
-from pytest_modelpatch.records import CheckRecord, record_check
+from pytest_modelpatch.reporting.records import CheckRecord, record_check
 from pytest_modelpatch.registry import isolated_patch_state, without_patches
 from pytest_modelpatch.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint
 

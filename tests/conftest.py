@@ -111,7 +111,7 @@ def load_pair(path: Any, patch: Any, *, mapping: str = "MAPPING", dtype: str = "
 @pytest.fixture
 def records() -> Any:
     """The CheckRecords the code under test records, in order."""
-    from pytest_modelpatch.records import set_record_sink
+    from pytest_modelpatch.reporting.records import set_record_sink
 
     rows: list[Any] = []
     previous = set_record_sink(rows.append)

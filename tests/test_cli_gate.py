@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pytest_modelpatch.records import CheckRecord
-from pytest_modelpatch.report import row_from_record, write_report
+from pytest_modelpatch.reporting.records import CheckRecord
+from pytest_modelpatch.reporting.report import row_from_record, write_report
 
 
 def modelpatch(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -14,7 +14,7 @@ from pytest_modelpatch.equivalence import (
     compare_outputs,
     flatten_outputs,
 )
-from pytest_modelpatch.records import CheckRecord
+from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.tolerance import (
     DtypeTolerance,
     TolerancePolicy,

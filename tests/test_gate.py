@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from pytest_modelpatch.gate import Thresholds, evaluate
-from pytest_modelpatch.records import CheckRecord
-from pytest_modelpatch.report import row_from_record
+from pytest_modelpatch.reporting.gate import Thresholds, evaluate
+from pytest_modelpatch.reporting.records import CheckRecord
+from pytest_modelpatch.reporting.report import row_from_record
 
 # A real replacement whose attention output drifts by $MODELPATCH_TEST_EPS: 0 is exact.
 SUITE = """

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from pytest_modelpatch.records import CheckRecord, record_check
-from pytest_modelpatch.report import (
+from pytest_modelpatch.reporting.records import CheckRecord, record_check
+from pytest_modelpatch.reporting.report import (
     attaching_checks,
     row_from_record,
     sort_rows,
@@ -145,7 +145,7 @@ def test_divergence_profile_is_zero_before_the_changed_layer_and_drawn_as_html(t
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pytest_modelpatch.divergence import divergence_profile
-    from pytest_modelpatch.profile_html import write_profile_html
+    from pytest_modelpatch.reporting.profile_html import write_profile_html
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,

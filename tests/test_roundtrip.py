@@ -107,7 +107,7 @@ def test_patched_layout_survives_save_and_reload_with_patches(patch_registry: An
 
 
 def test_roundtrip_writes_one_record_per_check(patch_registry: Any, llama_dir: Path, tmp_path: Path) -> None:
-    from pytest_modelpatch.records import set_record_sink
+    from pytest_modelpatch.reporting.records import set_record_sink
 
     rows: list[Any] = []
     previous = set_record_sink(rows.append)

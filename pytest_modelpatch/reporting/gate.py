@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.report import load_report, worst_first, write_report
+from pytest_modelpatch.reporting.report import load_report, worst_first, write_report
 
 DEFAULT_FACTOR = 2.0
 DEFAULT_FLOOR = 1e-6

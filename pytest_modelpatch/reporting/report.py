@@ -1,10 +1,10 @@
 """Check rows for CI: attached to each test's report, merged on the controller, written once as JSON.
 
-During a test a record sink stamps every :class:`~pytest_modelpatch.records.CheckRecord`
+During a test a record sink stamps every :class:`~pytest_modelpatch.reporting.records.CheckRecord`
 with the test's node id and appends it to ``item.user_properties``; those travel on the
 test report from xdist workers to the controller (and into JUnit XML as properties).
 The controller's :class:`ReportSession` collects them, writes ``--modelpatch-report``,
-prints the terminal table and runs the gate (:mod:`pytest_modelpatch.gate`).
+prints the terminal table and runs the gate (:mod:`pytest_modelpatch.reporting.gate`).
 
 Nothing here imports torch or transformers unless a report file is written.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.records import CheckRecord, set_record_sink
+from pytest_modelpatch.reporting.records import CheckRecord, set_record_sink
 
 ROW_PROPERTY = "modelpatch_check"
 # key figures as their own JUnit properties, so CI UIs show them without parsing the row
@@ -113,7 +113,7 @@ class XdistSeed:
 def configure(config: pytest.Config) -> None:
     """Set the session seed in this process; on the controller, register the report and xdist hooks."""
     seed = session_seed(config)
-    from pytest_modelpatch import gate
+    from pytest_modelpatch.reporting import gate
 
     gate.validate_options(config)
     if seed:
@@ -230,7 +230,7 @@ class ReportSession:
             self.rows += [value for name, value in report.user_properties if name == ROW_PROPERTY]
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        from pytest_modelpatch import gate
+        from pytest_modelpatch.reporting import gate
 
         config = self.config
         header = None
@@ -243,7 +243,7 @@ class ReportSession:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         html = config.getoption("modelpatch_html")
         if html:
-            from pytest_modelpatch.profile_html import write_profile_html
+            from pytest_modelpatch.reporting.profile_html import write_profile_html
 
             write_profile_html(Path(html), self.rows)
 
