@@ -13,10 +13,10 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
-    "isolated_patch_state": "registry",
-    "PatchStateSnapshot": "registry",
-    "PatchRegistry": "registration",
-    "validate_mapping": "registration",
+    "isolated_patch_state": "isolation.registry",
+    "PatchStateSnapshot": "isolation.registry",
+    "PatchRegistry": "isolation.registration",
+    "validate_mapping": "isolation.registration",
     "assert_equivalent": "equivalence",
     "check_equivalence": "properties",
     "check_module_equivalence": "divergence",
@@ -40,7 +40,7 @@ _EXPORTS: dict[str, str] = {
     "ModelRequest": "builder",
     "PatchNotAppliedError": "builder",
     "patch_usage": "proof",
-    "without_patches": "registry",
+    "without_patches": "isolation.registry",
     "CheckRecord": "reporting.records",
     "GateVerdict": "reporting.gate",
     "Thresholds": "reporting.gate",

@@ -22,7 +22,7 @@ from pytest_modelpatch.checkpoints import cached_checkpoint, load_pretrained, re
 from pytest_modelpatch.devices import dtype_name
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
 from pytest_modelpatch.proof import track_patch_usage
-from pytest_modelpatch.registry import without_patches
+from pytest_modelpatch.isolation.registry import without_patches
 
 
 class PatchNotAppliedError(ModelPatchError):

@@ -37,7 +37,7 @@ from pytest_modelpatch.models import (
     tiny_config,
     unknown_model_type_message,
 )
-from pytest_modelpatch.registry import without_patches
+from pytest_modelpatch.isolation.registry import without_patches
 
 BUILD_INFO_FILE = "modelpatch-build.json"
 

@@ -14,12 +14,12 @@ import pytest
 
 from pytest_modelpatch import devices
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.leaks import LeakGuard, parse_leak_mode
-from pytest_modelpatch.markers import PATCH_MARKER_HELP, collect_patch_spec
+from pytest_modelpatch.isolation.leaks import LeakGuard, parse_leak_mode
+from pytest_modelpatch.isolation.markers import PATCH_MARKER_HELP, collect_patch_spec
 
 if TYPE_CHECKING:
     from pytest_modelpatch.builder import ModelBuilder, ModelRequest
-    from pytest_modelpatch.registration import ActivePatches, PatchRegistry
+    from pytest_modelpatch.isolation.registration import ActivePatches, PatchRegistry
 
 _GPU_SKIP = pytest.StashKey[str]()
 
@@ -228,7 +228,7 @@ def _modelpatch_guard(request: pytest.FixtureRequest) -> Iterator[ActivePatches 
     try:
         spec = collect_patch_spec(request.node)
         if spec is not None:
-            from pytest_modelpatch.registration import ActivePatches
+            from pytest_modelpatch.isolation.registration import ActivePatches
 
             active = ActivePatches(spec, lint=_registration_lint(request.node, spec.allow))
         reset_tolerance = _set_test_tolerance(request.node)
@@ -343,7 +343,7 @@ def patched_model(
     model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest, _modelpatch_guard: Any
 ) -> Iterator[Any]:
     """The same weights loaded with this test's patches and conversions (``@pytest.mark.patch``)."""
-    from pytest_modelpatch.registry import PatchStateGuard
+    from pytest_modelpatch.isolation.registry import PatchStateGuard
 
     model_request = _required_model_request(request)
     guard = PatchStateGuard()  # fusion_config registers global patches while loading
@@ -370,7 +370,7 @@ def patch_registry() -> Iterator[PatchRegistry]:
         def test_fused(patch_registry):
             patch_registry.register({"LlamaAttention": FusedAttention}, conversions={"llama": [...]})
     """
-    from pytest_modelpatch.registration import PatchRegistry
+    from pytest_modelpatch.isolation.registration import PatchRegistry
 
     registry = PatchRegistry()
     try:

@@ -29,7 +29,7 @@ import transformers
 
 from pytest_modelpatch.models import CheckpointError, example_inputs
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
-from pytest_modelpatch.registry import isolated_patch_state, without_patches
+from pytest_modelpatch.isolation.registry import isolated_patch_state, without_patches
 from pytest_modelpatch.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint
 
 # config.json keys that save_pretrained rewrites on every save; a change there says nothing about the patch

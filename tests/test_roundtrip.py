@@ -16,8 +16,8 @@ from transformers.core_model_loading import ConversionOps, WeightConverter
 from fixtures.make_checkpoints import build_model, write_checkpoint
 from fixtures.patches import llama_fused_qkv, qwen2_moe
 from fixtures.patches._fused_qkv import ConcatenateQKV, qkv_sizes
-from pytest_modelpatch.registration import register_patches
-from pytest_modelpatch.registry import isolated_patch_state
+from pytest_modelpatch.isolation.registration import register_patches
+from pytest_modelpatch.isolation.registry import isolated_patch_state
 from pytest_modelpatch.roundtrip import Roundtrip, check_roundtrip
 from pytest_modelpatch.models import CheckpointError, example_inputs
 from pytest_modelpatch.safetensors_diff import diff_checkpoints

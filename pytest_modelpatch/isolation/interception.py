@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pytest_modelpatch.snapshot import MODELING_UTILS, MONKEY_PATCHING, PatchStateSnapshot
+from pytest_modelpatch.isolation.snapshot import MODELING_UTILS, MONKEY_PATCHING, PatchStateSnapshot
 
 ACTIVE: list[PatchStateSnapshot] = []
 _ORIGINALS: dict[str, Any] = {}
