@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_modelpatch import devices
+from pytest_modelpatch.models import devices
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.leaks import LeakGuard, parse_leak_mode
 from pytest_modelpatch.isolation.markers import PATCH_MARKER_HELP, collect_patch_spec
 
 if TYPE_CHECKING:
-    from pytest_modelpatch.builder import ModelBuilder, ModelRequest
+    from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
     from pytest_modelpatch.isolation.registration import ActivePatches, PatchRegistry
 
 _GPU_SKIP = pytest.StashKey[str]()
@@ -262,7 +262,7 @@ def _finish_guard(guard: LeakGuard | None, nodeid: str) -> None:
 
 def _model_request(item: pytest.Item) -> ModelRequest | None:
     """The test's ``@pytest.mark.model``, else ``--modelpatch-checkpoint``, else ``None``."""
-    from pytest_modelpatch.builder import ModelRequest
+    from pytest_modelpatch.models.builder import ModelRequest
 
     found = next(iter(item.iter_markers_with_node("model")), None)
     if found is not None:
@@ -278,7 +278,7 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
 
     families = None
     if item.get_closest_marker("model") is not None:
-        from pytest_modelpatch.checkpoints import resolve_model_spec
+        from pytest_modelpatch.models.checkpoints import resolve_model_spec
 
         request = _model_request(item)
         if request is not None:
@@ -314,7 +314,7 @@ def _set_test_tolerance(item: pytest.Item) -> Any:
 @pytest.fixture(scope="session")
 def model_builder(tmp_path_factory: pytest.TempPathFactory) -> ModelBuilder:
     """Session cache of seeded checkpoints and reference models (checkpoints shared across xdist workers)."""
-    from pytest_modelpatch.builder import ModelBuilder
+    from pytest_modelpatch.models.builder import ModelBuilder
 
     base = tmp_path_factory.getbasetemp()
     # under xdist every worker's basetemp sits in one run directory: share the checkpoints there

@@ -106,7 +106,7 @@ class PropertyReport:
 
 def _inputs_strategy(reference: torch.nn.Module, inputs: Any) -> SearchStrategy[Mapping[str, Any]]:
     if inputs is None:
-        from pytest_modelpatch.strategies import model_inputs
+        from pytest_modelpatch.models.strategies import model_inputs
 
         return model_inputs(reference.config)
     if isinstance(inputs, SearchStrategy):
@@ -115,7 +115,7 @@ def _inputs_strategy(reference: torch.nn.Module, inputs: Any) -> SearchStrategy[
         return st.just(inputs)
     raise PatchUsageError(
         f"check_equivalence: inputs= must be a hypothesis strategy of input dicts (got {type(inputs).__name__}); "
-        "e.g. inputs=pytest_modelpatch.strategies.model_inputs(config, max_seq_len=16)."
+        "e.g. inputs=pytest_modelpatch.models.strategies.model_inputs(config, max_seq_len=16)."
     )
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import transformers
 
-from pytest_modelpatch.models import CheckpointError, example_inputs
+from pytest_modelpatch.models.models import CheckpointError, example_inputs
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 from pytest_modelpatch.isolation.registry import isolated_patch_state, without_patches
 from pytest_modelpatch.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint

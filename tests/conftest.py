@@ -75,7 +75,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
     both ``from_pretrained`` of one seeded checkpoint; built once per argument set.
     """
     from fixtures import load_patch, tiny_config
-    from pytest_modelpatch.checkpoints import cached_checkpoint
+    from pytest_modelpatch.models.checkpoints import cached_checkpoint
 
     cache = tmp_path_factory.mktemp("checkpoints")
 
@@ -96,7 +96,7 @@ def load_pair(path: Any, patch: Any, *, mapping: str = "MAPPING", dtype: str = "
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
     from transformers.monkey_patching import register_patch_mapping
 
-    from pytest_modelpatch.checkpoints import load_pretrained
+    from pytest_modelpatch.models.checkpoints import load_pretrained
     from pytest_modelpatch.isolation.registry import isolated_patch_state, without_patches
 
     with isolated_patch_state():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pytest_modelpatch import PatchUsageError
-from pytest_modelpatch.devices import (
+from pytest_modelpatch.models.devices import (
     CudaStatus,
     dtype_name,
     gpu_missing_reason,

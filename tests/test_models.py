@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from pytest_modelpatch.checkpoints import (
+from pytest_modelpatch.models.checkpoints import (
     BUILD_INFO_FILE,
     cached_checkpoint,
     load_pretrained,
@@ -20,7 +20,7 @@ from pytest_modelpatch.checkpoints import (
     seeded_model,
 )
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.models import (
+from pytest_modelpatch.models.models import (
     CheckpointError,
     example_inputs,
     implicit_rope_defaults,
@@ -256,7 +256,7 @@ def test_cached_checkpoint_shards_when_asked(tmp_path: Path) -> None:
 
 
 def test_a_worker_that_loses_the_race_keeps_the_winners_checkpoint(tmp_path: Path) -> None:
-    import pytest_modelpatch.checkpoints as checkpoints
+    import pytest_modelpatch.models.checkpoints as checkpoints
 
     config = tiny_config("llama")
     winner = cached_checkpoint(config, cache_dir=tmp_path)

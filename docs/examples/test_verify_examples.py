@@ -16,7 +16,7 @@ from fixtures.patches import (
     qwen2_moe,
     qwen3_moe_router,
 )
-from pytest_modelpatch.builder import ModelRequest
+from pytest_modelpatch.models.builder import ModelRequest
 from pytest_modelpatch.equivalence import assert_equivalent
 from pytest_modelpatch.proof import patch_usage
 

@@ -28,9 +28,9 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
-from pytest_modelpatch.devices import to_torch_dtype
+from pytest_modelpatch.models.devices import to_torch_dtype
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.models import (
+from pytest_modelpatch.models.models import (
     CONFIG_MAPPING_NAMES,
     CheckpointError,
     model_class_for,
