@@ -291,7 +291,7 @@ def _set_test_tolerance(item: pytest.Item) -> Any:
         item.config.getini(k) for k in ("modelpatch_atol", "modelpatch_rtol", "modelpatch_tolerance_policy")
     ):
         return None
-    from pytest_modelpatch.tolerance import ToleranceOverride, set_test_tolerance
+    from pytest_modelpatch.compare.tolerance import ToleranceOverride, set_test_tolerance
 
     overrides = []
     mark = item.get_closest_marker("tolerance")

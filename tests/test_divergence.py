@@ -8,14 +8,14 @@ import pytest
 import torch
 from conftest import Pair
 
-from pytest_modelpatch.divergence import (
+from pytest_modelpatch.compare.divergence import (
     check_module_equivalence,
     first_divergence,
     record_module_calls,
 )
-from pytest_modelpatch.equivalence import assert_equivalent
+from pytest_modelpatch.compare.equivalence import assert_equivalent
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
-from pytest_modelpatch.tolerance import resolve_tolerance
+from pytest_modelpatch.compare.tolerance import resolve_tolerance
 
 
 def ids(batch: int = 2, length: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.tolerance import (
+from pytest_modelpatch.compare.tolerance import (
     DEFAULT_POLICY,
     DtypeTolerance,
     TolerancePolicy,
@@ -126,7 +126,7 @@ def test_marker_and_ini_reach_assert_equivalent_in_a_real_run(pytester: pytest.P
         """
         import pytest
         import torch
-        from pytest_modelpatch.equivalence import assert_equivalent
+        from pytest_modelpatch.compare.equivalence import assert_equivalent
 
         class Scale(torch.nn.Module):
             def __init__(self, factor):

@@ -17,8 +17,8 @@ from fixtures.patches import (
     qwen3_moe_router,
 )
 from pytest_modelpatch.models.builder import ModelRequest
-from pytest_modelpatch.equivalence import assert_equivalent
-from pytest_modelpatch.proof import patch_usage
+from pytest_modelpatch.compare.equivalence import assert_equivalent
+from pytest_modelpatch.compare.proof import patch_usage
 
 
 def _verify(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]

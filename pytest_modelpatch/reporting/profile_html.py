@@ -7,7 +7,7 @@ check, that profile as a bar chart on a log scale and the check's text.
 
 Example::
 
-    profile = divergence_profile(reference_model, patched_model, inputs)  # from pytest_modelpatch.divergence
+    profile = divergence_profile(reference_model, patched_model, inputs)  # from pytest_modelpatch.compare.divergence
     write_profile_html(Path("profile.html"), [{"nodeid": "t.py::t", "check": "equivalence#1", "profile": profile}])
 """
 

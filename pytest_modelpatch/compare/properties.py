@@ -19,7 +19,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from pytest_modelpatch.equivalence import (
+from pytest_modelpatch.compare.equivalence import (
     EquivalenceReport,
     compare_models,
     compare_outputs,
@@ -28,7 +28,7 @@ from pytest_modelpatch.equivalence import (
     forward,
 )
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
+from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 
 DEFAULT_MAX_EXAMPLES = 25
 _defaults: dict[str, int | None] = {"seed": None, "max_examples": None}

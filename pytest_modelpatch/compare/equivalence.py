@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
-from pytest_modelpatch.tolerance import Tolerance, TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
+from pytest_modelpatch.compare.tolerance import Tolerance, TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 
 if TYPE_CHECKING:
-    from pytest_modelpatch.divergence import Divergence
+    from pytest_modelpatch.compare.divergence import Divergence
 
 _MISSING: Any = object()
 
@@ -362,7 +362,7 @@ def compare_models(
         device=str(param.device) if param is not None else "", dtype=dtype_label(param.dtype) if param is not None else "",
     )  # fmt: skip
     if locate and not report.passed:
-        from pytest_modelpatch.divergence import first_divergence  # divergence builds on this module
+        from pytest_modelpatch.compare.divergence import first_divergence  # divergence builds on this module
 
         report.divergence = first_divergence(reference, patched, inputs, spec)
     report.duration_s = time.perf_counter() - start

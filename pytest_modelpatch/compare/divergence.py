@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.equivalence import (
+from pytest_modelpatch.compare.equivalence import (
     TensorComparison,
     compare_flat,
     default_inputs,
@@ -31,7 +31,7 @@ from pytest_modelpatch.equivalence import (
 )
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
-from pytest_modelpatch.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
+from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 
 
 def _flat_clone(value: Any, path: str = "") -> dict[str, Any]:
@@ -174,7 +174,7 @@ def divergence_profile(
     reference: torch.nn.Module, patched: torch.nn.Module, inputs: Mapping[str, Any], spec: ToleranceSpec | None = None
 ) -> list[tuple[str, float]]:
     """``[(module call, max abs output difference), ...]`` for every call both models make, in forward order."""
-    from pytest_modelpatch.tolerance import resolve_tolerance
+    from pytest_modelpatch.compare.tolerance import resolve_tolerance
 
     found = first_divergence(reference, patched, inputs, spec or resolve_tolerance())
     if found is not None:
