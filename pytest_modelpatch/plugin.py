@@ -356,7 +356,7 @@ def patched_model(
 @pytest.fixture
 def roundtrip(tmp_path: Any) -> Any:
     """``check_roundtrip`` bound to this test's ``tmp_path``: ``roundtrip.check(checkpoint_or_model)``."""
-    from pytest_modelpatch.roundtrip import Roundtrip
+    from pytest_modelpatch.roundtrip.roundtrip import Roundtrip
 
     return Roundtrip(tmp_path)
 

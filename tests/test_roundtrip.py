@@ -18,9 +18,9 @@ from fixtures.patches import llama_fused_qkv, qwen2_moe
 from fixtures.patches._fused_qkv import ConcatenateQKV, qkv_sizes
 from pytest_modelpatch.isolation.registration import register_patches
 from pytest_modelpatch.isolation.registry import isolated_patch_state
-from pytest_modelpatch.roundtrip import Roundtrip, check_roundtrip
+from pytest_modelpatch.roundtrip.roundtrip import Roundtrip, check_roundtrip
 from pytest_modelpatch.models.models import CheckpointError, example_inputs
-from pytest_modelpatch.safetensors_diff import diff_checkpoints
+from pytest_modelpatch.roundtrip.safetensors_diff import diff_checkpoints
 
 torch.set_num_threads(1)
 
@@ -169,7 +169,7 @@ def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 def test_fused_patch_embeddings_match_the_conv3d_model_and_leak_nothing(qwen3_vl: tuple[Any, Path]) -> None:
     from transformers.monkey_patching import get_patch_mapping
 
-    from pytest_modelpatch.roundtrip import compare_outputs, load_with_fusion, model_outputs
+    from pytest_modelpatch.roundtrip.roundtrip import compare_outputs, load_with_fusion, model_outputs
 
     reference, path = qwen3_vl
     before = dict(get_patch_mapping())
@@ -269,7 +269,7 @@ def test_failure_in_a_pytest_run_shows_the_report(pytester: pytest.Pytester, lla
         f"""
         from fixtures.patches import llama_fused_qkv, qwen2_moe
         from tests.test_roundtrip import ConcatenateInBF16, fused_qkv_with
-        from pytest_modelpatch.roundtrip import check_roundtrip
+        from pytest_modelpatch.roundtrip.roundtrip import check_roundtrip
 
         def test_lossy(patch_registry, tmp_path):
             patch_registry.register(llama_fused_qkv.MAPPING, conversions=fused_qkv_with(ConcatenateInBF16(0)), overwrite=True)

@@ -30,7 +30,7 @@ import transformers
 from pytest_modelpatch.models.models import CheckpointError, example_inputs
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 from pytest_modelpatch.isolation.registry import isolated_patch_state, without_patches
-from pytest_modelpatch.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint
+from pytest_modelpatch.roundtrip.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint
 
 # config.json keys that save_pretrained rewrites on every save; a change there says nothing about the patch
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "name_or_path"})
