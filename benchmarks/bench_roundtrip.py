@@ -53,7 +53,7 @@ def child(mode: str, source: str, work: str) -> None:
     from transformers.monkey_patching import register_patch_mapping
 
     from fixtures.patches import llama_fused_qkv
-    from pytest_modelpatch.roundtrip.roundtrip import check_roundtrip
+    from pytest_modelpatch.roundtrip.check import check_roundtrip
 
     register_patch_mapping(llama_fused_qkv.MAPPING)
     for key, transforms in llama_fused_qkv.CONVERSIONS.items():

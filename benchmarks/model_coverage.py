@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers.utils import logging as transformers_logging
 
-from pytest_modelpatch.models.models import available_model_types, example_inputs, model_class_for, tiny_config
+from pytest_modelpatch.models.families import available_model_types, example_inputs, model_class_for, tiny_config
 
 PER_TYPE_TIMEOUT_S = 60
 

@@ -15,7 +15,7 @@ import pytest
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.leaks import LeakGuard, parse_leak_mode
-from pytest_modelpatch.isolation.markers import PATCH_MARKER_HELP, collect_patch_spec
+from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 
 if TYPE_CHECKING:
     from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
@@ -343,7 +343,7 @@ def patched_model(
     model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest, _modelpatch_guard: Any
 ) -> Iterator[Any]:
     """The same weights loaded with this test's patches and conversions (``@pytest.mark.patch``)."""
-    from pytest_modelpatch.isolation.registry import PatchStateGuard
+    from pytest_modelpatch.isolation.guard import PatchStateGuard
 
     model_request = _required_model_request(request)
     guard = PatchStateGuard()  # fusion_config registers global patches while loading
@@ -356,7 +356,7 @@ def patched_model(
 @pytest.fixture
 def roundtrip(tmp_path: Any) -> Any:
     """``check_roundtrip`` bound to this test's ``tmp_path``: ``roundtrip.check(checkpoint_or_model)``."""
-    from pytest_modelpatch.roundtrip.roundtrip import Roundtrip
+    from pytest_modelpatch.roundtrip.check import Roundtrip
 
     return Roundtrip(tmp_path)
 

@@ -97,7 +97,7 @@ def load_pair(path: Any, patch: Any, *, mapping: str = "MAPPING", dtype: str = "
     from transformers.monkey_patching import register_patch_mapping
 
     from pytest_modelpatch.models.checkpoints import load_pretrained
-    from pytest_modelpatch.isolation.registry import isolated_patch_state, without_patches
+    from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 
     with isolated_patch_state():
         register_patch_mapping(getattr(patch, mapping))

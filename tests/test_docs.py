@@ -143,7 +143,7 @@ def run_test_modules(path: Path, pytester: pytest.Pytester) -> FileRun:
 
 _SNIPPET_RUNNER = """
 import contextlib, io, json, sys, traceback
-from pytest_modelpatch.isolation.registry import isolated_patch_state
+from pytest_modelpatch.isolation.guard import isolated_patch_state
 blocks, results = json.load(open(sys.argv[1])), {}
 for block in blocks:
     out = io.StringIO()

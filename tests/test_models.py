@@ -20,7 +20,7 @@ from pytest_modelpatch.models.checkpoints import (
     seeded_model,
 )
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.models.models import (
+from pytest_modelpatch.models.families import (
     CheckpointError,
     example_inputs,
     implicit_rope_defaults,
@@ -28,7 +28,7 @@ from pytest_modelpatch.models.models import (
     ordinary_token_ids,
     tiny_config,
 )
-from pytest_modelpatch.isolation.registry import isolated_patch_state
+from pytest_modelpatch.isolation.guard import isolated_patch_state
 
 DECODER_FAMILIES = [
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "gemma", "gemma2",

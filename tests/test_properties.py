@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from fixtures import load_patch
 from pytest_modelpatch.models.checkpoints import cached_checkpoint
 from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.properties import check_equivalence, set_default_seed
+from pytest_modelpatch.compare.property_checks import check_equivalence, set_default_seed
 from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.models.strategies import model_inputs, tiny_configs
 

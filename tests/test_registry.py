@@ -11,7 +11,7 @@ from transformers.core_model_loading import WeightRenaming
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from pytest_modelpatch.isolation.registry import PatchStateGuard, isolated_patch_state, without_patches
+from pytest_modelpatch.isolation.guard import PatchStateGuard, isolated_patch_state, without_patches
 
 CONFIG = LlamaConfig(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -17,9 +17,9 @@ from fixtures.make_checkpoints import build_model, write_checkpoint
 from fixtures.patches import llama_fused_qkv, qwen2_moe
 from fixtures.patches._fused_qkv import ConcatenateQKV, qkv_sizes
 from pytest_modelpatch.isolation.registration import register_patches
-from pytest_modelpatch.isolation.registry import isolated_patch_state
-from pytest_modelpatch.roundtrip.roundtrip import Roundtrip, check_roundtrip
-from pytest_modelpatch.models.models import CheckpointError, example_inputs
+from pytest_modelpatch.isolation.guard import isolated_patch_state
+from pytest_modelpatch.roundtrip.check import Roundtrip, check_roundtrip
+from pytest_modelpatch.models.families import CheckpointError, example_inputs
 from pytest_modelpatch.roundtrip.safetensors_diff import diff_checkpoints
 
 torch.set_num_threads(1)
@@ -157,7 +157,7 @@ FUSION = {"patch_embeddings": True}
 def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     from transformers import Qwen3VLForConditionalGeneration
 
-    from pytest_modelpatch.models.models import tiny_config
+    from pytest_modelpatch.models.families import tiny_config
 
     torch.manual_seed(0)
     model = Qwen3VLForConditionalGeneration(tiny_config("qwen3_vl")).eval()
@@ -169,7 +169,7 @@ def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 def test_fused_patch_embeddings_match_the_conv3d_model_and_leak_nothing(qwen3_vl: tuple[Any, Path]) -> None:
     from transformers.monkey_patching import get_patch_mapping
 
-    from pytest_modelpatch.roundtrip.roundtrip import compare_outputs, load_with_fusion, model_outputs
+    from pytest_modelpatch.roundtrip.check import compare_outputs, load_with_fusion, model_outputs
 
     reference, path = qwen3_vl
     before = dict(get_patch_mapping())
@@ -195,7 +195,7 @@ def test_qwen2_vl_patch_embeddings_fusion_is_caught_dropping_the_conv_weight(tmp
     # from fresh weights and is saved under its own name.
     from transformers import Qwen2VLForConditionalGeneration
 
-    from pytest_modelpatch.models.models import tiny_config
+    from pytest_modelpatch.models.families import tiny_config
 
     torch.manual_seed(0)
     Qwen2VLForConditionalGeneration(tiny_config("qwen2_vl")).save_pretrained(tmp_path / "ckpt")
@@ -269,7 +269,7 @@ def test_failure_in_a_pytest_run_shows_the_report(pytester: pytest.Pytester, lla
         f"""
         from fixtures.patches import llama_fused_qkv, qwen2_moe
         from tests.test_roundtrip import ConcatenateInBF16, fused_qkv_with
-        from pytest_modelpatch.roundtrip.roundtrip import check_roundtrip
+        from pytest_modelpatch.roundtrip.check import check_roundtrip
 
         def test_lossy(patch_registry, tmp_path):
             patch_registry.register(llama_fused_qkv.MAPPING, conversions=fused_qkv_with(ConcatenateInBF16(0)), overwrite=True)

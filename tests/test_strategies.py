@@ -10,7 +10,7 @@ from transformers import PretrainedConfig
 
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.models.models import tiny_config
+from pytest_modelpatch.models.families import tiny_config
 from pytest_modelpatch.models.strategies import model_inputs, positions_from_mask, tiny_configs
 
 LLAMA = tiny_config("llama", pad_token_id=0)

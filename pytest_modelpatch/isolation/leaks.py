@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 
 from pytest_modelpatch.errors import ModelPatchWarning, PatchUsageError
-from pytest_modelpatch.isolation.registry import PatchStateGuard
+from pytest_modelpatch.isolation.guard import PatchStateGuard
 
 LEAK_MODES = ("error", "warn", "off")
 

@@ -14,9 +14,9 @@ from types import MappingProxyType
 from typing import Any
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.isolation.markers import PatchSpec
-from pytest_modelpatch.isolation.methods import apply_method_patches
-from pytest_modelpatch.isolation.registry import PatchStateGuard
+from pytest_modelpatch.isolation.patch_spec import PatchSpec
+from pytest_modelpatch.isolation.method_patches import apply_method_patches
+from pytest_modelpatch.isolation.guard import PatchStateGuard
 
 
 def _describe(value: Any) -> str:

@@ -30,14 +30,14 @@ from transformers.utils import logging as transformers_logging
 
 from pytest_modelpatch.models.devices import to_torch_dtype
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.models.models import (
+from pytest_modelpatch.models.families import (
     CONFIG_MAPPING_NAMES,
     CheckpointError,
     model_class_for,
     tiny_config,
     unknown_model_type_message,
 )
-from pytest_modelpatch.isolation.registry import without_patches
+from pytest_modelpatch.isolation.guard import without_patches
 
 BUILD_INFO_FILE = "modelpatch-build.json"
 

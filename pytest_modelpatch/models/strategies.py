@@ -17,14 +17,14 @@ from hypothesis.strategies import SearchStrategy
 from transformers import PretrainedConfig, PreTrainedModel
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.models.models import (
+from pytest_modelpatch.models.families import (
     forward_parameters,
     model_class_for,
     ordinary_token_ids,
     text_companions,
     tiny_config,
 )
-from pytest_modelpatch.models.shrinking import KV_HEAD_KEYS
+from pytest_modelpatch.models.tiny_configs import KV_HEAD_KEYS
 
 PADDING_SIDES = ("none", "left", "right")
 

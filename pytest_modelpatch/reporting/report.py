@@ -118,7 +118,7 @@ def configure(config: pytest.Config) -> None:
     gate.validate_options(config)
     if seed:
         # properties imports torch and hypothesis: pay for it only when the seed is not the default 0
-        from pytest_modelpatch.compare.properties import set_default_seed
+        from pytest_modelpatch.compare.property_checks import set_default_seed
 
         set_default_seed(seed)
     if is_worker(config):

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.isolation.registry import PatchStateSnapshot
+from pytest_modelpatch.isolation.guard import PatchStateSnapshot
 
 
 def _method_patch_plan(patch: Any) -> tuple[Any, list[str]]:

@@ -24,7 +24,7 @@ from transformers.models.auto import modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
-from pytest_modelpatch.models.shrinking import shrink_config_dict, special_token_ids
+from pytest_modelpatch.models.tiny_configs import shrink_config_dict, special_token_ids
 
 
 class CheckpointError(ModelPatchError):
@@ -107,7 +107,7 @@ def unknown_model_type_message(model_type: object) -> str:
     hint = f"; close matches: {', '.join(close)}" if close else ""
     return (
         f"unknown model type {model_type!r}{hint}. List the installed types with "
-        "`python -c \"from pytest_modelpatch.models.models import available_model_types as t; print(t())\"`"
+        "`python -c \"from pytest_modelpatch.models.families import available_model_types as t; print(t())\"`"
     )
 
 

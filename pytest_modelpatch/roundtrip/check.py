@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import transformers
 
-from pytest_modelpatch.models.models import CheckpointError, example_inputs
+from pytest_modelpatch.models.families import CheckpointError, example_inputs
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
-from pytest_modelpatch.isolation.registry import isolated_patch_state, without_patches
+from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.roundtrip.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint
 
 # config.json keys that save_pretrained rewrites on every save; a change there says nothing about the patch
