@@ -35,7 +35,7 @@ from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import load_patch, tiny_config
 from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained
-from pytest_modelpatch.compare.equivalence import compare_outputs
+from pytest_modelpatch.compare.outputs import compare_outputs
 from pytest_modelpatch.compare.property_checks import check_equivalence
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.models.strategies import model_inputs

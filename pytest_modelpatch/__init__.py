@@ -31,14 +31,14 @@ _EXPORTS: dict[str, str] = {
     "Finding": "lint.patterns",
     "tiny_config": "models.families",
     "example_inputs": "models.families",
-    "CheckpointError": "models.families",
+    "CheckpointError": "errors",
     "cached_checkpoint": "models.checkpoints",
     "load_pretrained": "models.checkpoints",
     "model_inputs": "models.strategies",
     "tiny_configs": "models.strategies",
     "ModelBuilder": "models.builder",
     "ModelRequest": "models.builder",
-    "PatchNotAppliedError": "models.builder",
+    "PatchNotAppliedError": "errors",
     "patch_usage": "compare.usage",
     "without_patches": "isolation.guard",
     "CheckRecord": "reporting.records",
@@ -50,6 +50,8 @@ _EXPORTS: dict[str, str] = {
     "PatchUsageError": "errors",
     "PatchLeakError": "errors",
     "ModelPatchWarning": "errors",
+    "ReportFileError": "errors",
+    "ScanIndexError": "errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

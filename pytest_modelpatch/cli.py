@@ -12,6 +12,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from pytest_modelpatch.errors import ReportFileError
+
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
 
@@ -123,10 +125,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except ValueError as error:
+    except (ValueError, ReportFileError) as error:
         print(f"modelpatch: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as error:
+        # PatchUsageError is a pytest.UsageError: look it up only when something else went wrong,
+        # so that a clean run imports no pytest.
         from pytest_modelpatch.errors import PatchUsageError
 
         if isinstance(error, PatchUsageError):

@@ -1,4 +1,4 @@
-"""Exceptions and warnings raised by pytest-modelpatch.
+"""Every exception and warning pytest-modelpatch raises, in one place.
 
 Kept free of torch/transformers imports: pytest resolves the warning class from
 ``filterwarnings`` ini lines before any test runs. ``PatchUsageError`` is a
@@ -36,7 +36,26 @@ def __getattr__(name: str) -> type:
 
 
 class PatchLeakError(ModelPatchError):
-    """A test changed transformers' global patch state and did not restore it."""
+    """A test changed transformers' global patch state and did not restore it (``modelpatch_leaks = error``)."""
+
+
+class PatchNotAppliedError(ModelPatchError):
+    """A registered patch key replaced nothing in the model under test."""
+
+
+class CheckpointError(ModelPatchError):
+    """A checkpoint directory is missing, incomplete or unreadable."""
+
+
+class ScanIndexError(ModelPatchError):
+    """The lint's scan index could not be built or read."""
+
+
+class ReportFileError(ModelPatchError):
+    """A JSON report or baseline file is missing or not a modelpatch report.
+
+    Not a ``pytest.UsageError``: ``modelpatch gate`` raises it without importing pytest.
+    """
 
 
 class ModelPatchWarning(UserWarning):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_modelpatch.models import devices
-from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.errors import PatchLeakError, PatchUsageError
 from pytest_modelpatch.isolation.leaks import LeakGuard, parse_leak_mode
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 
@@ -114,9 +114,9 @@ def pytest_configure(config: pytest.Config) -> None:
         devices.requested_device(config.getoption("modelpatch_device"))
     except PatchUsageError as exc:
         raise pytest.UsageError(str(exc)) from None
-    from pytest_modelpatch import report  # torch-free: reads options, registers the xdist seed hook
+    from pytest_modelpatch.reporting import session  # torch-free: reads options, registers the report hooks
 
-    report.configure(config)
+    session.configure(config)
 
 
 # ---------------------------------------------------------------------------
@@ -186,6 +186,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
+    if call.excinfo is not None and call.excinfo.errisinstance(PatchLeakError):
+        report.longrepr = f"PatchLeakError: {call.excinfo.value}"  # the message says it all; no plugin traceback
     reason = item.stash.get(_GPU_SKIP, None)
     if reason is not None and report.skipped and isinstance(report.longrepr, tuple):
         # point the skip at the test, as pytest does for its own skip marks
@@ -257,7 +259,7 @@ def _finish_guard(guard: LeakGuard | None, nodeid: str) -> None:
         return
     message = guard.finish(nodeid)
     if message is not None:
-        pytest.fail(message, pytrace=False)
+        raise PatchLeakError(message)
 
 
 def _model_request(item: pytest.Item) -> ModelRequest | None:
@@ -392,7 +394,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    from pytest_modelpatch.reporting.report import attaching_checks
+    from pytest_modelpatch.reporting.session import attaching_checks
 
     with attaching_checks(item):
         return (yield)

@@ -9,11 +9,8 @@ import torch
 from conftest import Pair
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from pytest_modelpatch.compare.equivalence import (
-    assert_equivalent,
-    compare_outputs,
-    flatten_outputs,
-)
+from pytest_modelpatch.compare.equivalence import assert_equivalent
+from pytest_modelpatch.compare.outputs import compare_outputs, flatten_outputs
 from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.compare.tolerance import (
     DtypeTolerance,

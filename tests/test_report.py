@@ -9,12 +9,8 @@ from typing import Any
 import pytest
 
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
-from pytest_modelpatch.reporting.report import (
-    attaching_checks,
-    row_from_record,
-    sort_rows,
-    summary_lines,
-)
+from pytest_modelpatch.reporting.report import row_from_record, sort_rows, summary_lines
+from pytest_modelpatch.reporting.session import attaching_checks
 
 SUITE_EQUIVALENCE = """
 import pytest

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.equivalence import (
+from pytest_modelpatch.compare.outputs import (
     TensorComparison,
     compare_flat,
     default_inputs,

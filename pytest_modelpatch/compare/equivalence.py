@@ -7,266 +7,25 @@ naming each differing output and the first module whose output diverges.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare.divergence import Divergence, first_divergence
+from pytest_modelpatch.compare.outputs import (
+    TensorComparison,
+    compare_outputs,
+    default_inputs,
+    describe_inputs,
+    describe_tolerances,
+    evaluating,
+    forward,
+)
+from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
-from pytest_modelpatch.compare.tolerance import Tolerance, TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
-
-if TYPE_CHECKING:
-    from pytest_modelpatch.compare.divergence import Divergence
-
-_MISSING: Any = object()
-
-
-# ---------------------------------------------------------------------------
-# Walking outputs
-# ---------------------------------------------------------------------------
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _is_cache(value: Any) -> bool:
-    return isinstance(getattr(value, "layers", None), list) and type(value).__name__.endswith("Cache")
-
-
-def flatten_outputs(value: Any, path: str = "", *, caches: bool = True) -> Iterator[tuple[str, Any]]:
-    """Yield ``(path, leaf)`` for every tensor, ``None`` and scalar in an output, in order.
-
-    Example::
-
-        dict(flatten_outputs(model(**inputs)))["logits"]  # also "past_key_values.layers[0].keys"
-    """
-    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str)):
-        yield path, value
-    elif dataclasses.is_dataclass(value) and isinstance(value, Mapping):
-        # ModelOutput: fields() keeps the None ones, which keys() drops.
-        for f in dataclasses.fields(value):
-            yield from flatten_outputs(getattr(value, f.name), _join(path, f.name), caches=caches)
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            sub = _join(path, key) if isinstance(key, str) and key.isidentifier() else f"{path}[{key!r}]"
-            yield from flatten_outputs(item, sub, caches=caches)
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from flatten_outputs(item, f"{path}[{index}]", caches=caches)
-    elif _is_cache(value):
-        if caches:
-            for index, layer in enumerate(value.layers):
-                for name, item in vars(layer).items():
-                    if not name.startswith("_") and isinstance(item, (torch.Tensor, Mapping, list, tuple)):
-                        yield from flatten_outputs(item, f"{path}.layers[{index}].{name}")
-    else:
-        yield path, _Opaque(type(value).__qualname__)
-
-
-@dataclass(frozen=True)
-class _Opaque:
-    """A leaf we do not look inside; compared by type only."""
-
-    type_name: str
-
-
-# ---------------------------------------------------------------------------
-# Comparing
-# ---------------------------------------------------------------------------
-
-
-def _describe_leaf(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"tensor {tuple(value.shape)} {dtype_label(value.dtype)}"
-    if value is _MISSING:
-        return "absent"
-    if isinstance(value, _Opaque):
-        return value.type_name
-    return repr(value)
-
-
-@dataclass
-class TensorComparison:
-    """One output leaf compared: either a structural problem or error statistics against the tolerance."""
-
-    path: str
-    shape: tuple[int, ...] = ()
-    dtype: str = ""
-    problem: str | None = None
-    max_abs: float = 0.0
-    max_rel: float = 0.0
-    over: int = 0
-    total: int = 0
-    worst_index: tuple[int, ...] = ()
-    worst_reference: float | None = None
-    worst_patched: float | None = None
-    bound_at_worst: float = 0.0
-    tolerance: Tolerance | None = None
-
-    @property
-    def passed(self) -> bool:
-        return self.problem is None and self.over == 0
-
-    def __str__(self) -> str:
-        name = self.path or "<output>"
-        if self.problem is not None:
-            return f"{name}: {self.problem}"
-        head = f"{name}: shape {self.shape} {self.dtype}"
-        if self.passed:
-            return f"{head}: ok (max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g})"
-        index = ", ".join(map(str, self.worst_index))
-        return (
-            f"{head}: {self.over}/{self.total} elements over tolerance; max abs {self.max_abs:.4g}, "
-            f"max rel {self.max_rel:.4g}; worst at [{index}]: reference {self.worst_reference:.6g}, "
-            f"patched {self.worst_patched:.6g} (allowed {self.bound_at_worst:.3g})"
-        )
-
-
-def describe_tolerances(comparisons: list[TensorComparison]) -> list[str]:
-    """One ``tolerance: ...`` line per distinct tolerance the comparisons were judged by."""
-    seen = dict.fromkeys(str(c.tolerance) for c in comparisons if c.tolerance is not None)
-    return [f"tolerance: {text}" for text in seen]
-
-
-def compare_tensors(path: str, reference: torch.Tensor, patched: torch.Tensor, spec: ToleranceSpec) -> TensorComparison:
-    """Compare two tensors elementwise under ``spec`` at the reference's dtype."""
-    shape, dtype = tuple(reference.shape), dtype_label(reference.dtype)
-    if tuple(patched.shape) != shape or patched.dtype != reference.dtype:
-        return TensorComparison(
-            path, shape, dtype, problem=f"reference is {_describe_leaf(reference)}, patched is {_describe_leaf(patched)}"
-        )
-    tolerance = spec.for_dtype(reference.dtype)
-    total = reference.numel()
-    if total == 0 or torch.equal(reference, patched):
-        return TensorComparison(path, shape, dtype, total=total, tolerance=tolerance)
-    wide = torch.complex128 if reference.is_complex() else torch.float64
-    ref, pat = reference.detach().to(wide), patched.detach().to(wide)
-    diff = (pat - ref).abs()
-    # Equal values (infinities included) and NaN in both count as agreeing; NaN in one does not.
-    diff = torch.where((ref == pat) | (ref.isnan() & pat.isnan()), 0.0, diff.nan_to_num(nan=torch.inf))
-    magnitude = ref.abs()
-    finite = magnitude[magnitude.isfinite()]
-    amax = float(finite.max()) if finite.numel() else 0.0
-    bound = tolerance.abs_term(amax) + tolerance.rtol * magnitude.nan_to_num(nan=0.0, posinf=0.0)
-    over_mask = diff > bound
-    over = int(over_mask.sum())
-    rel = torch.where(diff == 0, 0.0, diff / magnitude)
-    flat = int(torch.argmax(diff - bound)) if over else int(torch.argmax(diff))
-    worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), reference.shape))
-    return TensorComparison(
-        path, shape, dtype,
-        max_abs=float(diff.max()), max_rel=float(rel.nan_to_num(nan=torch.inf).max()),
-        over=over, total=total, worst_index=worst,
-        worst_reference=complex(ref[worst]).real if ref.is_complex() else float(ref[worst]),
-        worst_patched=complex(pat[worst]).real if pat.is_complex() else float(pat[worst]),
-        bound_at_worst=float(bound[worst]), tolerance=tolerance,
-    )  # fmt: skip
-
-
-def compare_leaves(path: str, reference: Any, patched: Any, spec: ToleranceSpec) -> TensorComparison | None:
-    """Compare two leaves from :func:`flatten_outputs`; ``None`` when there is nothing to compare."""
-    if isinstance(reference, torch.Tensor) and isinstance(patched, torch.Tensor):
-        return compare_tensors(path, reference, patched, spec)
-    if reference is None and patched is None:
-        return None
-    same = (
-        not isinstance(reference, torch.Tensor)
-        and not isinstance(patched, torch.Tensor)
-        and reference is not _MISSING
-        and patched is not _MISSING
-        and reference == patched
-    )
-    if same:
-        return None
-    return TensorComparison(path, problem=f"reference is {_describe_leaf(reference)}, patched is {_describe_leaf(patched)}")
-
-
-def compare_flat(
-    reference: Mapping[str, Any], patched: Mapping[str, Any], spec: ToleranceSpec, *, common_only: bool = False
-) -> list[TensorComparison]:
-    """Compare two ``path -> leaf`` dicts; a path on one side only is a problem unless ``common_only``."""
-    paths = [*reference, *(p for p in patched if p not in reference)]
-    if common_only:
-        paths = [p for p in paths if p in reference and p in patched]
-    results, covered = [], set()
-    for path in paths:
-        if path in covered:
-            continue
-        ref, pat = reference.get(path, _MISSING), patched.get(path, _MISSING)
-        if ref is None and pat is _MISSING or pat is None and ref is _MISSING:
-            # None on one side, a tuple or dict of tensors on the other: one problem, not one per tensor.
-            other = patched if ref is None else reference
-            inside = [p for p in other if p.startswith((f"{path}[", f"{path}."))]
-            if inside:
-                covered.update(inside)
-                text = _describe_leaf(other[inside[0]]) if len(inside) == 1 else f"{len(inside)} tensors"
-                side = f"reference is None, patched is {text}" if ref is None else f"reference is {text}, patched is None"
-                results.append(TensorComparison(path, problem=f"{side} (at {inside[0]})"))
-                continue
-        result = compare_leaves(path, ref, pat, spec)
-        if result is not None:
-            results.append(result)
-    return results
-
-
-def compare_outputs(reference: Any, patched: Any, spec: ToleranceSpec) -> list[TensorComparison]:
-    """Compare two (nested) outputs leaf by leaf; structure differences are reported as problems."""
-    return compare_flat(dict(flatten_outputs(reference)), dict(flatten_outputs(patched)), spec)
-
-
-# ---------------------------------------------------------------------------
-# Running models
-# ---------------------------------------------------------------------------
-
-
-@contextmanager
-def evaluating(*models: torch.nn.Module) -> Iterator[None]:
-    """Eval mode and no_grad for a block; every module's training flag is restored after."""
-    flags = [(module, module.training) for model in models for module in model.modules()]
-    try:
-        for model in models:
-            model.eval()
-        with torch.no_grad():
-            yield
-    finally:
-        for module, training in flags:
-            module.training = training
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    first = next(model.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
-
-
-def move_inputs(inputs: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    """Inputs with every tensor on ``device`` (others untouched)."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-
-
-def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
-    """Example inputs drawn from the model's config, on its device."""
-    from pytest_modelpatch.models.families import example_inputs
-
-    return example_inputs(model.config, device=str(model_device(model)), model_class=type(model))
-
-
-def describe_inputs(inputs: Mapping[str, Any], limit: int = 64) -> str:
-    """``input_ids=[[5, 1, 9]], attention_mask=...``: values when small, shape and dtype when not."""
-    parts = []
-    for path, leaf in flatten_outputs(dict(inputs), caches=False):
-        small = isinstance(leaf, torch.Tensor) and leaf.numel() <= limit
-        parts.append(f"{path}={leaf.tolist() if small else _describe_leaf(leaf)}")
-    return ", ".join(parts)
-
-
-def forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Any:
-    return model(**move_inputs(inputs, model_device(model)))
-
 
 # ---------------------------------------------------------------------------
 # The check
@@ -362,8 +121,6 @@ def compare_models(
         device=str(param.device) if param is not None else "", dtype=dtype_label(param.dtype) if param is not None else "",
     )  # fmt: skip
     if locate and not report.passed:
-        from pytest_modelpatch.compare.divergence import first_divergence  # divergence builds on this module
-
         report.divergence = first_divergence(reference, patched, inputs, spec)
     report.duration_s = time.perf_counter() - start
     return report

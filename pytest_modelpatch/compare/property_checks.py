@@ -19,16 +19,10 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from pytest_modelpatch.compare.equivalence import (
-    EquivalenceReport,
-    compare_models,
-    compare_outputs,
-    describe_inputs,
-    evaluating,
-    forward,
-)
-from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_models
+from pytest_modelpatch.compare.outputs import compare_outputs, describe_inputs, evaluating, forward
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
+from pytest_modelpatch.errors import PatchUsageError
 
 DEFAULT_MAX_EXAMPLES = 25
 _defaults: dict[str, int | None] = {"seed": None, "max_examples": None}

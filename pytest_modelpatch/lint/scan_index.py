@@ -26,14 +26,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pytest_modelpatch.errors import ModelPatchError
+from pytest_modelpatch.errors import ScanIndexError
 
 INDEX_FORMAT = 3  # bump whenever the builder changes what it records
 CORE = ""  # the family of modules outside transformers.models.*
-
-
-class ScanIndexError(ModelPatchError):
-    """The scan index could not be built or read."""
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,9 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 from pytest_modelpatch.models.devices import to_torch_dtype
-from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.errors import CheckpointError, PatchUsageError
 from pytest_modelpatch.models.families import (
     CONFIG_MAPPING_NAMES,
-    CheckpointError,
     model_class_for,
     tiny_config,
     unknown_model_type_message,

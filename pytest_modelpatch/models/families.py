@@ -23,12 +23,8 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto import modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
-from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
+from pytest_modelpatch.errors import CheckpointError, ModelPatchError, PatchUsageError
 from pytest_modelpatch.models.tiny_configs import shrink_config_dict, special_token_ids
-
-
-class CheckpointError(ModelPatchError):
-    """A checkpoint directory is missing, incomplete or unreadable."""
 
 
 def available_model_types() -> list[str]:

@@ -14,13 +14,9 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import pytest
-
-from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.reporting.report import load_report, worst_first, write_report
+from pytest_modelpatch.reporting.report import worst_first
 
 DEFAULT_FACTOR = 2.0
 DEFAULT_FLOOR = 1e-6
@@ -137,61 +133,3 @@ def evaluate(
     if added:
         verdict.notes.append(f"{len(added)} checks not in the baseline (e.g. {check_name(current[added[0]])})")
     return verdict
-
-
-# ---------------------------------------------------------------------------
-# pytest wiring: ini values and the session verdict
-# ---------------------------------------------------------------------------
-
-
-def _ini_float(config: pytest.Config, name: str, default: float | None) -> float | None:
-    text = str(config.getini(name) or "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise PatchUsageError(f"ini {name} = {text!r}: expected a non-negative number, e.g. {name} = 1e-4")
-    return value
-
-
-def thresholds_from_ini(config: pytest.Config) -> Thresholds:
-    """``modelpatch_max_abs_error``, ``modelpatch_max_rel_error``, ``modelpatch_baseline_factor/_floor``."""
-    return Thresholds(
-        max_abs_error=_ini_float(config, "modelpatch_max_abs_error", None),
-        max_rel_error=_ini_float(config, "modelpatch_max_rel_error", None),
-        factor=_ini_float(config, "modelpatch_baseline_factor", DEFAULT_FACTOR) or DEFAULT_FACTOR,
-        floor=_ini_float(config, "modelpatch_baseline_floor", DEFAULT_FLOOR) or 0.0,
-    )
-
-
-def validate_options(config: pytest.Config) -> None:
-    """Fail at startup, not after the run, on a bad ini value or option combination."""
-    thresholds_from_ini(config)
-    if config.getoption("modelpatch_update_baseline") and not config.getoption("modelpatch_baseline"):
-        raise PatchUsageError("--modelpatch-update-baseline needs --modelpatch-baseline PATH: the file to rewrite")
-
-
-def gate_requested(config: pytest.Config) -> bool:
-    return bool(
-        config.getoption("modelpatch_baseline")
-        or config.getini("modelpatch_max_abs_error")
-        or config.getini("modelpatch_max_rel_error")
-    )
-
-
-def session_verdict(config: pytest.Config, rows: list[dict[str, Any]], header: dict[str, Any] | None) -> GateVerdict | None:
-    """The gate for this session (``None`` when no threshold or baseline is set); rewrites the baseline if asked."""
-
-    path = config.getoption("modelpatch_baseline")
-    if config.getoption("modelpatch_update_baseline"):
-        write_report(Path(path), header or {}, rows)
-        verdict = evaluate(rows, thresholds_from_ini(config))
-        verdict.notes.append(f"baseline {path} rewritten with {len(rows)} checks")
-        return verdict
-    if not gate_requested(config):
-        return None
-    baseline = load_report(Path(path))["rows"] if path else None
-    return evaluate(rows, thresholds_from_ini(config), baseline, str(path or ""))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pytest_modelpatch.models.families import CheckpointError
+from pytest_modelpatch.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

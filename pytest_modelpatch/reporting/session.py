@@ -1,0 +1,240 @@
+"""The pytest side of reporting: rows on test reports, merged on the controller, the report, the gate.
+
+During a test a record sink stamps every :class:`~pytest_modelpatch.reporting.records.CheckRecord`
+with the test's node id and appends it to ``item.user_properties``; those travel on the
+test report from xdist workers to the controller (and into JUnit XML as properties).
+The controller's :class:`ReportSession` collects them, writes ``--modelpatch-report``,
+prints the terminal table and runs the gate (:mod:`pytest_modelpatch.reporting.gate`).
+``plugin.py`` registers these hooks; nothing here imports torch or transformers unless
+a report file is written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_modelpatch.errors import PatchUsageError, ReportFileError
+from pytest_modelpatch.reporting.gate import DEFAULT_FACTOR, DEFAULT_FLOOR, GateVerdict, Thresholds, evaluate
+from pytest_modelpatch.reporting.records import CheckRecord, set_record_sink
+from pytest_modelpatch.reporting.report import REPORT_FORMAT, load_report, row_from_record, summary_lines, write_report
+
+ROW_PROPERTY = "modelpatch_check"
+# key figures as their own JUnit properties, so CI UIs show them without parsing the row
+FIGURE_PROPERTIES = ("max_abs_error", "max_rel_error", "outcome")
+
+
+# ---------------------------------------------------------------------------
+# worker side: one sink per test
+# ---------------------------------------------------------------------------
+
+
+@contextmanager
+def attaching_checks(item: pytest.Item) -> Iterator[None]:
+    """Attach every check recorded while this test runs (setup to teardown) to its ``user_properties``."""
+    counts: dict[str, int] = {}
+
+    def sink(record: CheckRecord) -> None:
+        counts[record.kind] = counts.get(record.kind, 0) + 1
+        row = row_from_record(record, item.nodeid, counts[record.kind])
+        item.user_properties.append((ROW_PROPERTY, row))
+        item.user_properties += [(f"modelpatch_{k}", row[k]) for k in FIGURE_PROPERTIES if row[k] is not None]
+
+    previous = set_record_sink(sink)
+    try:
+        yield
+    finally:
+        set_record_sink(previous)
+
+
+# ---------------------------------------------------------------------------
+# seed: chosen on the controller, sent to workers in workerinput
+# ---------------------------------------------------------------------------
+
+
+def is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def session_seed(config: pytest.Config) -> int:
+    """``--modelpatch-seed``, else ini ``modelpatch_seed``, else 0; on an xdist worker, the controller's."""
+    if is_worker(config):
+        return int(config.workerinput.get("modelpatch_seed", 0))  # type: ignore[attr-defined]
+    value = config.getoption("modelpatch_seed")
+    if value is not None:
+        return int(value)
+    text = str(config.getini("modelpatch_seed") or "0").strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise PatchUsageError(f"ini modelpatch_seed = {text!r} is not an integer; use e.g. modelpatch_seed = 1234") from None
+
+
+class XdistSeed:
+    """xdist-only hooks (registered only when xdist is loaded): hand the seed to every worker."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def pytest_configure_node(self, node: Any) -> None:
+        node.workerinput["modelpatch_seed"] = self.seed
+
+
+def configure(config: pytest.Config) -> None:
+    """Set the session seed in this process; on the controller, register the report and xdist hooks."""
+    seed = session_seed(config)
+    validate_options(config)
+    if seed:
+        # properties imports torch and hypothesis: pay for it only when the seed is not the default 0
+        from pytest_modelpatch.compare.property_checks import set_default_seed
+
+        set_default_seed(seed)
+    if is_worker(config):
+        return
+    config.pluginmanager.register(ReportSession(config, seed), "modelpatch-report")
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(XdistSeed(seed), "modelpatch-xdist-seed")
+
+
+# ---------------------------------------------------------------------------
+# controller side
+# ---------------------------------------------------------------------------
+
+
+def report_header(config: pytest.Config, seed: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Everything needed to reproduce the run: versions, devices, seed, command line, time."""
+    versions = {}
+    for dist in ("torch", "transformers", "hypothesis", "pytest", "pytest-xdist", "pytest-modelpatch", "safetensors"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {
+        "format": REPORT_FORMAT,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": versions,
+        "devices": sorted({str(r["device"]) for r in rows if r.get("device")}),
+        "accelerators": _accelerator_names(),
+        "seed": seed,
+        "command_line": ["pytest", *config.invocation_params.args],
+        "workers": int(getattr(config.option, "numprocesses", 0) or 0),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _accelerator_names() -> list[str]:
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def _ini_float(config: pytest.Config, name: str, default: float | None) -> float | None:
+    text = str(config.getini(name) or "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise PatchUsageError(f"ini {name} = {text!r}: expected a non-negative number, e.g. {name} = 1e-4")
+    return value
+
+
+def thresholds_from_ini(config: pytest.Config) -> Thresholds:
+    """``modelpatch_max_abs_error``, ``modelpatch_max_rel_error``, ``modelpatch_baseline_factor/_floor``."""
+    return Thresholds(
+        max_abs_error=_ini_float(config, "modelpatch_max_abs_error", None),
+        max_rel_error=_ini_float(config, "modelpatch_max_rel_error", None),
+        factor=_ini_float(config, "modelpatch_baseline_factor", DEFAULT_FACTOR) or DEFAULT_FACTOR,
+        floor=_ini_float(config, "modelpatch_baseline_floor", DEFAULT_FLOOR) or 0.0,
+    )
+
+
+def validate_options(config: pytest.Config) -> None:
+    """Fail at startup, not after the run, on a bad ini value or option combination."""
+    thresholds_from_ini(config)
+    if config.getoption("modelpatch_update_baseline") and not config.getoption("modelpatch_baseline"):
+        raise PatchUsageError("--modelpatch-update-baseline needs --modelpatch-baseline PATH: the file to rewrite")
+
+
+def gate_requested(config: pytest.Config) -> bool:
+    return bool(
+        config.getoption("modelpatch_baseline")
+        or config.getini("modelpatch_max_abs_error")
+        or config.getini("modelpatch_max_rel_error")
+    )
+
+
+def session_verdict(config: pytest.Config, rows: list[dict[str, Any]], header: dict[str, Any] | None) -> GateVerdict | None:
+    """The gate for this session (``None`` when no threshold or baseline is set); rewrites the baseline if asked."""
+
+    path = config.getoption("modelpatch_baseline")
+    if config.getoption("modelpatch_update_baseline"):
+        write_report(Path(path), header or {}, rows)
+        verdict = evaluate(rows, thresholds_from_ini(config))
+        verdict.notes.append(f"baseline {path} rewritten with {len(rows)} checks")
+        return verdict
+    if not gate_requested(config):
+        return None
+    try:
+        baseline = load_report(Path(path))["rows"] if path else None
+    except ReportFileError as exc:
+        raise PatchUsageError(str(exc)) from None
+    return evaluate(rows, thresholds_from_ini(config), baseline, str(path or ""))
+
+
+class ReportSession:
+    """Controller-side hooks: collect rows from test reports, write the report, print the table, gate."""
+
+    def __init__(self, config: pytest.Config, seed: int) -> None:
+        self.config = config
+        self.seed = seed
+        self.rows: list[dict[str, Any]] = []
+        self.verdict: Any = None
+
+    def pytest_report_header(self, config: pytest.Config) -> str:
+        return f"modelpatch: seed {self.seed} (--modelpatch-seed)"
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        # the teardown report carries every property the test gathered (setup, call, teardown)
+        if report.when == "teardown":
+            self.rows += [value for name, value in report.user_properties if name == ROW_PROPERTY]
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        config = self.config
+        header = None
+        if config.getoption("modelpatch_report") or config.getoption("modelpatch_update_baseline"):
+            header = report_header(config, self.seed, self.rows)
+        if config.getoption("modelpatch_report"):
+            write_report(Path(config.getoption("modelpatch_report")), header or {}, self.rows)
+        self.verdict = session_verdict(config, self.rows, header)
+        if self.verdict is not None and not self.verdict.passed and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        html = config.getoption("modelpatch_html")
+        if html:
+            from pytest_modelpatch.reporting.profile_html import write_profile_html
+
+            write_profile_html(Path(html), self.rows)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.rows:
+            terminalreporter.write_sep("-", f"modelpatch: {len(self.rows)} check{'s' * (len(self.rows) != 1)}, worst first")
+            for line in summary_lines(self.rows):
+                terminalreporter.write_line(line)
+        if self.verdict is not None:
+            terminalreporter.write_sep("-", "modelpatch gate")
+            for line in str(self.verdict).splitlines():
+                terminalreporter.write_line(line, red=not self.verdict.passed, green=self.verdict.passed)
