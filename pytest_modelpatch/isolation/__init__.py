@@ -1,0 +1,8 @@
+"""Patch isolation: what transformers' global patch state is, how a test changes it, and how it is put back.
+
+Owns the snapshot and restore of every registry (patch mappings, conversions, fusion
+config, output recorders), the interception of transformers' entry points, the leak
+guard, parsing ``@pytest.mark.patch`` into a :class:`~.patch_spec.PatchSpec`, registering
+it for one test, and method patches. Imports only ``errors`` and ``lint`` (the
+registration-time lint): never models, compare, roundtrip or reporting.
+"""
