@@ -11,7 +11,7 @@ from transformers.core_model_loading import Chunk, Concatenate, ConversionOps, W
 
 from fixtures.patches import llama_fused_qkv, qwen2_moe
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.roundtrip.reversibility import assert_reversible, check_reversible
+from pytest_modelpatch.isolation.reversibility import assert_reversible, check_reversible
 
 
 class ScaleByTwo(ConversionOps):

@@ -18,7 +18,7 @@ from fixtures.patches import (
 )
 from pytest_modelpatch.models.builder import ModelRequest
 from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.usage import patch_usage
+from pytest_modelpatch.models.usage import patch_usage
 
 
 def _verify(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]

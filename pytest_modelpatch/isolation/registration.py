@@ -112,7 +112,7 @@ def register_patches(
     if lint is not None and checked:
         lint(checked)
     if checked_conversions:
-        from pytest_modelpatch.roundtrip.reversibility import assert_reversible
+        from pytest_modelpatch.isolation.reversibility import assert_reversible
 
         assert_reversible(checked_conversions)
     from transformers import monkey_patching

@@ -21,7 +21,7 @@ import torch
 from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained, resolve_model_spec
 from pytest_modelpatch.models.devices import dtype_name
 from pytest_modelpatch.errors import PatchNotAppliedError, PatchUsageError
-from pytest_modelpatch.compare.usage import track_patch_usage
+from pytest_modelpatch.models.usage import track_patch_usage
 from pytest_modelpatch.isolation.guard import without_patches
 
 
