@@ -5,7 +5,7 @@ on disk as JSON, so a lint loads it in milliseconds. Building imports nothing: i
 transformers' and torch's sources as text (:mod:`pytest_modelpatch.lint.index_builder`).
 Containment comes from the names
 each module class's ``__init__`` (and what it calls) looks up in its module, the very
-lookups ``apply_patches`` redirects; ``tests/test_patterns.py`` checks the result
+lookups ``apply_patches`` redirects; ``tests/lint/test_patterns.py`` checks the result
 against module trees built on the meta device.
 
 Cache location: ``$MODELPATCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/pytest-modelpatch``,

@@ -269,7 +269,7 @@ def test_failure_in_a_pytest_run_shows_the_report(pytester: pytest.Pytester, lla
     pytester.makepyfile(
         f"""
         from fixtures.patches import llama_fused_qkv, qwen2_moe
-        from tests.test_roundtrip import ConcatenateInBF16, fused_qkv_with
+        from tests.roundtrip.test_roundtrip import ConcatenateInBF16, fused_qkv_with
         from pytest_modelpatch.roundtrip.check import check_roundtrip
 
         def test_lossy(patch_registry, tmp_path):

@@ -1,6 +1,6 @@
 """The scan index is read from source: how names resolve without importing anything.
 
-``tests/test_patterns.py`` checks the index built from the installed transformers against
+``tests/lint/test_patterns.py`` checks the index built from the installed transformers against
 the imported library; these tests pin each resolution rule on small source trees, where
 a wrong rule shows as one wrong name.
 """

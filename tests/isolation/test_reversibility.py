@@ -94,7 +94,7 @@ def test_one_way_conversion_in_a_pytest_run_is_a_usage_error_naming_the_op(pytes
     pytester.makepyfile(
         """
         from fixtures.patches import llama_fused_qkv
-        from tests.test_reversibility import ScaleByTwo, fuse
+        from tests.isolation.test_reversibility import ScaleByTwo, fuse
 
         def test_register(patch_registry):
             patch_registry.register(llama_fused_qkv.MAPPING, conversions={"llama": [fuse(ScaleByTwo())]}, overwrite=True)
