@@ -51,6 +51,8 @@ _EXPORTS: dict[str, str] = {
     "PatchLeakError": "errors",
     "ModelPatchWarning": "errors",
     "ReportFileError": "errors",
+    "ReferenceNotPristineError": "errors",
+    "pristine": "isolation.pristine",
     "ScanIndexError": "errors",
 }
 

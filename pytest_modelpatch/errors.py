@@ -43,6 +43,10 @@ class PatchNotAppliedError(ModelPatchError):
     """A registered patch key replaced nothing in the model under test."""
 
 
+class ReferenceNotPristineError(ModelPatchError):
+    """The reference model would run patched code (a class, method or capture hook leaked into it)."""
+
+
 class CheckpointError(ModelPatchError):
     """A checkpoint directory is missing, incomplete or unreadable."""
 

@@ -17,6 +17,7 @@ from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.patch_spec import PatchSpec
 from pytest_modelpatch.isolation.method_patches import apply_method_patches
 from pytest_modelpatch.isolation.guard import PatchStateGuard
+from pytest_modelpatch.isolation.pristine import close_scope, open_scope
 
 
 def _describe(value: Any) -> str:
@@ -210,21 +211,33 @@ class ActivePatches:
     def __init__(self, spec: PatchSpec, lint: Callable[[dict[str, type]], None] | None = None) -> None:
         self._guard = PatchStateGuard()
         self._stack = ExitStack()
+        # method and context patches rebind what the reference shares: record them so that it can run without
+        self.scope = open_scope() if spec.methods or spec.contexts else None
         try:
             register_patches(spec.mapping, conversions=spec.conversions, overwrite=spec.overwrite, lint=lint)
             apply_method_patches(spec.methods, self._guard.snapshot)
             for factory, kwargs in spec.contexts:
                 self._stack.enter_context(_as_context(factory, kwargs))
+            if self.scope is not None:
+                self.scope.settle()
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
-        """Exit context patches, then restore every global the marks touched."""
+        """Exit context patches, then restore every global the marks touched, and what contexts left behind."""
         try:
             self._stack.close()
         finally:
-            self._guard.restore()
+            try:
+                if self.scope is not None:
+                    close_scope(self.scope)
+                    # many kernel libraries have no undo: put back what their context left rebound
+                    self.scope.settle()
+                    for change in self.scope.delta.changes:
+                        change.apply(change.before)
+            finally:
+                self._guard.restore()
 
 
 def _as_context(factory: Callable[..., Any], kwargs: dict[str, Any]) -> AbstractContextManager[Any]:

@@ -22,7 +22,8 @@ from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrai
 from pytest_modelpatch.models.devices import dtype_name
 from pytest_modelpatch.errors import PatchNotAppliedError, PatchUsageError
 from pytest_modelpatch.models.usage import track_patch_usage
-from pytest_modelpatch.isolation.guard import without_patches
+from pytest_modelpatch.isolation.pristine import current_scope, pristine
+from pytest_modelpatch.models.reference import prepare_reference, reference_problems
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,20 @@ class ModelBuilder:
         return cached_checkpoint(spec.config, dtype=dtype_name(dtype), seed=request.seed, cache_dir=self.cache_dir)
 
     def reference(self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu") -> torch.nn.Module:
-        """The unpatched model, built once per (checkpoint, dtype, device) and shared: do not modify it."""
+        """The unpatched model, built once per (checkpoint, dtype, device) and shared: do not modify it.
+
+        Built and called outside the test's patches (see ``models/reference.py``); a cached one
+        that is no longer pristine is rebuilt.
+        """
         path = self.checkpoint(request, dtype=dtype)
         key = (str(path), dtype_name(dtype), str(device))
-        if key not in self._references:
-            with without_patches():
-                self._references[key] = load_pretrained(path, dtype=dtype, device=device)
-        return self._references[key]
+        cached = self._references.get(key)
+        if cached is not None and not reference_problems(cached):
+            return cached
+        with pristine():
+            model = prepare_reference(load_pretrained(path, dtype=dtype, device=device))
+        self._references[key] = model
+        return model
 
     def patched(self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu") -> torch.nn.Module:
         """The model loaded with whatever patches and conversions are registered now."""
@@ -92,6 +100,9 @@ class ModelBuilder:
         keys = list(monkey_patching.get_patch_mapping())
         extra = {"fusion_config": dict(request.fusion_config)} if request.fusion_config else {}
         model = load_pretrained(path, dtype=dtype, device=device, **extra)
+        scope = current_scope()
+        if scope is not None:
+            scope.settle()  # a loader wrapper may have patched while loading
         if keys:
             check_keys_applied(keys, self.reference(request, dtype=dtype, device=device), model)
         track_patch_usage(model, set(monkey_patching.get_patch_mapping().values()))

@@ -233,6 +233,29 @@ def checkpoint_model_class(path: Path | str) -> type[PreTrainedModel]:
     return model_class_for(config)
 
 
+def auto_class_for(cls: type[PreTrainedModel]) -> Any:
+    """The Auto class users load ``cls`` through (``AutoModelForCausalLM`` for ``LlamaForCausalLM``), else ``None``.
+
+    Loading through it means a loader wrapper placed on the Auto class, as quantization
+    libraries place theirs, applies to the patched model as it would for a user.
+    """
+    from transformers.models.auto import modeling_auto
+
+    config_class = getattr(cls, "config_class", None)
+    candidates = [
+        value for name, value in vars(modeling_auto).items()
+        if name.startswith("AutoModel") and isinstance(value, type) and getattr(value, "_model_mapping", None) is not None
+    ]  # fmt: skip
+    # the most general Auto class first that maps this config to exactly this class
+    for auto in sorted(candidates, key=lambda a: (a.__name__ != "AutoModel", a.__name__)):
+        try:
+            if auto._model_mapping[config_class] is cls:
+                return auto
+        except (KeyError, TypeError, ValueError):
+            continue
+    return None
+
+
 def load_pretrained(
     path: Path | str,
     *,
@@ -241,16 +264,18 @@ def load_pretrained(
     model_class: type[PreTrainedModel] | None = None,
     **from_pretrained_kwargs: Any,
 ) -> PreTrainedModel:
-    """``from_pretrained`` of a local checkpoint, in eval mode, on ``device``.
+    """``from_pretrained`` of a local checkpoint through its Auto class, in eval mode, on ``device``.
 
-    Registered patches and conversions apply, as they would for a user.
+    Registered patches and conversions apply, as they would for a user; so does a wrapper a
+    library put on the Auto class or on the concrete class.
     Example: ``load_pretrained(path, dtype="bf16", device="cuda")``.
     """
     files = check_checkpoint_dir(path)
     cls = model_class or checkpoint_model_class(path)
+    loader = auto_class_for(cls) or cls
     try:
         with _quiet_progress_bars():
-            model = cls.from_pretrained(path, dtype=parse_dtype(dtype), **from_pretrained_kwargs)
+            model = loader.from_pretrained(path, dtype=parse_dtype(dtype), **from_pretrained_kwargs)
     except SafetensorError as exc:
         names = ", ".join(f.name for f in files)
         raise CheckpointError(f"reading the weights in {path} ({names}) failed: {exc}") from exc

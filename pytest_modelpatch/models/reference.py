@@ -1,0 +1,135 @@
+"""Keep a shared reference model pristine: built, called and verified outside the test's patches.
+
+A reference model is built once per session and handed to many tests, each with other
+patches. :func:`prepare_reference` makes it safe to share:
+
+- its output-capture hooks (``hidden_states``, ``attentions``) are installed at build time,
+  in the pristine world. transformers installs them lazily, on the first call, from the
+  class-level ``_can_record_outputs`` table, which a patched model built earlier in the same
+  test has re-pointed at the replacement classes: a reference first called then would never
+  capture again, in any later test (transformers 5.x ``utils/output_capturing.py``);
+- every call enters the current test's pristine scope (:mod:`pytest_modelpatch.isolation.pristine`),
+  so method and context patches are swapped out while it runs;
+- what it was built with (its module classes' attributes, its capture hooks) is recorded, and
+  :func:`reference_problems` says what differs now. Every call checks it, and fails with
+  :class:`~pytest_modelpatch.errors.ReferenceNotPristineError` rather than compare a patched
+  reference with a patched model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pytest_modelpatch.errors import ReferenceNotPristineError
+from pytest_modelpatch.isolation.pristine import pristine
+
+_RECORD = "_modelpatch_reference_record"
+
+
+@dataclass
+class ReferenceRecord:
+    """What a reference model was built with, to check it is still that model."""
+
+    classes: dict[type, dict[str, Any]]
+    hooks: dict[str, int]  # module name -> forward hooks installed at build time
+
+    def problems(self, model: torch.nn.Module) -> list[str]:
+        """What differs from the build: replaced module classes, rebound methods, lost capture hooks."""
+        found = []
+        modules = dict(model.named_modules())
+        for name, module in modules.items():
+            if type(module) not in self.classes:
+                found.append(f"module {name or '<root>'} is a {type(module).__qualname__}, not one of the family's classes")
+        for cls, attributes in self.classes.items():
+            now = _code(cls)
+            for attr in attributes.keys() | now.keys():
+                if now.get(attr) is not attributes.get(attr):
+                    change = f"replaced (by {_describe(now[attr])})" if attr in now else "deleted"
+                    found.append(f"{cls.__qualname__}.{attr} was {change}")
+        for name, count in self.hooks.items():
+            module = modules.get(name)
+            if module is None or len(module._forward_hooks) < count:
+                found.append(f"the output-capture hooks of {name or '<root>'} are gone")
+        return found
+
+
+def _code(cls: type) -> dict[str, Any]:
+    """The methods, properties and nested classes a class defines itself (not lazily cached values)."""
+    return {
+        name: value for name, value in vars(cls).items()
+        if not name.startswith("__") and (callable(value) or isinstance(value, (staticmethod, classmethod, property)))
+    }  # fmt: skip
+
+
+def _describe(value: Any) -> str:
+    inner = getattr(value, "__func__", value)
+    return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', type(value).__name__)}"
+
+
+def install_capture_hooks(model: torch.nn.Module) -> None:
+    """Install transformers' output-capture hooks now, from the class tables as they are now."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # transformers without lazily installed capture hooks: nothing to pin
+        return
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            maybe_install_capturing_hooks(module)
+
+
+def record_reference(model: torch.nn.Module) -> ReferenceRecord:
+    classes = {cls: _code(cls) for cls in {type(m) for m in model.modules()}}
+    hooks = {name: len(m._forward_hooks) for name, m in model.named_modules() if m._forward_hooks}
+    return ReferenceRecord(classes, hooks)
+
+
+def prepare_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """Pin capture hooks, record the build, and make every call run pristine and verified. Call in ``pristine()``."""
+    install_capture_hooks(model)
+    record = record_reference(model)
+    setattr(model, _RECORD, record)
+    scopes: list[Any] = []
+
+    def enter(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        scope = pristine()
+        scope.__enter__()
+        problems = record.problems(module)
+        if problems:
+            scope.__exit__(None, None, None)
+            scopes.append(None)
+            raise ReferenceNotPristineError(_message(module, problems))
+        scopes.append(scope)
+
+    def leave(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        scope = scopes.pop() if scopes else None
+        if scope is not None:
+            scope.__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter, with_kwargs=True)
+    model.register_forward_hook(leave, with_kwargs=True, always_call=True)
+    return model
+
+
+def reference_problems(model: torch.nn.Module) -> list[str]:
+    """What leaked into a prepared reference (checked in the pristine world); ``[]`` when it is pristine."""
+    record = getattr(model, _RECORD, None)
+    if record is None:
+        return []
+    with pristine():
+        return record.problems(model)
+
+
+def _message(model: torch.nn.Module, problems: list[str]) -> str:
+    shown = "\n".join(f"  {p}" for p in problems[:10])
+    more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+    return (
+        f"the reference {type(model).__name__} is not the unpatched model any more, so comparing with it would "
+        f"prove nothing:\n{shown}{more}\nPatches that rebind transformers' classes must go through "
+        "@pytest.mark.patch(methods=..., context=...) or patch_registry, which keep them out of the reference; "
+        "do not modify reference_model itself."
+    )
