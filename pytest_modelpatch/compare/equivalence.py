@@ -25,6 +25,7 @@ from pytest_modelpatch.compare.outputs import (
     forward,
 )
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
+from pytest_modelpatch.models.usage import unused_message, unused_replacements
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
 # ---------------------------------------------------------------------------
@@ -46,10 +47,11 @@ class EquivalenceReport:
     divergence: Divergence | None = None
     duration_s: float = 0.0
     extra: list[str] = field(default_factory=list)
+    unused: str = ""  # why the check proves nothing about some replacement, when one never ran
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.comparisons)
+        return all(c.passed for c in self.comparisons) and not self.unused
 
     @property
     def failures(self) -> list[TensorComparison]:
@@ -75,6 +77,7 @@ class EquivalenceReport:
             f"patched {self.patched} differs from reference {self.reference}{where} "
             f"in {len(self.failures)} of {len(self.comparisons)} outputs",
             *self.extra,
+            *([self.unused] if self.unused else []),
             f"inputs: {self.inputs}",
             *describe_tolerances(self.failures),
             *(f"  {c}" for c in self.failures),
@@ -134,8 +137,12 @@ def assert_equivalent(
     atol: float | None = None,
     rtol: float | None = None,
     policy: str | TolerancePolicy | None = None,
+    allow_unused: bool = False,
 ) -> EquivalenceReport:
     """Fail unless ``patched`` computes what ``reference`` computes on ``inputs``; returns the report.
+
+    A replacement class of the patched model that never ran on ``inputs`` fails the check too,
+    unless ``allow_unused=True``.
 
     Example::
 
@@ -148,6 +155,9 @@ def assert_equivalent(
     elif isinstance(inputs, torch.Tensor):
         inputs = {"input_ids": inputs}
     report = compare_models(reference, patched, inputs, resolve_tolerance(atol, rtol, policy))
+    unused = [u.replacement for u in unused_replacements(patched)]
+    if unused and not allow_unused:
+        report.unused = unused_message(unused, where="the compared forward")
     report.record()
     if not report.passed:
         raise AssertionError(str(report))

@@ -23,6 +23,7 @@ from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_mod
 from pytest_modelpatch.compare.outputs import compare_outputs, describe_inputs, evaluating, forward
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.models.usage import patch_usage, unused_message
 
 DEFAULT_MAX_EXAMPLES = 25
 _defaults: dict[str, int | None] = {"seed": None, "max_examples": None}
@@ -75,7 +76,9 @@ class PropertyReport:
             f"{self.header}: example {self.first_failure} of {self.max_examples} failed; shrunk in "
             f"{self.examples - self.first_failure} more runs to the minimal example below (seed={self.seed} draws it again)"
         ]
-        if self.error:
+        if self.error and not self.first_failure:
+            lines = [f"{self.header}: {self.error}"]
+        elif self.error:
             lines += [f"minimal failing inputs: {self.minimal_inputs}", self.error]
         else:
             lines.append(str(self.failure))
@@ -123,8 +126,11 @@ def check_equivalence(
     atol: float | None = None,
     rtol: float | None = None,
     policy: str | TolerancePolicy | None = None,
+    allow_unused: bool = False,
 ) -> PropertyReport:
     """Compare the two models on many drawn inputs; on failure, shrink and show the minimal example.
+
+    A replacement class that ran in none of the examples fails the check, unless ``allow_unused=True``.
 
     Example::
 
@@ -141,6 +147,7 @@ def check_equivalence(
         tolerance=spec,
     )  # fmt: skip
     last_failing: list[Mapping[str, Any]] = []
+    ran: set[str] = set()  # replacement classes that ran in some example
     start = time.perf_counter()
 
     def remember_failure(example: Mapping[str, Any]) -> None:
@@ -165,6 +172,7 @@ def check_equivalence(
         report.examples += 1
         try:
             comparisons = compare_outputs(forward(reference, example), forward(patched, example), spec)
+            ran.update(u.replacement for u in patch_usage(patched) if u.calls_in_last_forward)
         except Exception:
             remember_failure(example)
             raise
@@ -190,6 +198,11 @@ def check_equivalence(
         report.record()
         raise AssertionError(str(report)) from (None if isinstance(error, _ExampleFailed) else error)
     report.duration_s = time.perf_counter() - start
+    unused = [u.replacement for u in patch_usage(patched) if u.instances and u.replacement not in ran]
+    if unused and not allow_unused:
+        report.error = unused_message(unused, where=f"any of the {report.examples} examples")
+        report.record()
+        raise AssertionError(str(report))
     report.record()
     return report
 

@@ -1,0 +1,100 @@
+"""A check in which a replacement never ran proves nothing about it, and says so."""
+
+from __future__ import annotations
+
+import pytest
+
+PATCH = """
+import torch
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
+
+
+class MyMLP(LlamaMLP):
+    \"\"\"The replacement under test: it must run for a check to say anything about it.\"\"\"
+
+
+class FusedLayer(LlamaDecoderLayer):
+    # computes the MLP from its weights inline, so MyMLP.forward never runs: the outputs agree,
+    # but a bug in MyMLP would go unseen
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+            position_embeddings=position_embeddings, **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        x = self.post_attention_layernorm(hidden_states)
+        mlp = self.mlp
+        return hidden_states + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+
+MAPPING = {"LlamaDecoderLayer": FusedLayer, "LlamaMLP": MyMLP}
+"""
+
+
+def test_a_replacement_that_never_ran_fails_the_check_unless_allowed(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(my_patch=PATCH)
+    pytester.makepyfile(
+        """
+import pytest
+from my_patch import MAPPING
+from pytest_modelpatch import assert_equivalent, check_equivalence, patch_usage
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(MAPPING, allow={"LlamaDecoderLayer": ["CONTAINER"]})
+def test_assert_equivalent(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(MAPPING, allow={"LlamaDecoderLayer": ["CONTAINER"]})
+def test_check_equivalence(reference_model, patched_model):
+    check_equivalence(reference_model, patched_model, max_examples=3)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(MAPPING, allow={"LlamaDecoderLayer": ["CONTAINER"]})
+def test_allowed(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model, allow_unused=True)
+    check_equivalence(reference_model, patched_model, max_examples=3, allow_unused=True)
+    usage = {u.replacement.rpartition(".")[2]: u for u in patch_usage(patched_model)}
+    assert usage["MyMLP"].instances == 2 and usage["MyMLP"].calls_in_last_forward == 0
+    assert usage["FusedLayer"].calls_in_last_forward == 2
+"""
+    )
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(["*my_patch.MyMLP never ran in the compared forward*allow_unused=True*"])
+    result.stdout.fnmatch_lines(["*my_patch.MyMLP never ran in any of the 3 examples*"])
+
+
+def test_patch_usage_counts_only_the_models_own_calls_not_module_replays(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaMLP
+from pytest_modelpatch import check_module_equivalence, patch_usage
+
+
+class MyMLP(LlamaMLP):
+    pass
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch({"LlamaMLP": MyMLP})
+def test_replay_is_not_a_model_call(reference_model, patched_model):
+    patched_model(input_ids=torch.tensor([[1, 2, 3]]))
+    (usage,) = patch_usage(patched_model)
+    assert usage.calls_in_last_forward == 2
+    # replays real arguments into the patched MLP, calling it directly: not a call the model made
+    check_module_equivalence("model.layers.0.mlp", reference=reference_model, patched=patched_model)
+    (usage,) = patch_usage(patched_model)
+    assert usage.calls_in_last_forward == 2
+"""
+    )
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=1)
