@@ -106,7 +106,7 @@ def test_one_property_record_per_check(pair: Callable[[str], Pair], records: lis
 
 
 def test_tolerance_arguments_apply_to_every_example(pair: Callable[[str], Pair]) -> None:
-    assert check_equivalence(*pair("llama_fused_qkv_noncausal"), atol=2.0, max_examples=5).passed
+    assert check_equivalence(*pair("llama_fused_qkv_noncausal"), atol=10.0, max_examples=5).passed
 
 
 def test_inputs_must_be_a_strategy_or_a_dict(pair: Callable[[str], Pair]) -> None:
