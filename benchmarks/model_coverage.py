@@ -1,8 +1,8 @@
 """How many transformers families build tiny and run a forward on CPU.
 
 Tries every model type of the installed transformers that has a modeling class:
-``tiny_config`` -> ``model_class_for`` -> seeded build -> one forward on
-``example_inputs``. Prints counts, total time, the slowest families and a table of
+``tiny_config`` -> ``model_class_for`` -> seeded build (``seeded_model``, with the
+plugin's non-degenerate init) -> one forward on ``example_inputs`` -> finite outputs. Prints counts, total time, the slowest families and a table of
 failures with the first line of each exception.
 
     python benchmarks/model_coverage.py            # every family
@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from transformers.utils import logging as transformers_logging
 
+from pytest_modelpatch.compare.outputs import flatten_outputs
+from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.models.families import available_model_types, example_inputs, model_class_for, tiny_config
 
 PER_TYPE_TIMEOUT_S = 60
@@ -31,7 +33,7 @@ class CoverageRow:
     """One family's outcome: the stage it reached and why it stopped."""
 
     model_type: str
-    stage: str  # "config", "class", "build", "inputs", "forward", "ok"
+    stage: str  # "config", "class", "build", "inputs", "forward", "finite", "ok"
     seconds: float
     error: str = ""
     model_class: str = ""
@@ -61,14 +63,17 @@ def try_model_type(model_type: str) -> CoverageRow:
         cls = model_class_for(config)
         row.model_class = cls.__name__
         row.stage = "build"
-        torch.manual_seed(0)
-        model = cls(config).eval()
+        model = seeded_model(config, model_class=cls)
         row.parameters = sum(p.numel() for p in model.parameters())
         row.stage = "inputs"
         inputs = example_inputs(config, model_class=cls)
         row.stage = "forward"
         with torch.no_grad():
-            model(**inputs)
+            outputs = model(**inputs)
+        row.stage = "finite"
+        bad = [path for path, leaf in flatten_outputs(outputs) if _not_finite(leaf)]
+        if bad:
+            raise FloatingPointError(f"non-finite values in {', '.join(bad[:3])}")
         row.stage = "ok"
     except BaseException as exc:  # a family may raise anything, even SystemExit-like errors
         if isinstance(exc, KeyboardInterrupt):
@@ -79,6 +84,10 @@ def try_model_type(model_type: str) -> CoverageRow:
         signal.alarm(0)
         row.seconds = time.perf_counter() - start
     return row
+
+
+def _not_finite(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not bool(torch.isfinite(leaf).all())
 
 
 def main(argv: list[str]) -> int:
@@ -93,7 +102,7 @@ def main(argv: list[str]) -> int:
         rows.append(try_model_type(model_type))
         print(f"  {rows[-1].stage:8s} {rows[-1].seconds:6.2f}s {model_type}", file=sys.stderr, flush=True)
     total = time.perf_counter() - start
-    built = [r for r in rows if r.stage in ("inputs", "forward", "ok")]
+    built = [r for r in rows if r.stage in ("inputs", "forward", "finite", "ok")]
     ran = [r for r in rows if r.stage == "ok"]
     print(f"transformers model types with a modeling class: {len(rows)}")
     print(f"build tiny:  {len(built)}/{len(rows)}")

@@ -64,3 +64,7 @@ class ReportFileError(ModelPatchError):
 
 class ModelPatchWarning(UserWarning):
     """Warning category for everything pytest-modelpatch warns about."""
+
+
+class ModelMismatchError(ModelPatchError):
+    """A check was given two different models (family, architecture or config shape) to compare."""

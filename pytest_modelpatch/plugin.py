@@ -29,8 +29,9 @@ MARKERS = {
     "gpu": "gpu: needs a CUDA GPU; skipped with a reason when there is none (a failure under --modelpatch-require-gpu)",
     "devices": "devices(*names): run the test once per device, e.g. devices('cpu', 'cuda'); sets the device fixture",
     "dtypes": "dtypes(*dtypes): run the test once per dtype, e.g. dtypes('float32', 'bfloat16'); sets the dtype fixture",
-    "model": "model(spec, *, seed=0, fusion_config=None, **config_overrides): the model behind reference_model and "
-    "patched_model: a model type ('llama'), a PretrainedConfig or a local checkpoint directory",
+    "model": "model(spec, *, seed=0, init='modelpatch', attn_implementation=None, fusion_config=None, "
+    "**config_overrides): the model behind reference_model and patched_model: a model type ('llama'), a "
+    "PretrainedConfig or a local checkpoint directory; an unknown keyword is a usage error",
     "tolerance": "tolerance(*, atol=None, rtol=None, policy=None): tolerance for this test's equivalence checks "
     "(arguments > this marker > modelpatch_atol/modelpatch_rtol ini > the per-dtype policy)",
 }

@@ -29,6 +29,7 @@ from pytest_modelpatch.compare.outputs import (
     flatten_outputs,
     forward,
 )
+from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
@@ -292,6 +293,8 @@ def check_module_equivalence(
         check_module_equivalence(ref.model.layers[0].self_attn, pat.model.layers[0].self_attn, reference=ref)
     """
     __tracebackhide__ = True
+    if reference is not None and patched is not None:
+        check_same_model(reference, patched, "check_module_equivalence")
     start = time.perf_counter()
     original_name = original_module if isinstance(original_module, str) else type(original_module).__name__
     if patched_module is None:

@@ -25,6 +25,7 @@ from pytest_modelpatch.compare.outputs import (
     forward,
 )
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
+from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.models.usage import unused_message, unused_replacements
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
@@ -150,6 +151,7 @@ def assert_equivalent(
         assert_equivalent(reference_model, patched_model, {"input_ids": ids}, atol=1e-4)
     """
     __tracebackhide__ = True
+    check_same_model(reference, patched, "assert_equivalent")
     if inputs is None:
         inputs = default_inputs(reference)
     elif isinstance(inputs, torch.Tensor):

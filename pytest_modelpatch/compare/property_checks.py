@@ -21,6 +21,7 @@ from hypothesis.strategies import SearchStrategy
 
 from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_models
 from pytest_modelpatch.compare.outputs import compare_outputs, describe_inputs, evaluating, forward
+from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.usage import patch_usage, unused_message
@@ -138,6 +139,7 @@ def check_equivalence(
         check_equivalence(ref, pat, inputs=model_inputs(ref.config, padding="left"), seed=1234)
     """
     __tracebackhide__ = True
+    check_same_model(reference, patched, "check_equivalence")
     strategy = _inputs_strategy(reference, inputs)
     spec = resolve_tolerance(atol, rtol, policy)  # read the test's overrides here, once
     report = PropertyReport(

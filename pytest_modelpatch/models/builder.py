@@ -18,22 +18,35 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained, resolve_model_spec
+from pytest_modelpatch.models.checkpoints import check_init, cached_checkpoint, load_pretrained, resolve_model_spec
 from pytest_modelpatch.models.devices import dtype_name
 from pytest_modelpatch.errors import PatchNotAppliedError, PatchUsageError
 from pytest_modelpatch.models.usage import track_patch_usage
+from pytest_modelpatch.models.weights import DEFAULT_INIT
 from pytest_modelpatch.isolation.pristine import current_scope, pristine
 from pytest_modelpatch.models.reference import prepare_reference, reference_problems
 
 
+# keywords of @pytest.mark.model that are not config attributes; anything else must be one
+MARKER_KEYWORDS = ("seed", "init", "fusion_config", "attn_implementation")
+DTYPE_KEYWORDS = ("dtype", "torch_dtype")
+
+
 @dataclass(frozen=True)
 class ModelRequest:
-    """What ``@pytest.mark.model`` (or ``--modelpatch-checkpoint``) asks for."""
+    """What ``@pytest.mark.model`` (or ``--modelpatch-checkpoint``) asks for.
+
+    ``overrides`` change the config of both models; ``attn_implementation`` is passed to
+    both models' ``from_pretrained``; ``fusion_config`` to the patched model's only (a
+    fusion is a patch); ``seed`` and ``init`` shape the seeded checkpoint's weights.
+    """
 
     spec: Any
     overrides: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
     fusion_config: Mapping[str, Any] | None = None
+    init: str = DEFAULT_INIT
+    attn_implementation: str | None = None
 
     @classmethod
     def from_marker(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any], where: str) -> ModelRequest:
@@ -44,15 +57,66 @@ class ModelRequest:
                 f"a PretrainedConfig or a checkpoint directory), got {len(args)}."
             )
         options = dict(kwargs)
+        for name in DTYPE_KEYWORDS:
+            if name in options:
+                raise PatchUsageError(
+                    f"@pytest.mark.model on {where}: {name}={options[name]!r} is not a model override; both models' "
+                    "dtype is the dtype fixture's. Use @pytest.mark.dtypes('bfloat16') and the dtype fixture instead."
+                )
         seed = options.pop("seed", 0)
         fusion = options.pop("fusion_config", None)
-        if not isinstance(seed, int):
+        attn = options.pop("attn_implementation", None)
+        if not isinstance(seed, int) or isinstance(seed, bool):
             raise PatchUsageError(f"@pytest.mark.model on {where}: seed must be an int, got {seed!r}.")
-        if fusion is not None and not isinstance(fusion, Mapping):
+        try:
+            init = check_init(options.pop("init", DEFAULT_INIT))
+            check_fusion_config(fusion)
+            check_attn_implementation(attn)
+            spec = resolve_model_spec(args[0], **options)  # refuses an override that is no config field
+        except PatchUsageError as exc:
+            raise PatchUsageError(f"@pytest.mark.model on {where}: {exc}") from None
+        weighted = {name for name in ("seed", "init") if name in kwargs}
+        if spec.source_dir is not None and not options and weighted:
             raise PatchUsageError(
-                f"@pytest.mark.model on {where}: fusion_config must be a dict such as {{'patch_embeddings': True}}."
+                f"@pytest.mark.model on {where}: {' and '.join(sorted(weighted))} shape the seeded tiny checkpoints, "
+                f"but {spec.source_dir} has its own weights. Drop {', '.join(sorted(weighted))}, or pass a model type."
             )
-        return cls(args[0], options, seed, fusion)
+        return cls(args[0], options, seed, fusion, init, attn)
+
+    def load_kwargs(self) -> dict[str, Any]:
+        """``from_pretrained`` keywords both models are loaded with."""
+        return {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
+
+
+def check_fusion_config(fusion: Any) -> None:
+    """Refuse a ``fusion_config`` that is not a dict of transformers' fusion names."""
+    if fusion is None:
+        return
+    if not isinstance(fusion, Mapping):
+        raise PatchUsageError("fusion_config must be a dict such as {'patch_embeddings': True}.")
+    from transformers import fusion_mapping
+
+    known = sorted(getattr(fusion_mapping, "_FUSION_REGISTRY", {}))  # private in transformers 5.23
+    for name in fusion:
+        if known and name not in known:
+            raise PatchUsageError(f"fusion_config key {name!r} is not a transformers fusion{_did_you_mean(name, known)}")
+
+
+def check_attn_implementation(value: Any) -> None:
+    """Refuse an ``attn_implementation`` transformers does not know (a hub kernel ``org/name`` is left to it)."""
+    if value is None:
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if not isinstance(value, str) or ("/" not in value and value not in known):
+        raise PatchUsageError(f"attn_implementation={value!r} is not an attention implementation{_did_you_mean(str(value), known)}")
+
+
+def _did_you_mean(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return f".{hint} Valid: {', '.join(valid)}."
 
 
 class ModelBuilder:
@@ -67,14 +131,16 @@ class ModelBuilder:
 
     def __init__(self, cache_dir: Path) -> None:
         self.cache_dir = Path(cache_dir)
-        self._references: dict[tuple[str, str, str], torch.nn.Module] = {}
+        self._references: dict[tuple[str, str, str, str], torch.nn.Module] = {}
 
     def checkpoint(self, request: ModelRequest, *, dtype: Any = "float32") -> Path:
         """The checkpoint directory: the given one, or a seeded tiny model saved once."""
         spec = resolve_model_spec(request.spec, **dict(request.overrides))
         if spec.source_dir is not None and not request.overrides:
             return spec.source_dir
-        return cached_checkpoint(spec.config, dtype=dtype_name(dtype), seed=request.seed, cache_dir=self.cache_dir)
+        return cached_checkpoint(
+            spec.config, dtype=dtype_name(dtype), seed=request.seed, cache_dir=self.cache_dir, init=request.init
+        )
 
     def reference(self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu") -> torch.nn.Module:
         """The unpatched model, built once per (checkpoint, dtype, device) and shared: do not modify it.
@@ -83,12 +149,12 @@ class ModelBuilder:
         that is no longer pristine is rebuilt.
         """
         path = self.checkpoint(request, dtype=dtype)
-        key = (str(path), dtype_name(dtype), str(device))
+        key = (str(path), dtype_name(dtype), str(device), str(request.attn_implementation))
         cached = self._references.get(key)
         if cached is not None and not reference_problems(cached):
             return cached
         with pristine():
-            model = prepare_reference(load_pretrained(path, dtype=dtype, device=device))
+            model = prepare_reference(load_pretrained(path, dtype=dtype, device=device, **request.load_kwargs()))
         self._references[key] = model
         return model
 
@@ -99,6 +165,7 @@ class ModelBuilder:
         path = self.checkpoint(request, dtype=dtype)
         keys = list(monkey_patching.get_patch_mapping())
         extra = {"fusion_config": dict(request.fusion_config)} if request.fusion_config else {}
+        extra.update(request.load_kwargs())
         model = load_pretrained(path, dtype=dtype, device=device, **extra)
         scope = current_scope()
         if scope is not None:

@@ -11,12 +11,14 @@ its copy, so a checkpoint directory that exists is always complete.
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
+import inspect
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ from pytest_modelpatch.models.families import (
     unknown_model_type_message,
 )
 from pytest_modelpatch.isolation.guard import without_patches
+from pytest_modelpatch.models.weights import DEFAULT_INIT, INIT_SCHEMES, INIT_VERSION, spread_weights
 
 BUILD_INFO_FILE = "modelpatch-build.json"
 
@@ -64,17 +67,34 @@ def seeded_model(
     dtype: torch.dtype | str = "float32",
     seed: int = 0,
     model_class: type[PreTrainedModel] | None = None,
+    init: str = DEFAULT_INIT,
 ) -> PreTrainedModel:
     """A model built from ``config`` with ``torch.manual_seed(seed)``, in eval mode.
 
-    Neither ``config`` (building fills in fields) nor the global RNG is changed.
+    ``init="modelpatch"`` (the default) then spreads the weights away from
+    transformers' degenerate defaults (``models.weights``); ``init="transformers"``
+    keeps them. Neither ``config`` (building fills in fields) nor the global RNG is changed.
     Example: ``seeded_model(tiny_config("llama"), dtype="bf16")``.
     """
+    check_init(init)
     cls = model_class or model_class_for(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls._from_config(copy.deepcopy(config), dtype=parse_dtype(dtype))
+    if init == "modelpatch":
+        spread_weights(model, seed=seed)
     return model.eval()
+
+
+def check_init(init: object) -> str:
+    """``init`` if it names a weight scheme; a ``PatchUsageError`` listing them otherwise."""
+    if init not in INIT_SCHEMES:
+        raise PatchUsageError(
+            f"init={init!r} is not a weight scheme: use init='modelpatch' (the default: norm weights, biases and "
+            "matrices spread away from transformers' defaults, see docs/equivalence.md) or init='transformers' "
+            "(transformers' own init, norm weights 1 and biases 0)."
+        )
+    return str(init)
 
 
 def checkpoint_key(
@@ -84,9 +104,10 @@ def checkpoint_key(
     seed: int,
     model_class: type[PreTrainedModel],
     max_shard_size: int | str | None = None,
+    init: str = DEFAULT_INIT,
 ) -> str:
     """The cache directory name for a seeded checkpoint: ``<model_type>-<sha256 prefix>``."""
-    return f"{config.model_type}-{_key_hash(_build_info(config, dtype, seed, model_class, max_shard_size))}"
+    return f"{config.model_type}-{_key_hash(_build_info(config, dtype, seed, model_class, max_shard_size, init))}"
 
 
 def _build_info(
@@ -95,11 +116,15 @@ def _build_info(
     seed: int,
     model_class: type[PreTrainedModel],
     max_shard_size: int | str | None,
+    init: str,
 ) -> dict[str, Any]:
     return {
         "config": _config_fields(config),
         "dtype": str(parse_dtype(dtype)).removeprefix("torch."),
         "seed": seed,
+        # the scheme and its version: checkpoints cached before a scheme change are not reused
+        "init": init,
+        "init_version": INIT_VERSION,
         "model_class": f"{model_class.__module__}.{model_class.__qualname__}",
         "max_shard_size": max_shard_size,
         "torch": torch.__version__,
@@ -131,6 +156,7 @@ def cached_checkpoint(
     model_class: type[PreTrainedModel] | None = None,
     cache_dir: Path | str,
     max_shard_size: int | str | None = None,
+    init: str = DEFAULT_INIT,
 ) -> Path:
     """The directory of a seeded checkpoint of ``config``, saved once into ``cache_dir``.
 
@@ -140,7 +166,7 @@ def cached_checkpoint(
     Example: ``load_pretrained(cached_checkpoint(tiny_config("llama"), cache_dir=tmp), dtype="fp32")``.
     """
     cls = model_class or model_class_for(config)
-    info = _build_info(config, dtype, seed, cls, max_shard_size)
+    info = _build_info(config, dtype, seed, cls, max_shard_size, check_init(init))
     key = f"{config.model_type}-{_key_hash(info)}"
     cache_dir = Path(cache_dir)
     memo = (str(cache_dir.resolve()), key)
@@ -148,7 +174,7 @@ def cached_checkpoint(
     if memo in _SESSION_CHECKPOINTS and (final / "config.json").is_file():
         return _SESSION_CHECKPOINTS[memo]
     if not (final / "config.json").is_file():
-        _build_into(final, config, info, dtype=dtype, seed=seed, model_class=cls, max_shard_size=max_shard_size)
+        _build_into(final, config, info, dtype=dtype, seed=seed, model_class=cls, max_shard_size=max_shard_size, init=init)
     _SESSION_CHECKPOINTS[memo] = final
     return final
 
@@ -162,12 +188,13 @@ def _build_into(
     seed: int,
     model_class: type[PreTrainedModel],
     max_shard_size: int | str | None,
+    init: str,
 ) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
     try:
         with without_patches():
-            model = seeded_model(config, dtype=dtype, seed=seed, model_class=model_class)
+            model = seeded_model(config, dtype=dtype, seed=seed, model_class=model_class, init=init)
             shard = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
             with _quiet_progress_bars():
                 model.save_pretrained(staging, **shard)
@@ -307,6 +334,7 @@ def resolve_model_spec(spec: str | Path | PretrainedConfig, **config_overrides: 
     Example: ``resolve_model_spec("llama", num_hidden_layers=3).config.num_hidden_layers == 3``.
     """
     if isinstance(spec, PretrainedConfig):
+        check_config_overrides(spec, config_overrides)
         config = _with_overrides(spec, config_overrides)
         return ModelSpec(config, None, config.model_type, f"{config.model_type}-config")
     if not isinstance(spec, (str, os.PathLike)):
@@ -316,15 +344,62 @@ def resolve_model_spec(spec: str | Path | PretrainedConfig, **config_overrides: 
         )
     path = Path(spec)
     if (path / "config.json").is_file():
-        config = _with_overrides(AutoConfig.from_pretrained(path), config_overrides)
+        base = AutoConfig.from_pretrained(path)
+        check_config_overrides(base, config_overrides)
+        config = _with_overrides(base, config_overrides)
         return ModelSpec(config, path, config.model_type, path.name or str(path))
     if isinstance(spec, str) and spec in CONFIG_MAPPING_NAMES:
+        if config_overrides:
+            check_config_overrides(AutoConfig.for_model(spec), config_overrides)
         return ModelSpec(tiny_config(spec, **config_overrides), None, spec, spec)
     if path.is_dir():
         raise PatchUsageError(f"model spec {str(spec)!r} is a directory without config.json, not a checkpoint")
     if not isinstance(spec, str) or os.sep in spec or "/" in spec:
         raise PatchUsageError(f"model spec {str(spec)!r}: no such checkpoint directory")
     raise PatchUsageError(f"model spec: {unknown_model_type_message(spec)}")
+
+
+# not config fields, though a config would silently take them as new attributes
+_NOT_CONFIG_FIELDS = {
+    "attn_implementation": "pass it as @pytest.mark.model(..., attn_implementation=...) or "
+    "ModelRequest(attn_implementation=...): it is a from_pretrained keyword, not a config field",
+    "dtype": "the dtype comes from the dtype fixture: use @pytest.mark.dtypes(...) and the dtype fixture",
+    "torch_dtype": "the dtype comes from the dtype fixture: use @pytest.mark.dtypes(...) and the dtype fixture",
+}
+
+
+def config_field_names(config: PretrainedConfig) -> list[str]:
+    """Every name ``config`` takes as an override: its fields, ``__init__`` keywords and ``attribute_map`` aliases."""
+    names = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
+    for cls in (type(config), PretrainedConfig):
+        names |= {
+            name
+            for name, param in inspect.signature(cls.__init__).parameters.items()
+            if param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL) and name != "self"
+        }
+    return sorted(name for name in names - set(_NOT_CONFIG_FIELDS) if not name.startswith("_"))
+
+
+def check_config_overrides(config: PretrainedConfig, overrides: Mapping[str, Any], prefix: str = "") -> None:
+    """Refuse an override that names no field of ``config``: a config takes any keyword as a new attribute.
+
+    Dict values aimed at a sub-config (``text_config={...}``) are checked against it.
+    Example: ``check_config_overrides(LlamaConfig(), {"num_hiden_layers": 5})`` raises, naming ``num_hidden_layers``.
+    """
+    valid = config_field_names(config)
+    for key, value in overrides.items():
+        if key in _NOT_CONFIG_FIELDS:
+            raise PatchUsageError(f"{prefix}{key}={value!r} is not a {type(config).__name__} field: {_NOT_CONFIG_FIELDS[key]}.")
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise PatchUsageError(
+                f"config override {prefix}{key}={value!r} is not a field of {type(config).__name__}, so no model would "
+                f"use it.{hint} See {type(config).__name__}'s documentation for its fields."
+            )
+        sub = getattr(config, key, None)
+        if isinstance(value, Mapping) and isinstance(sub, PretrainedConfig):
+            check_config_overrides(sub, value, f"{prefix}{key}.")
 
 
 def _with_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> PretrainedConfig:

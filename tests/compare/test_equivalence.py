@@ -38,7 +38,7 @@ def test_noncausal_attention_fails_with_output_stats_and_first_diverging_module(
     message = str(failure.value)
     assert "differs from reference LlamaForCausalLM (float32 on cpu)" in message
     assert "  logits: shape (2, 12, 128) float32: " in message
-    assert "elements over tolerance; max abs 0.53" in message
+    assert "elements over tolerance; max abs 4.63" in message
     assert "worst at [" in message and "reference " in message and "patched " in message
     assert (
         "first diverging module: model.layers.0.self_attn "
@@ -77,9 +77,9 @@ def test_bf16_harmless_kernel_change_passes_only_with_the_ulp_term(pair: Callabl
 
 
 def test_explicit_tolerance_argument_wins(pair: Callable[..., Pair]) -> None:
-    report = assert_equivalent(*pair("llama_fused_qkv_noncausal"), ids(), atol=1.0)
+    report = assert_equivalent(*pair("llama_fused_qkv_noncausal"), ids(), atol=10.0)
     assert report.passed
-    assert "atol=1 (argument)" in str(report.comparisons[0].tolerance)
+    assert "atol=10 (argument)" in str(report.comparisons[0].tolerance)
 
 
 def test_every_output_tensor_gets_a_readable_path(pair: Callable[..., Pair]) -> None:

@@ -265,7 +265,7 @@ def test_a_worker_that_loses_the_race_keeps_the_winners_checkpoint(tmp_path: Pat
     # another process finished first: this one builds its own copy, fails the rename and drops it
     info = json.loads((winner / BUILD_INFO_FILE).read_text())
     checkpoints._build_into(winner, config, info, dtype="float32", seed=0, model_class=model_class_for(config),
-                            max_shard_size=None)  # fmt: skip
+                            max_shard_size=None, init="modelpatch")  # fmt: skip
     assert (winner / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [winner.name]
 

@@ -1,0 +1,57 @@
+"""Two different models are refused before any number is compared, by every check."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from pytest_modelpatch import assert_equivalent, check_equivalence, check_module_equivalence
+from pytest_modelpatch.errors import ModelMismatchError
+from pytest_modelpatch.models.checkpoints import seeded_model
+from pytest_modelpatch.models.families import tiny_config
+
+LLAMA = seeded_model(tiny_config("llama"))
+CHECKS: dict[str, Callable[[torch.nn.Module, torch.nn.Module], object]] = {
+    "assert_equivalent": assert_equivalent,
+    "check_equivalence": lambda ref, pat: check_equivalence(ref, pat, max_examples=2),
+    "check_module_equivalence": lambda ref, pat: check_module_equivalence("model.norm", reference=ref, patched=pat),
+}
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_a_llama_and_a_bert_are_different_models_for_every_check(check: str) -> None:
+    bert = seeded_model(tiny_config("bert"))
+    with pytest.raises(ModelMismatchError) as refused:
+        CHECKS[check](LLAMA, bert)
+    assert str(refused.value).startswith(
+        f"{check}: the reference and patched models are different models "
+        "(model_type 'llama' vs 'bert'; architecture LlamaForCausalLM vs BertForMaskedLM"
+    )
+    assert "Compare two loads of one checkpoint" in str(refused.value)
+
+
+def test_the_same_family_with_another_shape_is_a_different_model() -> None:
+    deeper = seeded_model(tiny_config("llama", num_hidden_layers=3))
+    with pytest.raises(ModelMismatchError, match=r"different models \(num_hidden_layers 2 vs 3\)"):
+        assert_equivalent(LLAMA, deeper)
+
+
+def test_another_head_of_the_same_family_is_a_different_architecture() -> None:
+    from transformers import LlamaForSequenceClassification
+
+    head = seeded_model(tiny_config("llama"), model_class=LlamaForSequenceClassification)
+    with pytest.raises(ModelMismatchError, match=r"architecture LlamaForCausalLM vs LlamaForSequenceClassification"):
+        assert_equivalent(LLAMA, head)
+
+
+def test_a_patched_top_level_subclass_and_other_module_classes_are_the_same_model() -> None:
+    class PatchedLlama(type(LLAMA)):  # type: ignore[misc]
+        pass
+
+    patched = seeded_model(tiny_config("llama"), model_class=PatchedLlama)
+    patched.model.norm = torch.nn.Identity()  # a patched model may hold other module classes
+    with pytest.raises(AssertionError, match="differs from reference"):  # compared, not refused
+        assert_equivalent(LLAMA, patched)
+    assert assert_equivalent(LLAMA, seeded_model(tiny_config("llama"), model_class=PatchedLlama)).passed
