@@ -183,9 +183,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _resolve_device(item, _requested_device(item))
 
 
-@pytest.hookimpl(wrapper=True)
+# tryfirst: the outermost wrapper, so it sees the report after pytest's xfail handling
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
+    if item.user_properties:
+        from pytest_modelpatch.reporting.session import stamp_intent
+
+        stamp_intent(item, report)
     if call.excinfo is not None and call.excinfo.errisinstance(PatchLeakError):
         report.longrepr = f"PatchLeakError: {call.excinfo.value}"  # the message says it all; no plugin traceback
     reason = item.stash.get(_GPU_SKIP, None)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_modelpatch.errors import ReportFileError
-from pytest_modelpatch.reporting.records import CheckRecord
+from pytest_modelpatch.reporting.records import CheckRecord, shown_outcome
 
 REPORT_FORMAT = 1
 
@@ -78,7 +78,7 @@ def summary_lines(rows: list[dict[str, Any]], limit: int = 20) -> list[str]:
     table = [("outcome", "max abs", "max rel", "check", "model", "dtype@device", "test")]
     for r in ordered[:limit]:
         where = f"{r.get('dtype') or '-'}@{r.get('device') or '-'}"
-        table.append((r["outcome"], _figure(r.get("max_abs_error")), _figure(r.get("max_rel_error")),
+        table.append((shown_outcome(r["outcome"], bool(r.get("expected_failure"))), _figure(r.get("max_abs_error")), _figure(r.get("max_rel_error")),
                       r["check"], r.get("model") or "-", where, r["nodeid"]))  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in table]
