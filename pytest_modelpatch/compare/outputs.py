@@ -144,7 +144,8 @@ def compare_tensors(path: str, reference: torch.Tensor, patched: torch.Tensor, s
     ref, pat = reference.detach().to(wide), patched.detach().to(wide)
     diff = (pat - ref).abs()
     # Equal values (infinities included) and NaN in both count as agreeing; NaN in one does not.
-    diff = torch.where((ref == pat) | (ref.isnan() & pat.isnan()), 0.0, diff.nan_to_num(nan=torch.inf))
+    # posinf=inf: nan_to_num's default turns inf into the dtype's max, which reports read as 1.8e+308.
+    diff = torch.where((ref == pat) | (ref.isnan() & pat.isnan()), 0.0, diff.nan_to_num(nan=torch.inf, posinf=torch.inf))
     magnitude = ref.abs()
     finite = magnitude[magnitude.isfinite()]
     amax = float(finite.max()) if finite.numel() else 0.0
@@ -156,7 +157,7 @@ def compare_tensors(path: str, reference: torch.Tensor, patched: torch.Tensor, s
     worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), reference.shape))
     return TensorComparison(
         path, shape, dtype,
-        max_abs=float(diff.max()), max_rel=float(rel.nan_to_num(nan=torch.inf).max()),
+        max_abs=float(diff.max()), max_rel=float(rel.nan_to_num(nan=torch.inf, posinf=torch.inf).max()),
         over=over, total=total, worst_index=worst,
         worst_reference=complex(ref[worst]).real if ref.is_complex() else float(ref[worst]),
         worst_patched=complex(pat[worst]).real if pat.is_complex() else float(pat[worst]),

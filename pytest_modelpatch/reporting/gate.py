@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_modelpatch.reporting.records import shown_outcome
-from pytest_modelpatch.reporting.report import worst_first
+from pytest_modelpatch.reporting.report import figure, worst_first
 
 DEFAULT_FACTOR = 2.0
 DEFAULT_FLOOR = 1e-6
@@ -79,7 +79,7 @@ class GateVerdict:
             lines += ["", "| outcome | max abs | max rel | check | model | dtype@device | test |", "|---|---|---|---|---|---|---|"]
             for r in sorted(rows, key=worst_first)[:limit]:
                 lines.append(
-                    f"| {outcome(r)} | {_num(r.get('max_abs_error'))} | {_num(r.get('max_rel_error'))} | {r['check']} "
+                    f"| {outcome(r)} | {figure(r.get('max_abs_error'))} | {figure(r.get('max_rel_error'))} | {r['check']} "
                     f"| {_md(r.get('model') or '-')} | {r.get('dtype') or '-'}@{r.get('device') or '-'} | `{r['nodeid']}` |"
                 )
             if len(rows) > limit:
@@ -96,8 +96,7 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
+
 
 
 def evaluate(
@@ -116,12 +115,13 @@ def evaluate(
         if row.get("expected_failure"):
             continue
         if row["outcome"] != "passed":
-            verdict.failures.append(f"{check_name(row)}: the check failed (max abs error {_num(row.get('max_abs_error'))})")
-        for figure in ("max_abs_error", "max_rel_error"):
-            limit, value = getattr(thresholds, figure), row.get(figure)
-            if limit is not None and value is not None and value > limit:
+            verdict.failures.append(f"{check_name(row)}: the check failed (max abs error {figure(row.get('max_abs_error'))})")
+        for name in ("max_abs_error", "max_rel_error"):
+            limit, value = getattr(thresholds, name), row.get(name)
+            # not (value <= limit): a NaN error passes no ceiling
+            if limit is not None and value is not None and not value <= limit:
                 verdict.failures.append(
-                    f"{check_name(row)}: {figure.replace('_', ' ')} {value:.4g} exceeds modelpatch_{figure} = {limit:g}"
+                    f"{check_name(row)}: {name.replace('_', ' ')} {value:.4g} exceeds modelpatch_{name} = {limit:g}"
                 )
     if baseline is None:
         return verdict
@@ -131,7 +131,7 @@ def evaluate(
         new = current.get(key)
         if new is None:
             verdict.failures.append(
-                f"{check_name(old)}: in the baseline (max abs error {_num(old.get('max_abs_error'))}) but did not run; "
+                f"{check_name(old)}: in the baseline (max abs error {figure(old.get('max_abs_error'))}) but did not run; "
                 "if it was removed on purpose, rewrite the baseline with --modelpatch-update-baseline"
             )
             continue
@@ -141,7 +141,7 @@ def evaluate(
         if old_err is None or new_err is None or new.get("expected_failure"):
             continue
         allowed = thresholds.allowed_growth(old_err)
-        if new_err > allowed:
+        if not new_err <= allowed:  # NaN grew beyond any baseline
             verdict.failures.append(
                 f"{check_name(new)}: max abs error grew from {old_err:.4g} (baseline) to {new_err:.4g}, "
                 f"more than allowed {allowed:.4g} (modelpatch_baseline_factor = {thresholds.factor:g}, "
