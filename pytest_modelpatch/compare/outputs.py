@@ -9,6 +9,7 @@ property checks and module replay all build on this module and nothing here buil
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,9 +104,12 @@ class TensorComparison:
     worst_patched: float | None = None
     bound_at_worst: float = 0.0
     tolerance: Tolerance | None = None
+    sqnr_db: float | None = None  # set when the tolerance judges by SQNR
 
     @property
     def passed(self) -> bool:
+        if self.problem is None and self.sqnr_db is not None and self.tolerance is not None:
+            return self.sqnr_db >= (self.tolerance.min_sqnr_db or 0.0)
         return self.problem is None and self.over == 0
 
     def __str__(self) -> str:
@@ -113,8 +117,14 @@ class TensorComparison:
         if self.problem is not None:
             return f"{name}: {self.problem}"
         head = f"{name}: shape {self.shape} {self.dtype}"
+        sqnr = "" if self.sqnr_db is None else f"SQNR {self.sqnr_db:.1f} dB, "
         if self.passed:
-            return f"{head}: ok (max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g})"
+            return f"{head}: ok ({sqnr}max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g})"
+        if self.sqnr_db is not None and self.tolerance is not None:
+            return (
+                f"{head}: SQNR {self.sqnr_db:.1f} dB, below the minimum {self.tolerance.min_sqnr_db:g} dB; "
+                f"max abs {self.max_abs:.4g}, max rel {self.max_rel:.4g}"
+            )
         index = ", ".join(map(str, self.worst_index))
         return (
             f"{head}: {self.over}/{self.total} elements over tolerance; max abs {self.max_abs:.4g}, "
@@ -138,8 +148,9 @@ def compare_tensors(path: str, reference: torch.Tensor, patched: torch.Tensor, s
         )
     tolerance = spec.for_dtype(reference.dtype)
     total = reference.numel()
+    judge_sqnr = tolerance.min_sqnr_db is not None
     if total == 0 or torch.equal(reference, patched):
-        return TensorComparison(path, shape, dtype, total=total, tolerance=tolerance)
+        return TensorComparison(path, shape, dtype, total=total, tolerance=tolerance, sqnr_db=math.inf if judge_sqnr else None)
     wide = torch.complex128 if reference.is_complex() else torch.float64
     ref, pat = reference.detach().to(wide), patched.detach().to(wide)
     diff = (pat - ref).abs()
@@ -152,6 +163,9 @@ def compare_tensors(path: str, reference: torch.Tensor, patched: torch.Tensor, s
     bound = tolerance.abs_term(amax) + tolerance.rtol * magnitude.nan_to_num(nan=0.0, posinf=0.0)
     over_mask = diff > bound
     over = int(over_mask.sum())
+    sqnr = sqnr_db(ref, pat) if judge_sqnr else None
+    if sqnr is not None:  # judged as a whole: every element is over, or none
+        over = 0 if sqnr >= (tolerance.min_sqnr_db or 0.0) else total
     rel = torch.where(diff == 0, 0.0, diff / magnitude)
     flat = int(torch.argmax(diff - bound)) if over else int(torch.argmax(diff))
     worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), reference.shape))
@@ -162,7 +176,19 @@ def compare_tensors(path: str, reference: torch.Tensor, patched: torch.Tensor, s
         worst_reference=complex(ref[worst]).real if ref.is_complex() else float(ref[worst]),
         worst_patched=complex(pat[worst]).real if pat.is_complex() else float(pat[worst]),
         bound_at_worst=float(bound[worst]), tolerance=tolerance,
+        sqnr_db=sqnr,
     )  # fmt: skip
+
+
+def sqnr_db(reference: torch.Tensor, patched: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``10 log10(sum ref^2 / sum (pat - ref)^2)`` (torchao's ``compute_error``)."""
+    noise = float((patched - reference).abs().pow(2).sum())
+    signal = float(reference.abs().pow(2).sum())
+    if noise == 0.0:
+        return math.inf
+    if not math.isfinite(noise) or signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
 
 
 def compare_leaves(path: str, reference: Any, patched: Any, spec: ToleranceSpec) -> TensorComparison | None:
