@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "first_divergence": "compare.divergence",
     "TolerancePolicy": "compare.tolerance",
     "sqnr_policy": "compare.tolerance",
+    "oracle_policy": "compare.tolerance",
     "check_roundtrip": "roundtrip.check",
     "RoundtripReport": "roundtrip.check",
     "load_with_fusion": "roundtrip.check",

@@ -83,7 +83,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addini("modelpatch_atol", "absolute tolerance for equivalence checks (default: per-dtype policy)")
     parser.addini("modelpatch_rtol", "relative tolerance for equivalence checks (default: per-dtype policy)")
-    parser.addini("modelpatch_tolerance_policy", "named tolerance policy: default, strict, loose, sqnr or sqnr:DB", default="")
+    parser.addini("modelpatch_tolerance_policy", "named tolerance policy: default, strict, loose, sqnr, sqnr:DB, oracle or oracle:FACTOR", default="")
     parser.addini(
         "modelpatch_leaks",
         "what to do when a test leaves transformers patch state changed: error (default), warn or off",

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_models
-from pytest_modelpatch.compare.outputs import compare_outputs, describe_inputs, evaluating, forward
+from pytest_modelpatch.compare.outputs import compare_outputs, describe_inputs, evaluating, forward, oracle_outputs
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 from pytest_modelpatch.errors import PatchUsageError
 
@@ -170,7 +170,8 @@ def check_equivalence(
     def one_example(example: Mapping[str, Any]) -> None:
         report.examples += 1
         try:
-            comparisons = compare_outputs(forward(reference, example), forward(patched, example), spec)
+            oracle = oracle_outputs(reference, example, spec)
+            comparisons = compare_outputs(forward(reference, example), forward(patched, example), spec, oracle)
         except Exception:
             remember_failure(example)
             raise

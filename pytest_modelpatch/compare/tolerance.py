@@ -18,6 +18,12 @@ The ``sqnr`` policy judges a whole tensor instead, as quantization authors do (t
 
 with a per-dtype minimum in dB; ``"sqnr:45"`` names the same policy with 45 dB for every dtype.
 
+The ``oracle`` policy (torch._dynamo's ``same(..., fp64_ref=...)``) also runs the reference in
+float64 and passes a tensor when the patched model is no worse against that oracle than the
+reference itself is::
+
+    rmse(patched, fp64) <= factor * rmse(reference, fp64) + floor
+
 Overrides, highest first: explicit arguments, the ``tolerance`` marker, the
 ``modelpatch_atol`` / ``modelpatch_rtol`` ini keys, the policy's per-dtype values.
 This module imports no torch at import time: the plugin sets a test's overrides
@@ -68,6 +74,8 @@ class DtypeTolerance:
     rtol: float
     ulps: float = 0.0
     min_sqnr_db: float | None = None  # set: judge the whole tensor by SQNR instead of elementwise
+    oracle_factor: float | None = None  # set: judge the whole tensor against a float64 run of the reference
+    oracle_floor: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,9 @@ class TolerancePolicy:
         return DtypeTolerance(atol=0.0, rtol=0.0, ulps=0.0)
 
     def __str__(self) -> str:
+        if any(v.oracle_factor is not None for v in self.per_dtype.values()):
+            rows = ", ".join(f"{k}: factor={v.oracle_factor:g} floor={v.oracle_floor:g}" for k, v in self.per_dtype.items())
+            return f"policy {self.name!r} ({rows})"
         if any(v.min_sqnr_db is not None for v in self.per_dtype.values()):
             rows = ", ".join(f"{k}: SQNR >= {v.min_sqnr_db:g} dB" for k, v in self.per_dtype.items())
             return f"policy {self.name!r} ({rows})"
@@ -137,7 +148,31 @@ def sqnr_policy(min_db: float | Mapping[str, float] | None = None) -> ToleranceP
 
 
 SQNR_POLICY = sqnr_policy()
-POLICIES: dict[str, TolerancePolicy] = {p.name: p for p in (DEFAULT_POLICY, STRICT_POLICY, LOOSE_POLICY, SQNR_POLICY)}
+
+# torch._dynamo's same() allows 2x the reference's own RMSE against fp64; the floor keeps an
+# exact reference (error 0) from demanding exactness of the patched model.
+ORACLE_FACTOR = 2.0
+ORACLE_FLOOR: dict[str, float] = {"float64": 1e-12, "float32": 1e-7, "float16": 1e-4, "bfloat16": 1e-3}
+
+
+def oracle_policy(factor: float = ORACLE_FACTOR, floor: Mapping[str, float] | None = None) -> TolerancePolicy:
+    """The ``oracle`` policy: patched error against a float64 reference run <= factor x the reference's + floor.
+
+    Where no float64 run exists (module replay), tensors are judged by the ``default`` numbers.
+    Example: ``assert_equivalent(ref, kernel, policy=oracle_policy(3))`` (same as ``policy="oracle:3"``).
+    """
+    floors = {**ORACLE_FLOOR, **(floor or {})}
+    name = "oracle" if factor == ORACLE_FACTOR and floor is None else f"oracle:{factor:g}"
+    return TolerancePolicy(name, {
+        k: DtypeTolerance(v.atol, v.rtol, v.ulps, oracle_factor=float(factor), oracle_floor=floors[k])
+        for k, v in DEFAULT_POLICY.per_dtype.items()
+    })  # fmt: skip
+
+
+ORACLE_POLICY = oracle_policy()
+POLICIES: dict[str, TolerancePolicy] = {
+    p.name: p for p in (DEFAULT_POLICY, STRICT_POLICY, LOOSE_POLICY, SQNR_POLICY, ORACLE_POLICY)
+}
 
 
 def get_policy(policy: str | TolerancePolicy | None, where: str = "policy=") -> TolerancePolicy:
@@ -148,13 +183,13 @@ def get_policy(policy: str | TolerancePolicy | None, where: str = "policy=") -> 
         return policy
     if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]
-    if isinstance(policy, str) and policy.startswith("sqnr:"):
-        db = parse_tolerance_value(policy.removeprefix("sqnr:"), "sqnr", where) if policy[5:].strip() else None
-        if db is not None:
-            return sqnr_policy(db)
+    kind, _, number = policy.partition(":") if isinstance(policy, str) else ("", "", "")
+    value = parse_tolerance_value(number, kind, where) if kind in ("sqnr", "oracle") and number.strip() else None
+    if value is not None:
+        return sqnr_policy(value) if kind == "sqnr" else oracle_policy(value)
     raise PatchUsageError(
-        f"{where}: unknown tolerance policy {policy!r}. Use one of {sorted(POLICIES)}, 'sqnr:DB' (e.g. 'sqnr:30') "
-        "or a TolerancePolicy object."
+        f"{where}: unknown tolerance policy {policy!r}. Use one of {sorted(POLICIES)}, 'sqnr:DB' (e.g. 'sqnr:30'), "
+        "'oracle:FACTOR' (e.g. 'oracle:3') or a TolerancePolicy object."
     )
 
 
@@ -244,6 +279,8 @@ class Tolerance:
     atol_source: str
     rtol_source: str
     min_sqnr_db: float | None = None
+    oracle_factor: float | None = None
+    oracle_floor: float = 0.0
 
     def abs_term(self, amax: float) -> float:
         """The absolute part of the bound for a tensor whose largest ``|reference|`` is ``amax``."""
@@ -256,6 +293,11 @@ class Tolerance:
     def __str__(self) -> str:
         if self.min_sqnr_db is not None:
             return f"SQNR >= {self.min_sqnr_db:g} dB at {self.dtype} (policy {self.policy!r})"
+        if self.oracle_factor is not None:
+            return (
+                f"rmse against float64 <= {self.oracle_factor:g} x the reference's + {self.oracle_floor:g} "
+                f"at {self.dtype} (policy {self.policy!r})"
+            )
         ulps = f" or {self.ulps:g} ulps of max|ref|" if self.ulps else ""
         if self.atol_source == self.rtol_source:
             return f"atol={self.atol:g}{ulps}, rtol={self.rtol:g} at {self.dtype} ({self.atol_source})"
@@ -283,7 +325,15 @@ class ToleranceSpec:
         rtol, rtol_source = self.rtol if self.rtol is not None else (entry.rtol, origin)
         # An explicit atol is the whole absolute term: the ulp floor belongs to the policy.
         ulps = 0.0 if self.atol is not None else entry.ulps
-        return Tolerance(name, atol, rtol, ulps, self.policy.name, atol_source, rtol_source, entry.min_sqnr_db)
+        return Tolerance(
+            name, atol, rtol, ulps, self.policy.name, atol_source, rtol_source,
+            entry.min_sqnr_db, entry.oracle_factor, entry.oracle_floor,
+        )  # fmt: skip
+
+    @property
+    def uses_oracle(self) -> bool:
+        """Whether comparisons need a float64 run of the reference (the ``oracle`` policy)."""
+        return any(v.oracle_factor is not None for v in self.policy.per_dtype.values())
 
     def __str__(self) -> str:
         source = "" if self.policy_source == "default" else f" ({self.policy_source})"

@@ -104,7 +104,7 @@ def test_ini_strings_are_parsed_and_empty_means_unset() -> None:
 
 
 def test_unknown_policy_name_lists_the_known_ones() -> None:
-    with pytest.raises(PatchUsageError, match=r"unknown tolerance policy 'tight'.*\['default', 'loose', 'sqnr', 'strict'\], 'sqnr:DB'"):
+    with pytest.raises(PatchUsageError, match=r"unknown tolerance policy 'tight'.*\['default', 'loose', 'oracle', 'sqnr', 'strict'\], 'sqnr:DB'"):
         get_policy("tight")
     with pytest.raises(PatchUsageError, match=r"sqnr='loud' is not a non-negative number"):
         get_policy("sqnr:loud")
@@ -244,3 +244,54 @@ def test_int8_weight_only_patch_passes_sqnr_and_fails_a_stricter_threshold(pytes
     default = pytester.runpytest("-p", "no:randomly", "-k", "default_policy", "-o", "modelpatch_tolerance_policy=")
     default.assert_outcomes(failed=1)
     default.stdout.fnmatch_lines(["E*logits: shape (2, 8, 256) float32: *elements over tolerance*"])
+
+
+# ---------------------------------------------------------------------------
+# oracle: no worse against a float64 run than the reference itself
+# ---------------------------------------------------------------------------
+
+ORACLE_SUITE = """
+import pytest
+from fixtures.patches import llama_reordered_mlp
+from pytest_modelpatch import assert_equivalent, check_equivalence
+
+
+@pytest.mark.model("llama")
+@pytest.mark.dtypes("float16", "bfloat16")
+@pytest.mark.patch(llama_reordered_mlp.MAPPING)
+@pytest.mark.tolerance(policy="oracle")
+def test_reordered_accumulation(reference_model, patched_model):
+    report = assert_equivalent(reference_model, patched_model)
+    assert not all(c.max_abs == 0 for c in report.comparisons)  # it does round differently
+    check_equivalence(reference_model, patched_model, max_examples=5)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.dtypes("float32", "float16", "bfloat16")
+@pytest.mark.patch(llama_reordered_mlp.BIAS_MAPPING)
+def test_bias(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model, policy="oracle")
+"""
+
+
+def test_reordered_accumulation_passes_oracle_and_a_small_bias_fails_it(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_oracle=ORACLE_SUITE)
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=2, failed=3)
+    result.stdout.fnmatch_lines([
+        "*test_bias?bfloat16?*",
+        "E*tolerance: rmse against float64 <= 2 x the reference's + 0.001 at bfloat16 (policy 'oracle')",
+        "E*logits: shape (2, 8, 256) bfloat16: rmse against float64 0.01*, more than allowed 0.00* "
+        "(2 x the reference's 0.000* + 0.001)*",
+    ])  # fmt: skip
+    result.stdout.fnmatch_lines(["FAILED test_oracle.py::test_bias[[]float32[]]*", "FAILED test_oracle.py::test_bias[[]float16[]]*"])
+
+
+def test_oracle_policy_numbers_and_names() -> None:
+    from pytest_modelpatch.compare.tolerance import oracle_policy
+
+    tolerance = resolve_tolerance(policy="oracle").for_dtype(torch.bfloat16)
+    assert (tolerance.oracle_factor, tolerance.oracle_floor) == (2.0, 1e-3)
+    assert resolve_tolerance(policy="oracle:3").for_dtype(torch.float32).oracle_factor == 3.0
+    assert oracle_policy(4, {"float32": 0.0}).entry("float32").oracle_floor == 0.0
+    assert resolve_tolerance(policy="oracle").uses_oracle and not resolve_tolerance().uses_oracle
