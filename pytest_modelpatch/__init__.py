@@ -22,6 +22,8 @@ _EXPORTS: dict[str, str] = {
     "check_module_equivalence": "compare.divergence",
     "first_divergence": "compare.divergence",
     "TolerancePolicy": "compare.tolerance",
+    "sqnr_policy": "compare.tolerance",
+    "oracle_policy": "compare.tolerance",
     "check_roundtrip": "roundtrip.check",
     "RoundtripReport": "roundtrip.check",
     "load_with_fusion": "roundtrip.check",

@@ -84,7 +84,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addini("modelpatch_atol", "absolute tolerance for equivalence checks (default: per-dtype policy)")
     parser.addini("modelpatch_rtol", "relative tolerance for equivalence checks (default: per-dtype policy)")
-    parser.addini("modelpatch_tolerance_policy", "named tolerance policy: default, strict or loose", default="")
+    parser.addini("modelpatch_tolerance_policy", "named tolerance policy: default, strict, loose, sqnr, sqnr:DB, oracle or oracle:FACTOR", default="")
     parser.addini(
         "modelpatch_leaks",
         "what to do when a test leaves transformers patch state changed: error (default), warn or off",
@@ -184,9 +184,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _resolve_device(item, _requested_device(item))
 
 
-@pytest.hookimpl(wrapper=True)
+# tryfirst: the outermost wrapper, so it sees the report after pytest's xfail handling
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
+    if item.user_properties:
+        from pytest_modelpatch.reporting.session import stamp_intent
+
+        stamp_intent(item, report)
     if call.excinfo is not None and call.excinfo.errisinstance(PatchLeakError):
         report.longrepr = f"PatchLeakError: {call.excinfo.value}"  # the message says it all; no plugin traceback
     reason = item.stash.get(_GPU_SKIP, None)

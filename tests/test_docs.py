@@ -276,3 +276,56 @@ def test_reference_documents_every_fixture_of_the_plugin(pytester: pytest.Pytest
     reference = REFERENCE.read_text()
     missing = [name for name in fixtures if f"### `{name}`" not in reference]
     assert not missing, f"docs/reference.md has no '### `name`' section for fixtures {missing}"
+
+
+# ---------------------------------------------------------------------------
+# output the docs quote: run the command, compare
+# ---------------------------------------------------------------------------
+
+QUICKSTART = REPO_ROOT / "docs" / "quickstart.md"
+# README's main job, as .ci/run runs it (-p no:randomly: the order the docs show)
+MAIN_JOB = ["-m", "pytest", "docs/examples", "-rxX", "-p", "no:cacheprovider", "-p", "no:randomly"]
+
+
+def comparable_output(text: str) -> list[str]:
+    """pytest output from the progress line on, without what changes run to run: the time and its padding."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("docs/examples/")), len(lines))
+    kept = []
+    for line in lines[start:]:
+        line = re.sub(r" in [\d.]+s\b", " in Ns", line.rstrip())
+        kept.append(line.strip("=- ") if re.fullmatch(r"[=-]+ .* [=-]+", line) else line)
+    return [line for line in kept if line]
+
+
+def test_comparable_output_drops_only_the_time() -> None:
+    quoted = "intro\ndocs/examples/t.py ..x  [100%]\n\n==== 2 passed, 1 xfailed in 11.10s ====\n"
+    assert comparable_output(quoted) == ["docs/examples/t.py ..x  [100%]", "2 passed, 1 xfailed in Ns"]
+    assert comparable_output(quoted) != comparable_output(quoted.replace("1 xfailed", "2 xfailed"))
+
+
+def test_quickstart_quotes_what_the_main_job_prints() -> None:
+    (quoted,) = [b for b in code_blocks(QUICKSTART) if b.language == "text" and "short test summary info" in b.code]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "80"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, *MAIN_JOB], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    expected, actual = comparable_output(quoted.code), comparable_output(done.stdout)
+    assert actual == expected, (
+        f"{quoted.id} no longer shows what `pytest {' '.join(MAIN_JOB[2:])}` prints; paste the real output:\n"
+        + done.stdout[done.stdout.find("docs/examples/"):]
+    )
+
+
+def test_quickstart_quotes_the_failure_its_example_really_raises(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``E`` lines quoted after quickstart's expect-fail block are in that block's real failure."""
+    blocks = code_blocks(QUICKSTART)
+    failing = next(i for i, b in enumerate(blocks) if b.directive == "expect-fail")
+    quoted = next(b for b in blocks[failing + 1 :] if b.language == "text")
+    wanted = [line[1:].strip() for line in quoted.code.splitlines() if line.startswith("E ")]
+    assert len(wanted) > 5, f"{quoted.id}: expected the failure's E lines"
+    monkeypatch.setenv("MODELPATCH_CACHE_DIR", os.environ.get("MODELPATCH_CACHE_DIR") or str(LINT_CACHE))
+    (outcome, message), *_ = run_test_modules(QUICKSTART, pytester).outcomes[blocks[failing].line]
+    assert outcome == "failure"
+    stale = [line for line in wanted if line not in message]
+    assert not stale, f"{quoted.id} quotes lines the failure no longer has:\n" + "\n".join(stale) + f"\n\nreal:\n{message[-5000:]}"

@@ -193,3 +193,4 @@ def test_the_wheel_ships_every_subpackage(tmp_path: Path) -> None:
     for path in _modules().values():
         assert path.relative_to(REPO_ROOT).as_posix() in names, f"{path} is not in the wheel"
     assert f"{NAME}/py.typed" in names
+    assert f"{NAME}/reporting/report.schema.json" in names  # reports are validated against it

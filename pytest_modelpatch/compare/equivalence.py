@@ -23,6 +23,7 @@ from pytest_modelpatch.compare.outputs import (
     describe_tolerances,
     evaluating,
     forward,
+    oracle_outputs,
 )
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 from pytest_modelpatch.compare.same_model import check_same_model
@@ -117,7 +118,8 @@ def compare_models(
     """Run both models on ``inputs`` and compare; on a difference, find the first diverging module."""
     start = time.perf_counter()
     with evaluating(reference, patched):
-        comparisons = compare_outputs(forward(reference, inputs), forward(patched, inputs), spec)
+        oracle = oracle_outputs(reference, inputs, spec)  # None unless the policy is 'oracle'
+        comparisons = compare_outputs(forward(reference, inputs), forward(patched, inputs), spec, oracle)
     param = next(reference.parameters(), None)
     report = EquivalenceReport(
         reference=type(reference).__name__, patched=type(patched).__name__, comparisons=comparisons,

@@ -8,7 +8,10 @@ property checks and module replay all build on this module and nothing here buil
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,9 +106,13 @@ class TensorComparison:
     worst_patched: float | None = None
     bound_at_worst: float = 0.0
     tolerance: Tolerance | None = None
+    sqnr_db: float | None = None  # set when the tolerance judges by SQNR
+    oracle_rmse: tuple[float, float, float] | None = None  # (patched, reference, allowed) against float64
 
     @property
     def passed(self) -> bool:
+        if self.problem is None and self.sqnr_db is not None and self.tolerance is not None:
+            return self.sqnr_db >= (self.tolerance.min_sqnr_db or 0.0)
         return self.problem is None and self.over == 0
 
     def __str__(self) -> str:
@@ -113,8 +120,21 @@ class TensorComparison:
         if self.problem is not None:
             return f"{name}: {self.problem}"
         head = f"{name}: shape {self.shape} {self.dtype}"
+        sqnr = "" if self.sqnr_db is None else f"SQNR {self.sqnr_db:.1f} dB, "
         if self.passed:
-            return f"{head}: ok (max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g})"
+            return f"{head}: ok ({sqnr}max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g})"
+        if self.oracle_rmse is not None and self.tolerance is not None:
+            patched, reference, allowed = self.oracle_rmse
+            return (
+                f"{head}: rmse against float64 {patched:.4g}, more than allowed {allowed:.4g} "
+                f"({self.tolerance.oracle_factor:g} x the reference's {reference:.4g} + {self.tolerance.oracle_floor:g}); "
+                f"max abs {self.max_abs:.4g}, max rel {self.max_rel:.4g}"
+            )
+        if self.sqnr_db is not None and self.tolerance is not None:
+            return (
+                f"{head}: SQNR {self.sqnr_db:.1f} dB, below the minimum {self.tolerance.min_sqnr_db:g} dB; "
+                f"max abs {self.max_abs:.4g}, max rel {self.max_rel:.4g}"
+            )
         index = ", ".join(map(str, self.worst_index))
         return (
             f"{head}: {self.over}/{self.total} elements over tolerance; max abs {self.max_abs:.4g}, "
@@ -129,45 +149,80 @@ def describe_tolerances(comparisons: list[TensorComparison]) -> list[str]:
     return [f"tolerance: {text}" for text in seen]
 
 
-def compare_tensors(path: str, reference: torch.Tensor, patched: torch.Tensor, spec: ToleranceSpec) -> TensorComparison:
-    """Compare two tensors elementwise under ``spec`` at the reference's dtype."""
+def compare_tensors(
+    path: str, reference: torch.Tensor, patched: torch.Tensor, spec: ToleranceSpec, oracle: torch.Tensor | None = None
+) -> TensorComparison:
+    """Compare two tensors under ``spec`` at the reference's dtype (``oracle``: the float64 run's tensor)."""
     shape, dtype = tuple(reference.shape), dtype_label(reference.dtype)
     if tuple(patched.shape) != shape or patched.dtype != reference.dtype:
         return TensorComparison(
             path, shape, dtype, problem=f"reference is {_describe_leaf(reference)}, patched is {_describe_leaf(patched)}"
         )
     tolerance = spec.for_dtype(reference.dtype)
+    if tolerance.oracle_factor is not None and (oracle is None or tuple(oracle.shape) != shape):
+        # no float64 run of this tensor (module replay, a cache of another shape): elementwise numbers
+        tolerance = dataclasses.replace(tolerance, oracle_factor=None)
     total = reference.numel()
+    judge_sqnr = tolerance.min_sqnr_db is not None
     if total == 0 or torch.equal(reference, patched):
-        return TensorComparison(path, shape, dtype, total=total, tolerance=tolerance)
+        return TensorComparison(path, shape, dtype, total=total, tolerance=tolerance, sqnr_db=math.inf if judge_sqnr else None)
     wide = torch.complex128 if reference.is_complex() else torch.float64
     ref, pat = reference.detach().to(wide), patched.detach().to(wide)
     diff = (pat - ref).abs()
     # Equal values (infinities included) and NaN in both count as agreeing; NaN in one does not.
-    diff = torch.where((ref == pat) | (ref.isnan() & pat.isnan()), 0.0, diff.nan_to_num(nan=torch.inf))
+    # posinf=inf: nan_to_num's default turns inf into the dtype's max, which reports read as 1.8e+308.
+    diff = torch.where((ref == pat) | (ref.isnan() & pat.isnan()), 0.0, diff.nan_to_num(nan=torch.inf, posinf=torch.inf))
     magnitude = ref.abs()
     finite = magnitude[magnitude.isfinite()]
     amax = float(finite.max()) if finite.numel() else 0.0
     bound = tolerance.abs_term(amax) + tolerance.rtol * magnitude.nan_to_num(nan=0.0, posinf=0.0)
     over_mask = diff > bound
     over = int(over_mask.sum())
+    sqnr = sqnr_db(ref, pat) if judge_sqnr else None
+    if sqnr is not None:  # judged as a whole: every element is over, or none
+        over = 0 if sqnr >= (tolerance.min_sqnr_db or 0.0) else total
+    oracle_rmse = None
+    if tolerance.oracle_factor is not None and oracle is not None:
+        truth = oracle.detach().to(wide)
+        patched_error, reference_error = _rmse(pat, truth), _rmse(ref, truth)
+        allowed = tolerance.oracle_factor * reference_error + tolerance.oracle_floor
+        oracle_rmse = (patched_error, reference_error, allowed)
+        over = 0 if patched_error <= allowed else total  # a NaN error is over
     rel = torch.where(diff == 0, 0.0, diff / magnitude)
     flat = int(torch.argmax(diff - bound)) if over else int(torch.argmax(diff))
     worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), reference.shape))
     return TensorComparison(
         path, shape, dtype,
-        max_abs=float(diff.max()), max_rel=float(rel.nan_to_num(nan=torch.inf).max()),
+        max_abs=float(diff.max()), max_rel=float(rel.nan_to_num(nan=torch.inf, posinf=torch.inf).max()),
         over=over, total=total, worst_index=worst,
         worst_reference=complex(ref[worst]).real if ref.is_complex() else float(ref[worst]),
         worst_patched=complex(pat[worst]).real if pat.is_complex() else float(pat[worst]),
         bound_at_worst=float(bound[worst]), tolerance=tolerance,
+        sqnr_db=sqnr, oracle_rmse=oracle_rmse,
     )  # fmt: skip
 
 
-def compare_leaves(path: str, reference: Any, patched: Any, spec: ToleranceSpec) -> TensorComparison | None:
+def _rmse(value: torch.Tensor, truth: torch.Tensor) -> float:
+    return float((value - truth).abs().pow(2).mean().sqrt())
+
+
+def sqnr_db(reference: torch.Tensor, patched: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``10 log10(sum ref^2 / sum (pat - ref)^2)`` (torchao's ``compute_error``)."""
+    noise = float((patched - reference).abs().pow(2).sum())
+    signal = float(reference.abs().pow(2).sum())
+    if noise == 0.0:
+        return math.inf
+    if not math.isfinite(noise) or signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def compare_leaves(
+    path: str, reference: Any, patched: Any, spec: ToleranceSpec, oracle: Any = None
+) -> TensorComparison | None:
     """Compare two leaves from :func:`flatten_outputs`; ``None`` when there is nothing to compare."""
     if isinstance(reference, torch.Tensor) and isinstance(patched, torch.Tensor):
-        return compare_tensors(path, reference, patched, spec)
+        return compare_tensors(path, reference, patched, spec, oracle if isinstance(oracle, torch.Tensor) else None)
     if reference is None and patched is None:
         return None
     same = (
@@ -183,9 +238,17 @@ def compare_leaves(path: str, reference: Any, patched: Any, spec: ToleranceSpec)
 
 
 def compare_flat(
-    reference: Mapping[str, Any], patched: Mapping[str, Any], spec: ToleranceSpec, *, common_only: bool = False
+    reference: Mapping[str, Any],
+    patched: Mapping[str, Any],
+    spec: ToleranceSpec,
+    *,
+    common_only: bool = False,
+    oracle: Mapping[str, Any] | None = None,
 ) -> list[TensorComparison]:
-    """Compare two ``path -> leaf`` dicts; a path on one side only is a problem unless ``common_only``."""
+    """Compare two ``path -> leaf`` dicts; a path on one side only is a problem unless ``common_only``.
+
+    ``oracle``: the same paths from a float64 run of the reference, for the ``oracle`` policy.
+    """
     paths = [*reference, *(p for p in patched if p not in reference)]
     if common_only:
         paths = [p for p in paths if p in reference and p in patched]
@@ -204,15 +267,37 @@ def compare_flat(
                 side = f"reference is None, patched is {text}" if ref is None else f"reference is {text}, patched is None"
                 results.append(TensorComparison(path, problem=f"{side} (at {inside[0]})"))
                 continue
-        result = compare_leaves(path, ref, pat, spec)
+        result = compare_leaves(path, ref, pat, spec, (oracle or {}).get(path))
         if result is not None:
             results.append(result)
     return results
 
 
-def compare_outputs(reference: Any, patched: Any, spec: ToleranceSpec) -> list[TensorComparison]:
-    """Compare two (nested) outputs leaf by leaf; structure differences are reported as problems."""
-    return compare_flat(dict(flatten_outputs(reference)), dict(flatten_outputs(patched)), spec)
+def compare_outputs(reference: Any, patched: Any, spec: ToleranceSpec, oracle: Any = None) -> list[TensorComparison]:
+    """Compare two (nested) outputs leaf by leaf; structure differences are reported as problems.
+
+    ``oracle``: the output of a float64 run of the reference (:func:`oracle_outputs`), or ``None``.
+    """
+    truth = dict(flatten_outputs(oracle)) if oracle is not None else None
+    return compare_flat(dict(flatten_outputs(reference)), dict(flatten_outputs(patched)), spec, oracle=truth)
+
+
+_FLOAT64_COPIES: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+
+
+def oracle_outputs(reference: torch.nn.Module, inputs: Mapping[str, Any], spec: ToleranceSpec) -> Any:
+    """The reference's output in float64 when ``spec`` is the ``oracle`` policy, else ``None``.
+
+    The float64 copy is made once per reference model (it is the unpatched model, so copying
+    it changes nothing global); floating inputs are cast to float64 too.
+    """
+    if not spec.uses_oracle:
+        return None
+    if reference not in _FLOAT64_COPIES:
+        _FLOAT64_COPIES[reference] = copy.deepcopy(reference).to(torch.float64).eval()
+    wide = {k: v.to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    with torch.no_grad():
+        return forward(_FLOAT64_COPIES[reference], wide)
 
 
 # ---------------------------------------------------------------------------

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_models
-from pytest_modelpatch.compare.outputs import compare_outputs, describe_inputs, evaluating, forward
+from pytest_modelpatch.compare.outputs import compare_outputs, describe_inputs, evaluating, forward, oracle_outputs
 from pytest_modelpatch.compare.same_model import check_same_model
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
+from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.usage import patch_usage, unused_message
 
@@ -53,6 +53,7 @@ class PropertyReport:
     max_abs_error: float = 0.0
     max_rel_error: float = 0.0
     tolerance: ToleranceSpec | None = None
+    worst: EquivalenceReport | None = None  # the passing example with the largest error, for the report row
     failure: EquivalenceReport | None = None
     error: str = ""  # an exception a model raised on the minimal example, when that was the failure
     minimal_inputs: str = ""
@@ -90,6 +91,11 @@ class PropertyReport:
         if self.failure is not None:
             self.failure.duration_s = self.duration_s
             self.failure.record(kind="property", examples=self.examples, detail=str(self))
+            return
+        if self.worst is not None and self.passed:
+            # a passing row shows its worst example's figures: device, dtype, tolerance, output
+            self.worst.duration_s = self.duration_s
+            self.worst.record(kind="property", examples=self.examples)
             return
         from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
@@ -173,7 +179,8 @@ def check_equivalence(
     def one_example(example: Mapping[str, Any]) -> None:
         report.examples += 1
         try:
-            comparisons = compare_outputs(forward(reference, example), forward(patched, example), spec)
+            oracle = oracle_outputs(reference, example, spec)
+            comparisons = compare_outputs(forward(reference, example), forward(patched, example), spec, oracle)
             ran.update(u.replacement for u in patch_usage(patched) if u.calls_in_last_forward)
         except Exception:
             remember_failure(example)
@@ -181,6 +188,9 @@ def check_equivalence(
         if not all(c.passed for c in comparisons):
             remember_failure(example)
             raise _ExampleFailed()
+        worst = max((c.max_abs for c in comparisons), default=0.0)
+        if report.worst is None or worst > report.worst.max_abs_error:
+            report.worst = example_report(reference, patched, comparisons, spec, example)
         report.max_abs_error = max([report.max_abs_error, *(c.max_abs for c in comparisons)])
         report.max_rel_error = max([report.max_rel_error, *(c.max_rel for c in comparisons)])
 
@@ -207,6 +217,18 @@ def check_equivalence(
         raise AssertionError(str(report))
     report.record()
     return report
+
+
+def example_report(
+    reference: torch.nn.Module, patched: torch.nn.Module, comparisons: list[Any], spec: ToleranceSpec, example: Mapping[str, Any]
+) -> EquivalenceReport:
+    """One passing example as an equivalence report (no divergence search: it passed)."""
+    param = next(reference.parameters(), None)
+    return EquivalenceReport(
+        reference=type(reference).__name__, patched=type(patched).__name__, comparisons=comparisons,
+        tolerance=spec, inputs=describe_inputs(example),
+        device=str(param.device) if param is not None else "", dtype=dtype_label(param.dtype) if param is not None else "",
+    )  # fmt: skip
 
 
 class _ExampleFailed(Exception):

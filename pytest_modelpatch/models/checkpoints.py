@@ -260,6 +260,9 @@ def checkpoint_model_class(path: Path | str) -> type[PreTrainedModel]:
     return model_class_for(config)
 
 
+MISSING_WEIGHTS_SEED = 0  # see load_pretrained
+
+
 def auto_class_for(cls: type[PreTrainedModel]) -> Any:
     """The Auto class users load ``cls`` through (``AutoModelForCausalLM`` for ``LlamaForCausalLM``), else ``None``.
 
@@ -301,7 +304,11 @@ def load_pretrained(
     cls = model_class or checkpoint_model_class(path)
     loader = auto_class_for(cls) or cls
     try:
-        with _quiet_progress_bars():
+        # Weights the checkpoint lacks (a patch that renames or drops parameters) are initialised
+        # by from_pretrained from torch's global RNG: seed it, in a fork, so a broken patch reports
+        # the same figures every run and the test's own RNG state is left as it was.
+        with _quiet_progress_bars(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(MISSING_WEIGHTS_SEED)
             model = loader.from_pretrained(path, dtype=parse_dtype(dtype), **from_pretrained_kwargs)
     except SafetensorError as exc:
         names = ", ".join(f.name for f in files)

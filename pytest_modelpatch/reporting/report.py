@@ -8,14 +8,49 @@ controller, the terminal table) lives in :mod:`pytest_modelpatch.reporting.sessi
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from pytest_modelpatch.errors import ReportFileError
-from pytest_modelpatch.reporting.records import CheckRecord
+from pytest_modelpatch.reporting.records import CheckRecord, shown_outcome
 
-REPORT_FORMAT = 1
+# 2: strict JSON (non-finite numbers as "nan"/"inf"/"-inf"), expected_failure and intent on rows
+SCHEMA_VERSION = 2
+REPORT_FORMAT = SCHEMA_VERSION  # the header's "format", kept for readers of version 1
+SCHEMA_FILE = Path(__file__).with_name("report.schema.json")
+NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def strict_json_value(value: Any) -> Any:
+    """``value`` with every non-finite float written as the string ``"nan"``, ``"inf"`` or ``"-inf"``.
+
+    Strict parsers (jq, JavaScript, ``json.loads(..., parse_constant=...)``) reject bare
+    ``NaN``/``Infinity``, so the report never holds them. Example: ``{"e": inf}`` -> ``{"e": "inf"}``.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: strict_json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json_value(v) for v in value]
+    return value
+
+
+def _read_figure(value: Any) -> Any:
+    return NON_FINITE[value] if isinstance(value, str) and value in NON_FINITE else value
+
+
+def read_figures(row: dict[str, Any]) -> dict[str, Any]:
+    """A row as read back: the number fields' ``"nan"``/``"inf"`` strings as floats again."""
+    out = {k: _read_figure(v) if k in _NUMBER_FIELDS else v for k, v in row.items()}
+    if isinstance(out.get("profile"), list):
+        out["profile"] = [[name, _read_figure(error)] for name, error in out["profile"]]
+    return out
+
+
+_NUMBER_FIELDS = ("max_abs_error", "max_rel_error", "atol", "rtol", "duration_s")
 
 
 def _current_patches() -> tuple[list[str], list[str]]:
@@ -46,8 +81,10 @@ def sort_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def write_report(path: Path, header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Write the report as strict JSON (no NaN/Infinity tokens), valid against ``report.schema.json``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"header": header, "rows": sort_rows(rows)}, indent=2) + "\n", encoding="utf-8")
+    data = {"schema_version": SCHEMA_VERSION, "header": header, "rows": sort_rows(rows)}
+    path.write_text(json.dumps(strict_json_value(data), indent=2, allow_nan=False) + "\n", encoding="utf-8")
 
 
 def load_report(path: Path) -> dict[str, Any]:
@@ -60,16 +97,19 @@ def load_report(path: Path) -> dict[str, Any]:
         raise ReportFileError(f"{path}: not a modelpatch JSON report ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise ReportFileError(f"{path}: not a modelpatch JSON report (no 'rows' list); write one with --modelpatch-report")
+    data["rows"] = [read_figures(row) for row in data["rows"]]
     return data
 
 
 def worst_first(row: dict[str, Any]) -> tuple[float, str, str]:
     """Sort key: largest max abs error first, then by node id and check."""
-    return -(row.get("max_abs_error") or 0.0), row["nodeid"], row["check"]
+    error = _read_figure(row.get("max_abs_error")) or 0.0
+    return -(math.inf if math.isnan(error) else error), row["nodeid"], row["check"]
 
 
-def _figure(value: Any) -> str:
-    return "-" if value is None else f"{value:.3g}"
+def figure(value: Any) -> str:
+    """A number for a table: ``1e-07``, ``inf``, ``nan``, or ``-`` when there is none."""
+    return "-" if value is None else f"{_read_figure(value):.3g}"
 
 
 def summary_lines(rows: list[dict[str, Any]], limit: int = 20) -> list[str]:
@@ -78,7 +118,7 @@ def summary_lines(rows: list[dict[str, Any]], limit: int = 20) -> list[str]:
     table = [("outcome", "max abs", "max rel", "check", "model", "dtype@device", "test")]
     for r in ordered[:limit]:
         where = f"{r.get('dtype') or '-'}@{r.get('device') or '-'}"
-        table.append((r["outcome"], _figure(r.get("max_abs_error")), _figure(r.get("max_rel_error")),
+        table.append((shown_outcome(r["outcome"], bool(r.get("expected_failure"))), figure(r.get("max_abs_error")), figure(r.get("max_rel_error")),
                       r["check"], r.get("model") or "-", where, r["nodeid"]))  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in table]

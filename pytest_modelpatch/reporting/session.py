@@ -54,6 +54,30 @@ def attaching_checks(item: pytest.Item) -> Iterator[None]:
         set_record_sink(previous)
 
 
+CAUGHT = "caught: the check raised AssertionError and the test caught it and passed (e.g. pytest.raises)"
+
+
+def stamp_intent(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Mark the test's rows as expected failures when its report says the test meant them to fail.
+
+    Runs on the worker, on the final report of each phase (after pytest's xfail handling), so the
+    rows carry the intent to the controller. An ``xfail`` test that xfailed or xpassed marks every
+    row; a passing test marks its failed rows, because every check raises AssertionError right
+    after recording a failure: the test went on only because it caught that error.
+    """
+    rows = [value for name, value in item.user_properties if name == ROW_PROPERTY]
+    if hasattr(report, "wasxfail"):
+        reason = f"xfail: {report.wasxfail}" if report.wasxfail else "xfail"
+        marked = [r for r in rows if not r.get("expected_failure")]
+    elif report.when == "call" and report.passed:
+        reason = CAUGHT
+        marked = [r for r in rows if r["outcome"] == "failed" and not r.get("expected_failure")]
+    else:
+        return
+    for row in marked:
+        row["expected_failure"], row["intent"] = True, reason
+
+
 # ---------------------------------------------------------------------------
 # seed: chosen on the controller, sent to workers in workerinput
 # ---------------------------------------------------------------------------
@@ -231,7 +255,10 @@ class ReportSession:
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.rows:
-            terminalreporter.write_sep("-", f"modelpatch: {len(self.rows)} check{'s' * (len(self.rows) != 1)}, worst first")
+            expected = sum(bool(r.get("expected_failure")) for r in self.rows)
+            meant = f" ({expected} in tests meant to fail)" if expected else ""
+            title = f"modelpatch: {len(self.rows)} check{'s' * (len(self.rows) != 1)}{meant}, worst first"
+            terminalreporter.write_sep("-", title)
             for line in summary_lines(self.rows):
                 terminalreporter.write_line(line)
         if self.verdict is not None:

@@ -104,8 +104,10 @@ def test_ini_strings_are_parsed_and_empty_means_unset() -> None:
 
 
 def test_unknown_policy_name_lists_the_known_ones() -> None:
-    with pytest.raises(PatchUsageError, match=r"unknown tolerance policy 'tight'.*\['default', 'loose', 'strict'\]"):
+    with pytest.raises(PatchUsageError, match=r"unknown tolerance policy 'tight'.*\['default', 'loose', 'oracle', 'sqnr', 'strict'\], 'sqnr:DB'"):
         get_policy("tight")
+    with pytest.raises(PatchUsageError, match=r"sqnr='loud' is not a non-negative number"):
+        get_policy("sqnr:loud")
 
 
 def test_custom_policy_entries_and_fallback_for_other_float_dtypes() -> None:
@@ -165,3 +167,131 @@ def test_marker_and_ini_reach_assert_equivalent_in_a_real_run(pytester: pytest.P
             "E*tolerance: atol=0 (argument), rtol=0 (ini) at float32",
         ]
     )
+
+
+# ---------------------------------------------------------------------------
+# sqnr: a whole tensor judged by its signal-to-quantization-noise ratio
+# ---------------------------------------------------------------------------
+
+
+def test_sqnr_policy_has_per_dtype_defaults_and_a_named_threshold() -> None:
+    assert resolve_tolerance(policy="sqnr").for_dtype(torch.bfloat16).min_sqnr_db == 30.0
+    assert resolve_tolerance(policy="sqnr").for_dtype(torch.float32).min_sqnr_db == 40.0
+    assert resolve_tolerance(policy="sqnr:55").for_dtype(torch.float16).min_sqnr_db == 55.0
+    assert str(resolve_tolerance(policy="sqnr:55").for_dtype(torch.float32)) == "SQNR >= 55 dB at float32 (policy 'sqnr:55')"
+
+
+def test_sqnr_is_ten_log10_of_signal_over_noise() -> None:
+    from pytest_modelpatch.compare.outputs import compare_tensors, sqnr_db
+
+    reference = torch.ones(100, dtype=torch.float64)
+    assert sqnr_db(reference, reference + 0.01) == pytest.approx(40.0)  # signal 100, noise 0.01
+    assert sqnr_db(reference, reference) == float("inf")
+    spec = resolve_tolerance(policy="sqnr:39")
+    assert compare_tensors("x", reference, reference + 0.01, spec).passed
+    failing = compare_tensors("x", reference, reference + 0.01, resolve_tolerance(policy="sqnr:41"))
+    assert not failing.passed and failing.over == 100
+    assert "x: shape (100,) float64: SQNR 40.0 dB, below the minimum 41 dB" in str(failing)
+
+
+INT8_SUITE = """
+import pytest
+from fixtures.patches import llama_int8_mlp
+from pytest_modelpatch import assert_equivalent, check_equivalence
+
+INT8 = pytest.mark.patch(llama_int8_mlp.MAPPING)
+
+
+@pytest.mark.model("llama")
+@INT8
+def test_default_policy_calls_quantization_a_bug(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llama")
+@INT8
+@pytest.mark.tolerance(policy="sqnr")
+def test_sqnr_marker(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+    check_equivalence(reference_model, patched_model, max_examples=5)
+
+
+@pytest.mark.model("llama")
+@INT8
+def test_sqnr_argument_at_a_stricter_threshold(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model, policy="sqnr:60")
+
+
+@pytest.mark.model("llama")
+@pytest.mark.dtypes("bfloat16")
+@INT8
+def test_sqnr_from_ini_in_bfloat16(reference_model, patched_model):
+    report = assert_equivalent(reference_model, patched_model)
+    assert str(report).endswith("tolerance: policy 'sqnr' (ini)")
+"""
+
+
+def test_int8_weight_only_patch_passes_sqnr_and_fails_a_stricter_threshold(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_int8=INT8_SUITE)
+    pytester.makeini("[pytest]\nmodelpatch_tolerance_policy = sqnr\n")
+    result = pytester.runpytest("-p", "no:randomly", "-k", "sqnr")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines([
+        "*test_sqnr_argument_at_a_stricter_threshold*",
+        "E*logits: shape (2, 8, 256) float32: SQNR 5?.? dB, below the minimum 60 dB*",
+        "E*tolerance: SQNR >= 60 dB at float32 (policy 'sqnr:60')",
+    ])  # fmt: skip
+    default = pytester.runpytest("-p", "no:randomly", "-k", "default_policy", "-o", "modelpatch_tolerance_policy=")
+    default.assert_outcomes(failed=1)
+    default.stdout.fnmatch_lines(["E*logits: shape (2, 8, 256) float32: *elements over tolerance*"])
+
+
+# ---------------------------------------------------------------------------
+# oracle: no worse against a float64 run than the reference itself
+# ---------------------------------------------------------------------------
+
+ORACLE_SUITE = """
+import pytest
+from fixtures.patches import llama_reordered_mlp
+from pytest_modelpatch import assert_equivalent, check_equivalence
+
+
+@pytest.mark.model("llama")
+@pytest.mark.dtypes("float16", "bfloat16")
+@pytest.mark.patch(llama_reordered_mlp.MAPPING)
+@pytest.mark.tolerance(policy="oracle")
+def test_reordered_accumulation(reference_model, patched_model):
+    report = assert_equivalent(reference_model, patched_model)
+    assert not all(c.max_abs == 0 for c in report.comparisons)  # it does round differently
+    check_equivalence(reference_model, patched_model, max_examples=5)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.dtypes("float32", "float16", "bfloat16")
+@pytest.mark.patch(llama_reordered_mlp.BIAS_MAPPING)
+def test_bias(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model, policy="oracle")
+"""
+
+
+def test_reordered_accumulation_passes_oracle_and_a_small_bias_fails_it(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_oracle=ORACLE_SUITE)
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=2, failed=3)
+    result.stdout.fnmatch_lines([
+        "*test_bias?bfloat16?*",
+        "E*tolerance: rmse against float64 <= 2 x the reference's + 0.001 at bfloat16 (policy 'oracle')",
+        "E*logits: shape (2, 8, 256) bfloat16: rmse against float64 0.01*, more than allowed 0.00* "
+        "(2 x the reference's 0.000* + 0.001)*",
+    ])  # fmt: skip
+    result.stdout.fnmatch_lines(["FAILED test_oracle.py::test_bias[[]float32[]]*", "FAILED test_oracle.py::test_bias[[]float16[]]*"])
+
+
+def test_oracle_policy_numbers_and_names() -> None:
+    from pytest_modelpatch.compare.tolerance import oracle_policy
+
+    tolerance = resolve_tolerance(policy="oracle").for_dtype(torch.bfloat16)
+    assert (tolerance.oracle_factor, tolerance.oracle_floor) == (2.0, 1e-3)
+    assert resolve_tolerance(policy="oracle:3").for_dtype(torch.float32).oracle_factor == 3.0
+    assert oracle_policy(4, {"float32": 0.0}).entry("float32").oracle_floor == 0.0
+    assert resolve_tolerance(policy="oracle").uses_oracle and not resolve_tolerance().uses_oracle

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,14 @@ from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.reporting.report import row_from_record, write_report
 
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
 def modelpatch(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pytest_modelpatch", *args], capture_output=True, text=True, cwd=cwd, check=False)
+    # PYTHONPATH: run this checkout's package, not whichever copy is installed
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-m", "pytest_modelpatch", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, check=False)  # fmt: skip
 
 
 def _report(path: Path, **errors: float) -> Path:
