@@ -14,6 +14,7 @@ import pytest
 
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.errors import PatchLeakError, PatchUsageError
+from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.leaks import LeakGuard, parse_leak_mode
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 
@@ -117,6 +118,11 @@ def pytest_configure(config: pytest.Config) -> None:
     from pytest_modelpatch.reporting import session  # torch-free: reads options, registers the report hooks
 
     session.configure(config)
+    hold_for_session(True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    hold_for_session(False)
 
 
 # ---------------------------------------------------------------------------
@@ -188,6 +194,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     if call.excinfo is not None and call.excinfo.errisinstance(PatchLeakError):
         report.longrepr = f"PatchLeakError: {call.excinfo.value}"  # the message says it all; no plugin traceback
+        if hasattr(report, "wasxfail"):  # pytest turns any error of an xfail test into an xfail: a leak is not one
+            del report.wasxfail
+            report.outcome = "failed"
     reason = item.stash.get(_GPU_SKIP, None)
     if reason is not None and report.skipped and isinstance(report.longrepr, tuple):
         # point the skip at the test, as pytest does for its own skip marks
@@ -252,6 +261,26 @@ def _modelpatch_guard(request: pytest.FixtureRequest) -> Iterator[ActivePatches 
                 active.close()
         finally:
             _finish_guard(guard, nodeid)
+
+
+_SCOPED_GUARDS: dict[Any, LeakGuard] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Iterator[Any]:
+    # A fixture of wider scope answers for its own patches, from its setup to its teardown;
+    # the tests it serves take it as their baseline.
+    if fixturedef.scope != "function" and fixturedef not in _SCOPED_GUARDS:
+        mode = parse_leak_mode(request.config.getini("modelpatch_leaks"))
+        if mode != "off":
+            _SCOPED_GUARDS[fixturedef] = LeakGuard(mode)
+    return (yield)
+
+
+def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> None:
+    guard = _SCOPED_GUARDS.pop(fixturedef, None)
+    if guard is not None:
+        _finish_guard(guard, f"{fixturedef.scope}-scoped fixture {fixturedef.argname!r}")
 
 
 def _finish_guard(guard: LeakGuard | None, nodeid: str) -> None:

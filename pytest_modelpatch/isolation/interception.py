@@ -21,6 +21,7 @@ from pytest_modelpatch.isolation.snapshot import MODELING_UTILS, MONKEY_PATCHING
 
 ACTIVE: list[PatchStateSnapshot] = []
 _ORIGINALS: dict[str, Any] = {}
+_HELD: list[bool] = []  # non-empty while the plugin keeps the wrappers in place for the whole session
 
 
 def _tracking_patch_output_recorders(model: Any) -> None:
@@ -130,7 +131,7 @@ class _WrappingLoader(importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._loader.exec_module(module)
-        if ACTIVE:
+        if ACTIVE or _HELD:
             _install_wrappers(module)
 
 
@@ -139,8 +140,28 @@ _IMPORT_HOOK = _MonkeyPatchingImportHook()
 
 def activate(snap: PatchStateSnapshot) -> None:
     ACTIVE.append(snap)
-    if len(ACTIVE) > 1:
+    if len(ACTIVE) > 1 or _HELD:
         return
+    _install()
+
+
+def hold_for_session(on: bool) -> None:
+    """Keep the exception-safe ``apply_patches`` in place from configure to unconfigure.
+
+    Patched loads in conftest code and in fixtures of any scope run outside every
+    snapshot; transformers leaves classes swapped when such a load fails.
+    """
+    if on and not _HELD:
+        _HELD.append(True)
+        if not ACTIVE:
+            _install()
+    elif not on and _HELD:
+        _HELD.clear()
+        if not ACTIVE:
+            _uninstall()
+
+
+def _install() -> None:
     mp = sys.modules.get(MONKEY_PATCHING)
     if mp is not None:
         _install_wrappers(mp)
@@ -151,8 +172,11 @@ def activate(snap: PatchStateSnapshot) -> None:
 def deactivate(snap: PatchStateSnapshot) -> None:
     if snap in ACTIVE:
         ACTIVE.remove(snap)
-    if ACTIVE:
-        return
+    if not ACTIVE and not _HELD:
+        _uninstall()
+
+
+def _uninstall() -> None:
     if _IMPORT_HOOK in sys.meta_path:
         sys.meta_path.remove(_IMPORT_HOOK)
     _uninstall_wrappers()

@@ -1,9 +1,11 @@
 """The leak guard: global patch state changed by a test and not restored.
 
-Around every test the plugin snapshots transformers' patch state; whatever is
-different after the test's own fixtures are torn down leaked (a test that called
-``register_patch_mapping`` itself and forgot to clean up). It is restored, then
-reported according to ``modelpatch_leaks``.
+Around every test the plugin snapshots transformers' patch state (``snapshot.py``)
+and what kernel libraries patch directly (``library_state.py``: modeling module
+globals, their classes' attributes, attention and mask functions); whatever is
+different after the test's own fixtures are torn down leaked. It is restored, then
+reported according to ``modelpatch_leaks``. A fixture of wider scope gets its own
+guard, from its setup to its teardown, so its patches are charged to it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import warnings
 
 from pytest_modelpatch.errors import ModelPatchWarning, PatchUsageError
 from pytest_modelpatch.isolation.guard import PatchStateGuard
+from pytest_modelpatch.isolation.library_state import LibraryState
 
 LEAK_MODES = ("error", "warn", "off")
 
@@ -25,7 +28,7 @@ def parse_leak_mode(value: str) -> str:
 
 
 def leak_message(nodeid: str, changes: list[str]) -> str:
-    """The report for one leaking test: which test, and every leaked key or class."""
+    """The report for one leaking test or fixture: which one, and every leaked key or class."""
     lines = "\n".join(f"  - {change}" for change in changes)
     return (
         f"{nodeid} leaked transformers patch state (restored now, so later tests are unaffected):\n{lines}\n"
@@ -40,10 +43,12 @@ class LeakGuard:
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self._guard = PatchStateGuard()
+        self._library = LibraryState.take()
 
     def finish(self, nodeid: str) -> str | None:
         """Restore what leaked; in ``error`` mode return the report, in ``warn`` mode warn it."""
         changes = self._guard.restore()
+        changes += self._library.reconcile()
         if not changes:
             return None
         message = leak_message(nodeid, changes)
