@@ -100,6 +100,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="rewrite --modelpatch-baseline PATH with this run's checks instead of comparing")
     group.addoption("--modelpatch-html", dest="modelpatch_html", default=None, metavar="PATH",
                     help="write an HTML page with the divergence profile of each failing equivalence check")
+    group.addoption("--modelpatch-verify-cache", dest="modelpatch_verify_cache", action="store_true", default=False,
+                    help="hash every file of each cached tiny checkpoint before use (default: sizes and safetensors headers)")
     parser.addini("modelpatch_seed", "session seed for property checks (default 0)", default="")
     parser.addini("modelpatch_max_abs_error", "gate: fail the session when a check's max abs error exceeds this", default="")
     parser.addini("modelpatch_max_rel_error", "gate: fail the session when a check's max rel error exceeds this", default="")
@@ -119,6 +121,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
     session.configure(config)
     hold_for_session(True)
+    if config.getoption("modelpatch_verify_cache"):
+        from pytest_modelpatch.models.cache import set_full_verification  # torch-free
+
+        set_full_verification(True)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

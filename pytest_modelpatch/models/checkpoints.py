@@ -3,14 +3,16 @@
 ``cached_checkpoint`` saves a seeded model once (safetensors, ``save_pretrained``)
 under a key that hashes everything that shaped the weights; ``load_pretrained``
 goes through ``from_pretrained`` so patches and weight conversions run for real.
-Several pytest-xdist workers may build the same key at once: each writes a
-private temporary directory and renames it into place, and the loser discards
-its copy, so a checkpoint directory that exists is always complete.
+pytest-xdist workers share the cache: a file lock per entry lets one build it,
+into a private ``.partial`` directory renamed into place with its manifest
+written last; every use verifies the entry (``cache.py``) and a damaged one is
+rebuilt, never loaded.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import json
 import os
@@ -37,6 +39,7 @@ from pytest_modelpatch.models.families import (
     unknown_model_type_message,
 )
 from pytest_modelpatch.isolation.guard import without_patches
+from pytest_modelpatch.models.cache import discard_entry, entry_lock, remove_stale_partials, verify_entry, write_manifest
 
 BUILD_INFO_FILE = "modelpatch-build.json"
 
@@ -145,10 +148,27 @@ def cached_checkpoint(
     cache_dir = Path(cache_dir)
     memo = (str(cache_dir.resolve()), key)
     final = cache_dir / key
-    if memo in _SESSION_CHECKPOINTS and (final / "config.json").is_file():
+    if memo in _SESSION_CHECKPOINTS and verify_entry(final) is None:
         return _SESSION_CHECKPOINTS[memo]
-    if not (final / "config.json").is_file():
-        _build_into(final, config, info, dtype=dtype, seed=seed, model_class=cls, max_shard_size=max_shard_size)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with entry_lock(cache_dir, key):
+            remove_stale_partials(cache_dir, key)
+            # first use in this process: hash every file (tiny models hash in milliseconds);
+            # later uses check sizes and headers, or hash again under --modelpatch-verify-cache
+            if verify_entry(final, full=True) is not None:
+                discard_entry(final)  # damaged or unfinished: never loaded, rebuilt
+                _build_into(final, config, info, dtype=dtype, seed=seed, model_class=cls, max_shard_size=max_shard_size)
+                problem = verify_entry(final, full=True)
+                if problem is not None:
+                    raise CheckpointError(f"the rebuilt checkpoint cache entry is damaged: {problem}; is the disk full?")
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise CheckpointError(
+            f"cannot write the checkpoint cache in {cache_dir}: {exc.strerror} ({exc.filename}). "
+            "Point pytest at a writable temporary directory: --basetemp=PATH, or set TMPDIR."
+        ) from exc
     _SESSION_CHECKPOINTS[memo] = final
     return final
 
@@ -172,12 +192,8 @@ def _build_into(
             with _quiet_progress_bars():
                 model.save_pretrained(staging, **shard)
         (staging / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
-        try:
-            os.rename(staging, final)
-        except OSError:
-            # another worker renamed its copy first: theirs is complete, drop ours
-            if not (final / "config.json").is_file():
-                raise
+        write_manifest(staging)  # last: an entry without a manifest was never finished
+        os.rename(staging, final)  # the caller holds the entry's lock: nobody else renames into place
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
