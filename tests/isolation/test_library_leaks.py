@@ -66,7 +66,7 @@ def test_z_sees_the_originals():
     assert modeling_gpt2.GPT2MLP.forward is not fast_forward
 """
     )
-    result = pytester.runpytest("-p", "no:randomly")
+    result = pytester.runpytest()
     result.assert_outcomes(passed=5, errors=5, xfailed=1)
     result.stdout.fnmatch_lines_random(
         [
@@ -82,7 +82,7 @@ def test_z_sees_the_originals():
 
 def test_warn_mode_reports_without_failing(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(HEADER + "\ndef test_rebinds():\n    modeling_llama.LlamaRMSNorm = MyNorm\n")
-    result = pytester.runpytest("-p", "no:randomly", "-o", "modelpatch_leaks=warn", "-W", "default")
+    result = pytester.runpytest("-o", "modelpatch_leaks=warn", "-W", "default")
     result.assert_outcomes(passed=1, warnings=1)
     result.stdout.fnmatch_lines(["*modeling_llama.LlamaRMSNorm: LlamaRMSNorm -> MyNorm*"])
 
@@ -113,7 +113,7 @@ def test_b_sees_the_original_classes():
     assert type(AutoModelForCausalLM.from_config(config)) is LlamaForCausalLM
 """
     )
-    result = pytester.runpytest("-p", "no:randomly")
+    result = pytester.runpytest()
     result.assert_outcomes(passed=2)
 
 
@@ -174,7 +174,7 @@ def test_uses_the_leaky_fixture(leaky_module_fixture):
     pass
 """
     )
-    result = pytester.runpytest("-p", "no:randomly")
+    result = pytester.runpytest()
     result.assert_outcomes(passed=3, errors=1)
     result.stdout.fnmatch_lines(
         ["*module-scoped fixture 'leaky_module_fixture' leaked transformers patch state*", "*LlamaMLP.forward replaced"]
