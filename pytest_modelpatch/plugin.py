@@ -121,6 +121,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
     session.configure(config)
     hold_for_session(True)
+    if config.get_verbosity() > 0:
+        from pytest_modelpatch.models.quiet import set_verbose_loads  # torch-free
+
+        set_verbose_loads(True)
     if config.getoption("modelpatch_verify_cache"):
         from pytest_modelpatch.models.cache import set_full_verification  # torch-free
 
@@ -151,7 +155,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 f"@pytest.mark.{marker} on {metafunc.definition.nodeid} sets the {argname!r} fixture, "
                 f"but the test does not use it: add {argname!r} to its arguments."
             )
-        names = [parse(value) for value in mark.args]
+        try:
+            names = [parse(value) for value in mark.args]
+        except PatchUsageError as exc:  # collection errors name the file only: name the test and the marker
+            raise PatchUsageError(f"@pytest.mark.{marker}{mark.args!r} on {metafunc.definition.nodeid}: {exc}") from None
         params = [
             pytest.param(name, marks=[pytest.mark.gpu] if argname == "device" and devices.needs_gpu(name) else [])
             for name in names

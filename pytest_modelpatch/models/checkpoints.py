@@ -28,7 +28,6 @@ import torch
 import transformers
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
-from transformers.utils import logging as transformers_logging
 
 from pytest_modelpatch.models.devices import to_torch_dtype
 from pytest_modelpatch.errors import CheckpointError, PatchUsageError
@@ -39,6 +38,7 @@ from pytest_modelpatch.models.families import (
     unknown_model_type_message,
 )
 from pytest_modelpatch.isolation.guard import without_patches
+from pytest_modelpatch.models.quiet import quiet_loads
 from pytest_modelpatch.models.cache import discard_entry, entry_lock, remove_stale_partials, verify_entry, write_manifest
 
 BUILD_INFO_FILE = "modelpatch-build.json"
@@ -200,14 +200,9 @@ def _build_into(
 
 @contextmanager
 def _quiet_progress_bars() -> Iterator[None]:
-    """No "Writing model shards" / "Loading weights" bars for tiny models in test output."""
-    was_enabled = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
+    """No progress bars or load reports from the plugin's own loads in test output (unless -v)."""
+    with quiet_loads():
         yield
-    finally:
-        if was_enabled:
-            transformers_logging.enable_progress_bar()
 
 
 # ---------------------------------------------------------------------------
@@ -222,6 +217,8 @@ def check_checkpoint_dir(path: Path | str) -> list[Path]:
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: save the model with model.save_pretrained({str(path)!r})")
+    _read_json(path / "config.json", "save the model again with model.save_pretrained(path)")
+    _check_shard_index(path)
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         legacy = sorted(p.name for p in path.glob("*.bin"))
@@ -237,6 +234,26 @@ def check_checkpoint_dir(path: Path | str) -> list[Path]:
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"corrupt safetensors file {file}: {exc}; delete it and rebuild the checkpoint") from exc
     return weights
+
+
+def _read_json(file: Path, fix: str) -> Any:
+    """``file`` parsed, or ``CheckpointError`` naming it (transformers says only ``OSError``)."""
+    try:
+        return json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc}): {fix}") from exc
+
+
+def _check_shard_index(path: Path) -> None:
+    """Every shard a ``*.safetensors.index.json`` names exists (transformers: a raw FileNotFoundError)."""
+    for index in path.glob("*.safetensors.index.json"):
+        weight_map = _read_json(index, "re-save the sharded checkpoint").get("weight_map", {})
+        missing = sorted({shard for shard in weight_map.values() if not (path / shard).is_file()})
+        if missing:
+            raise CheckpointError(
+                f"{index} names shard(s) that are missing from {path}: {', '.join(missing)}. "
+                "Copy the missing files, or re-save the model with model.save_pretrained(path)."
+            )
 
 
 def checkpoint_model_class(path: Path | str) -> type[PreTrainedModel]:
