@@ -42,8 +42,12 @@ def _guarded_apply_patches() -> Iterator[None]:
 
     transformers (5.3-5.23) restores the swapped classes only after a clean exit:
     a replacement whose ``__init__`` raises leaves them swapped for the rest of the
-    process. Same matching rules (``_find_replacement_class`` over ``dir()`` of every
-    loaded ``transformers*`` module); one pass, so it costs what the original costs.
+    process. Same matching rules (``_find_replacement_class`` on the name of every class
+    bound in a loaded ``transformers*`` module); one pass, so it costs what the original
+    costs. It reads each module's own ``__dict__`` and never ``dir()``: on transformers
+    5.17, ``dir()`` of a backward-compat alias module imports image processors and
+    crashes with ``ModuleNotFoundError: torchvision`` when torchvision is absent. A lazy
+    module's names that were never imported hold no class a loaded model uses.
     """
     mp = sys.modules[MONKEY_PATCHING]
     mapping = mp.get_patch_mapping()
@@ -51,21 +55,24 @@ def _guarded_apply_patches() -> Iterator[None]:
     try:
         if mapping:
             for module in list(sys.modules.values()):
-                name = getattr(module, "__name__", None)
+                try:
+                    namespace = vars(module)
+                except TypeError:  # not a module: nothing to list
+                    continue
+                name = namespace.get("__name__")
                 if not isinstance(name, str) or not name.startswith("transformers"):
                     continue
-                for attr in dir(module):
+                for attr, value in list(namespace.items()):
+                    if not isinstance(value, type):
+                        continue
                     replacement = mp._find_replacement_class(attr, mapping)
                     if replacement is None:
                         continue
                     try:
-                        value = getattr(module, attr)
-                        if not isinstance(value, type):
-                            continue
-                        originals[(name, attr)] = value
                         setattr(module, attr, replacement)
-                    except (AttributeError, TypeError, ImportError):
+                    except (AttributeError, TypeError):  # a read-only alias object: transformers skips it too
                         continue
+                    originals[(name, attr)] = value
         yield
     finally:
         for (module_name, attr), value in originals.items():
