@@ -15,7 +15,7 @@ import pytest
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.errors import PatchLeakError, PatchUsageError
 from pytest_modelpatch.isolation.interception import hold_for_session
-from pytest_modelpatch.isolation.leaks import LeakGuard, parse_leak_mode
+from pytest_modelpatch.isolation.leaks import LeakGuard, parse_leak_mode, scope_changed
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 
 if TYPE_CHECKING:
@@ -244,7 +244,7 @@ def _modelpatch_guard(request: pytest.FixtureRequest) -> Iterator[ActivePatches 
     # Autouse and function-scoped: set up after higher-scoped fixtures and torn down
     # before them, so a module-scoped fixture's own patches are not taken for a leak.
     mode = parse_leak_mode(request.config.getini("modelpatch_leaks"))
-    guard = LeakGuard(mode) if mode != "off" else None
+    guard = LeakGuard(mode, reuse=True) if mode != "off" else None
     nodeid = request.node.nodeid
     active = None
     usage_error = None
@@ -284,6 +284,7 @@ def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.Fix
     # A fixture of wider scope answers for its own patches, from its setup to its teardown;
     # the tests it serves take it as their baseline.
     if fixturedef.scope != "function" and fixturedef not in _SCOPED_GUARDS:
+        scope_changed()
         mode = parse_leak_mode(request.config.getini("modelpatch_leaks"))
         if mode != "off":
             _SCOPED_GUARDS[fixturedef] = LeakGuard(mode)
@@ -291,6 +292,8 @@ def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.Fix
 
 
 def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> None:
+    if fixturedef.scope != "function":
+        scope_changed()
     guard = _SCOPED_GUARDS.pop(fixturedef, None)
     if guard is not None:
         _finish_guard(guard, f"{fixturedef.scope}-scoped fixture {fixturedef.argname!r}")

@@ -14,7 +14,8 @@ import warnings
 
 from pytest_modelpatch.errors import ModelPatchWarning, PatchUsageError
 from pytest_modelpatch.isolation.guard import PatchStateGuard
-from pytest_modelpatch.isolation.library_state import LibraryState
+from pytest_modelpatch.isolation.library_state import LibraryState, executions
+from pytest_modelpatch.isolation.snapshot import PatchStateSnapshot
 
 LEAK_MODES = ("error", "warn", "off")
 
@@ -37,18 +38,44 @@ def leak_message(nodeid: str, changes: list[str]) -> str:
     )
 
 
-class LeakGuard:
-    """Watches one test: creating it imports nothing; ``finish()`` restores and reports."""
+# Snapshots a finished test guard left equal to the live state, and the moment they are valid
+# for: retaking them for every test is most of the guard's cost (~0.1 ms a test).
+_REUSABLE: dict[str, tuple[tuple[int, int], PatchStateSnapshot, LibraryState]] = {}
+_SCOPE_CHANGES = [0]
 
-    def __init__(self, mode: str) -> None:
+
+def scope_changed() -> None:
+    """A wider-scoped fixture set up or tore down: the state between tests may have moved."""
+    _SCOPE_CHANGES[0] += 1
+
+
+def _moment() -> tuple[int, int]:
+    return _SCOPE_CHANGES[0], executions()
+
+
+class LeakGuard:
+    """Watches one test: creating it imports nothing; ``finish()`` restores and reports.
+
+    With ``reuse``, the snapshots of the previous test's guard are taken over when nothing
+    could have changed since it restored them: no wider-scoped fixture set up or tore down
+    and no watched module was imported (function-scoped fixtures run inside the guard).
+    """
+
+    def __init__(self, mode: str, *, reuse: bool = False) -> None:
         self.mode = mode
-        self._guard = PatchStateGuard()
-        self._library = LibraryState.take()
+        self._reuse = reuse
+        kept = _REUSABLE.pop("test", None) if reuse else None
+        if kept is not None and kept[0] == _moment():
+            self._guard, self._library = PatchStateGuard(kept[1]), kept[2]
+        else:
+            self._guard, self._library = PatchStateGuard(), LibraryState.take()
 
     def finish(self, nodeid: str) -> str | None:
         """Restore what leaked; in ``error`` mode return the report, in ``warn`` mode warn it."""
         changes = self._guard.restore()
         changes += self._library.reconcile()
+        if self._reuse:  # restored: the live state equals the snapshots again
+            _REUSABLE["test"] = (_moment(), self._guard.snapshot, self._library)
         if not changes:
             return None
         message = leak_message(nodeid, changes)

@@ -194,11 +194,12 @@ class LibraryState:
 
     modules: dict[str, _ModuleRecord] = field(default_factory=dict)
     registries: list[_RegistryRecord] = field(default_factory=list)
+    executions: int = 0  # the import counter when taken: unchanged means no module to look for
 
     @classmethod
     def take(cls) -> LibraryState:
         _install_import_hook()
-        state = cls(registries=_registries())
+        state = cls(registries=_registries(), executions=_EXECUTIONS[0])
         for name in _MODELING_NAMES:
             module = sys.modules.get(name)
             if module is not None:
@@ -210,11 +211,18 @@ class LibraryState:
         found: list[str] = []
         for record in self.modules.values():
             found += record.reconcile()
+        found += [change for record in self.registries for change in record.reconcile()]
+        if _EXECUTIONS[0] != self.executions:
+            found += self._reconcile_imported()
+        return found
+
+    def _reconcile_imported(self) -> list[str]:
+        """Modules and registries first imported after the snapshot, against what importing built."""
+        found: list[str] = []
         for name, fresh in list(_IMPORTED.items()):
             if name not in self.modules and sys.modules.get(name) is fresh.module:
                 found += fresh.reconcile()
         seen = {id(r.live) for r in self.registries}
-        found += [change for record in self.registries for change in record.reconcile()]
         # registries whose module was imported after the snapshot: compare with their built-in state
         for record in _registries():
             if id(record.live) not in seen and id(record.live) in _BUILTIN_REGISTRIES:
@@ -228,6 +236,12 @@ _BUILTIN_REGISTRIES: dict[int, dict[str, Any]] = {}
 # Every modeling module ever loaded: scanning sys.modules (thousands of names) per test costs ~0.3 ms.
 _MODELING_NAMES: set[str] = set()
 _CLASS_KEYS: dict[str, list[str]] = {}
+_EXECUTIONS = [0]  # modeling and registry modules executed (imported or reloaded) so far
+
+
+def executions() -> int:
+    """A counter that moves whenever a watched module is imported or reloaded: snapshots go stale."""
+    return _EXECUTIONS[0]
 
 
 class _RecordingLoader(importlib.abc.Loader):
@@ -244,6 +258,7 @@ class _RecordingLoader(importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._loader.exec_module(module)
+        _EXECUTIONS[0] += 1
         if is_modeling_module(module.__name__):
             _MODELING_NAMES.add(module.__name__)
             _CLASS_KEYS.pop(module.__name__, None)
