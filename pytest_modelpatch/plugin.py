@@ -14,7 +14,8 @@ import pytest
 
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.errors import PatchLeakError, PatchUsageError
-from pytest_modelpatch.isolation.leaks import LeakGuard, parse_leak_mode
+from pytest_modelpatch.isolation.interception import hold_for_session
+from pytest_modelpatch.isolation.leaks import LeakGuard, parse_leak_mode, scope_changed
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="rewrite --modelpatch-baseline PATH with this run's checks instead of comparing")
     group.addoption("--modelpatch-html", dest="modelpatch_html", default=None, metavar="PATH",
                     help="write an HTML page with the divergence profile of each failing equivalence check")
+    group.addoption("--modelpatch-verify-cache", dest="modelpatch_verify_cache", action="store_true", default=False,
+                    help="hash every file of each cached tiny checkpoint before use (default: sizes and safetensors headers)")
     parser.addini("modelpatch_seed", "session seed for property checks (default 0)", default="")
     parser.addini("modelpatch_max_abs_error", "gate: fail the session when a check's max abs error exceeds this", default="")
     parser.addini("modelpatch_max_rel_error", "gate: fail the session when a check's max rel error exceeds this", default="")
@@ -118,6 +121,19 @@ def pytest_configure(config: pytest.Config) -> None:
     from pytest_modelpatch.reporting import session  # torch-free: reads options, registers the report hooks
 
     session.configure(config)
+    hold_for_session(True)
+    if config.get_verbosity() > 0:
+        from pytest_modelpatch.models.quiet import set_verbose_loads  # torch-free
+
+        set_verbose_loads(True)
+    if config.getoption("modelpatch_verify_cache"):
+        from pytest_modelpatch.models.cache import set_full_verification  # torch-free
+
+        set_full_verification(True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    hold_for_session(False)
 
 
 # ---------------------------------------------------------------------------
@@ -140,7 +156,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 f"@pytest.mark.{marker} on {metafunc.definition.nodeid} sets the {argname!r} fixture, "
                 f"but the test does not use it: add {argname!r} to its arguments."
             )
-        names = [parse(value) for value in mark.args]
+        try:
+            names = [parse(value) for value in mark.args]
+        except PatchUsageError as exc:  # collection errors name the file only: name the test and the marker
+            raise PatchUsageError(f"@pytest.mark.{marker}{mark.args!r} on {metafunc.definition.nodeid}: {exc}") from None
         params = [
             pytest.param(name, marks=[pytest.mark.gpu] if argname == "device" and devices.needs_gpu(name) else [])
             for name in names
@@ -194,6 +213,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         stamp_intent(item, report)
     if call.excinfo is not None and call.excinfo.errisinstance(PatchLeakError):
         report.longrepr = f"PatchLeakError: {call.excinfo.value}"  # the message says it all; no plugin traceback
+        if hasattr(report, "wasxfail"):  # pytest turns any error of an xfail test into an xfail: a leak is not one
+            del report.wasxfail
+            report.outcome = "failed"
     reason = item.stash.get(_GPU_SKIP, None)
     if reason is not None and report.skipped and isinstance(report.longrepr, tuple):
         # point the skip at the test, as pytest does for its own skip marks
@@ -228,7 +250,7 @@ def _modelpatch_guard(request: pytest.FixtureRequest) -> Iterator[ActivePatches 
     # Autouse and function-scoped: set up after higher-scoped fixtures and torn down
     # before them, so a module-scoped fixture's own patches are not taken for a leak.
     mode = parse_leak_mode(request.config.getini("modelpatch_leaks"))
-    guard = LeakGuard(mode) if mode != "off" else None
+    guard = LeakGuard(mode, reuse=True) if mode != "off" else None
     nodeid = request.node.nodeid
     active = None
     usage_error = None
@@ -258,6 +280,29 @@ def _modelpatch_guard(request: pytest.FixtureRequest) -> Iterator[ActivePatches 
                 active.close()
         finally:
             _finish_guard(guard, nodeid)
+
+
+_SCOPED_GUARDS: dict[Any, LeakGuard] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Iterator[Any]:
+    # A fixture of wider scope answers for its own patches, from its setup to its teardown;
+    # the tests it serves take it as their baseline.
+    if fixturedef.scope != "function" and fixturedef not in _SCOPED_GUARDS:
+        scope_changed()
+        mode = parse_leak_mode(request.config.getini("modelpatch_leaks"))
+        if mode != "off":
+            _SCOPED_GUARDS[fixturedef] = LeakGuard(mode)
+    return (yield)
+
+
+def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> None:
+    if fixturedef.scope != "function":
+        scope_changed()
+    guard = _SCOPED_GUARDS.pop(fixturedef, None)
+    if guard is not None:
+        _finish_guard(guard, f"{fixturedef.scope}-scoped fixture {fixturedef.argname!r}")
 
 
 def _finish_guard(guard: LeakGuard | None, nodeid: str) -> None:

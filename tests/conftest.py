@@ -53,6 +53,10 @@ def tiny_llama_conftest(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(TINY_LLAMA)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "tests_ordering: a pytester run that keeps pytest-randomly (not -p no:randomly)")
+
+
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
@@ -63,8 +67,15 @@ def _repo_on_pytester_path(request: pytest.FixtureRequest, monkeypatch: pytest.M
     if "pytester" in request.fixturenames:
         import os
 
+        request.getfixturevalue("pytester")  # first: pytester clears PYTEST_ADDOPTS when it starts
+
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        if request.node.get_closest_marker("tests_ordering") is None:
+            # Runs inherit pytest-randomly when it is installed; their expected outcomes assume
+            # file order (test_a registers, test_b sees it cleaned up). One place for every run.
+            addopts = os.environ.get("PYTEST_ADDOPTS", "")
+            monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:randomly".strip())
 
 
 @pytest.fixture(scope="session")

@@ -27,8 +27,8 @@ class PatchStateGuard:
     hooks) that cannot hold a ``with`` block open.
     """
 
-    def __init__(self) -> None:
-        self.snapshot = PatchStateSnapshot.take()
+    def __init__(self, snapshot: PatchStateSnapshot | None = None) -> None:
+        self.snapshot = snapshot if snapshot is not None else PatchStateSnapshot.take()
         self._open = True
         activate(self.snapshot)
 

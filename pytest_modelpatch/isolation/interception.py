@@ -21,6 +21,7 @@ from pytest_modelpatch.isolation.snapshot import MODELING_UTILS, MONKEY_PATCHING
 
 ACTIVE: list[PatchStateSnapshot] = []
 _ORIGINALS: dict[str, Any] = {}
+_HELD: list[bool] = []  # non-empty while the plugin keeps the wrappers in place for the whole session
 
 
 def _tracking_patch_output_recorders(model: Any) -> None:
@@ -41,8 +42,12 @@ def _guarded_apply_patches() -> Iterator[None]:
 
     transformers (5.3-5.23) restores the swapped classes only after a clean exit:
     a replacement whose ``__init__`` raises leaves them swapped for the rest of the
-    process. Same matching rules (``_find_replacement_class`` over ``dir()`` of every
-    loaded ``transformers*`` module); one pass, so it costs what the original costs.
+    process. Same matching rules (``_find_replacement_class`` on the name of every class
+    bound in a loaded ``transformers*`` module); one pass, so it costs what the original
+    costs. It reads each module's own ``__dict__`` and never ``dir()``: on transformers
+    5.17, ``dir()`` of a backward-compat alias module imports image processors and
+    crashes with ``ModuleNotFoundError: torchvision`` when torchvision is absent. A lazy
+    module's names that were never imported hold no class a loaded model uses.
     """
     mp = sys.modules[MONKEY_PATCHING]
     mapping = mp.get_patch_mapping()
@@ -50,21 +55,24 @@ def _guarded_apply_patches() -> Iterator[None]:
     try:
         if mapping:
             for module in list(sys.modules.values()):
-                name = getattr(module, "__name__", None)
+                try:
+                    namespace = vars(module)
+                except TypeError:  # not a module: nothing to list
+                    continue
+                name = namespace.get("__name__")
                 if not isinstance(name, str) or not name.startswith("transformers"):
                     continue
-                for attr in dir(module):
+                for attr, value in list(namespace.items()):
+                    if not isinstance(value, type):
+                        continue
                     replacement = mp._find_replacement_class(attr, mapping)
                     if replacement is None:
                         continue
                     try:
-                        value = getattr(module, attr)
-                        if not isinstance(value, type):
-                            continue
-                        originals[(name, attr)] = value
                         setattr(module, attr, replacement)
-                    except (AttributeError, TypeError, ImportError):
+                    except (AttributeError, TypeError):  # a read-only alias object: transformers skips it too
                         continue
+                    originals[(name, attr)] = value
         yield
     finally:
         for (module_name, attr), value in originals.items():
@@ -130,7 +138,7 @@ class _WrappingLoader(importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._loader.exec_module(module)
-        if ACTIVE:
+        if ACTIVE or _HELD:
             _install_wrappers(module)
 
 
@@ -139,8 +147,28 @@ _IMPORT_HOOK = _MonkeyPatchingImportHook()
 
 def activate(snap: PatchStateSnapshot) -> None:
     ACTIVE.append(snap)
-    if len(ACTIVE) > 1:
+    if len(ACTIVE) > 1 or _HELD:
         return
+    _install()
+
+
+def hold_for_session(on: bool) -> None:
+    """Keep the exception-safe ``apply_patches`` in place from configure to unconfigure.
+
+    Patched loads in conftest code and in fixtures of any scope run outside every
+    snapshot; transformers leaves classes swapped when such a load fails.
+    """
+    if on and not _HELD:
+        _HELD.append(True)
+        if not ACTIVE:
+            _install()
+    elif not on and _HELD:
+        _HELD.clear()
+        if not ACTIVE:
+            _uninstall()
+
+
+def _install() -> None:
     mp = sys.modules.get(MONKEY_PATCHING)
     if mp is not None:
         _install_wrappers(mp)
@@ -151,8 +179,11 @@ def activate(snap: PatchStateSnapshot) -> None:
 def deactivate(snap: PatchStateSnapshot) -> None:
     if snap in ACTIVE:
         ACTIVE.remove(snap)
-    if ACTIVE:
-        return
+    if not ACTIVE and not _HELD:
+        _uninstall()
+
+
+def _uninstall() -> None:
     if _IMPORT_HOOK in sys.meta_path:
         sys.meta_path.remove(_IMPORT_HOOK)
     _uninstall_wrappers()

@@ -1,9 +1,11 @@
 """The leak guard: global patch state changed by a test and not restored.
 
-Around every test the plugin snapshots transformers' patch state; whatever is
-different after the test's own fixtures are torn down leaked (a test that called
-``register_patch_mapping`` itself and forgot to clean up). It is restored, then
-reported according to ``modelpatch_leaks``.
+Around every test the plugin snapshots transformers' patch state (``snapshot.py``)
+and what kernel libraries patch directly (``library_state.py``: modeling module
+globals, their classes' attributes, attention and mask functions); whatever is
+different after the test's own fixtures are torn down leaked. It is restored, then
+reported according to ``modelpatch_leaks``. A fixture of wider scope gets its own
+guard, from its setup to its teardown, so its patches are charged to it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import warnings
 
 from pytest_modelpatch.errors import ModelPatchWarning, PatchUsageError
 from pytest_modelpatch.isolation.guard import PatchStateGuard
+from pytest_modelpatch.isolation.library_state import LibraryState, executions
+from pytest_modelpatch.isolation.snapshot import PatchStateSnapshot
 
 LEAK_MODES = ("error", "warn", "off")
 
@@ -25,7 +29,7 @@ def parse_leak_mode(value: str) -> str:
 
 
 def leak_message(nodeid: str, changes: list[str]) -> str:
-    """The report for one leaking test: which test, and every leaked key or class."""
+    """The report for one leaking test or fixture: which one, and every leaked key or class."""
     lines = "\n".join(f"  - {change}" for change in changes)
     return (
         f"{nodeid} leaked transformers patch state (restored now, so later tests are unaffected):\n{lines}\n"
@@ -34,16 +38,44 @@ def leak_message(nodeid: str, changes: list[str]) -> str:
     )
 
 
-class LeakGuard:
-    """Watches one test: creating it imports nothing; ``finish()`` restores and reports."""
+# Snapshots a finished test guard left equal to the live state, and the moment they are valid
+# for: retaking them for every test is most of the guard's cost (~0.1 ms a test).
+_REUSABLE: dict[str, tuple[tuple[int, int], PatchStateSnapshot, LibraryState]] = {}
+_SCOPE_CHANGES = [0]
 
-    def __init__(self, mode: str) -> None:
+
+def scope_changed() -> None:
+    """A wider-scoped fixture set up or tore down: the state between tests may have moved."""
+    _SCOPE_CHANGES[0] += 1
+
+
+def _moment() -> tuple[int, int]:
+    return _SCOPE_CHANGES[0], executions()
+
+
+class LeakGuard:
+    """Watches one test: creating it imports nothing; ``finish()`` restores and reports.
+
+    With ``reuse``, the snapshots of the previous test's guard are taken over when nothing
+    could have changed since it restored them: no wider-scoped fixture set up or tore down
+    and no watched module was imported (function-scoped fixtures run inside the guard).
+    """
+
+    def __init__(self, mode: str, *, reuse: bool = False) -> None:
         self.mode = mode
-        self._guard = PatchStateGuard()
+        self._reuse = reuse
+        kept = _REUSABLE.pop("test", None) if reuse else None
+        if kept is not None and kept[0] == _moment():
+            self._guard, self._library = PatchStateGuard(kept[1]), kept[2]
+        else:
+            self._guard, self._library = PatchStateGuard(), LibraryState.take()
 
     def finish(self, nodeid: str) -> str | None:
         """Restore what leaked; in ``error`` mode return the report, in ``warn`` mode warn it."""
         changes = self._guard.restore()
+        changes += self._library.reconcile()
+        if self._reuse:  # restored: the live state equals the snapshots again
+            _REUSABLE["test"] = (_moment(), self._guard.snapshot, self._library)
         if not changes:
             return None
         message = leak_message(nodeid, changes)

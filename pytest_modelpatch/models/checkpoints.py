@@ -3,15 +3,17 @@
 ``cached_checkpoint`` saves a seeded model once (safetensors, ``save_pretrained``)
 under a key that hashes everything that shaped the weights; ``load_pretrained``
 goes through ``from_pretrained`` so patches and weight conversions run for real.
-Several pytest-xdist workers may build the same key at once: each writes a
-private temporary directory and renames it into place, and the loser discards
-its copy, so a checkpoint directory that exists is always complete.
+pytest-xdist workers share the cache: a file lock per entry lets one build it,
+into a private ``.partial`` directory renamed into place with its manifest
+written last; every use verifies the entry (``cache.py``) and a damaged one is
+rebuilt, never loaded.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import errno
 import hashlib
 import inspect
 import json
@@ -28,7 +30,6 @@ import torch
 import transformers
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
-from transformers.utils import logging as transformers_logging
 
 from pytest_modelpatch.models.devices import to_torch_dtype
 from pytest_modelpatch.errors import CheckpointError, PatchUsageError
@@ -38,8 +39,10 @@ from pytest_modelpatch.models.families import (
     tiny_config,
     unknown_model_type_message,
 )
-from pytest_modelpatch.isolation.guard import without_patches
+from pytest_modelpatch.isolation.pristine import pristine
 from pytest_modelpatch.models.weights import DEFAULT_INIT, INIT_SCHEMES, INIT_VERSION, spread_weights
+from pytest_modelpatch.models.quiet import quiet_loads
+from pytest_modelpatch.models.cache import discard_entry, entry_lock, remove_stale_partials, verify_entry, write_manifest
 
 BUILD_INFO_FILE = "modelpatch-build.json"
 
@@ -171,10 +174,27 @@ def cached_checkpoint(
     cache_dir = Path(cache_dir)
     memo = (str(cache_dir.resolve()), key)
     final = cache_dir / key
-    if memo in _SESSION_CHECKPOINTS and (final / "config.json").is_file():
+    if memo in _SESSION_CHECKPOINTS and verify_entry(final) is None:
         return _SESSION_CHECKPOINTS[memo]
-    if not (final / "config.json").is_file():
-        _build_into(final, config, info, dtype=dtype, seed=seed, model_class=cls, max_shard_size=max_shard_size, init=init)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with entry_lock(cache_dir, key):
+            remove_stale_partials(cache_dir, key)
+            # first use in this process: hash every file (tiny models hash in milliseconds);
+            # later uses check sizes and headers, or hash again under --modelpatch-verify-cache
+            if verify_entry(final, full=True) is not None:
+                discard_entry(final)  # damaged or unfinished: never loaded, rebuilt
+                _build_into(final, config, info, dtype=dtype, seed=seed, model_class=cls, max_shard_size=max_shard_size, init=init)
+                problem = verify_entry(final, full=True)
+                if problem is not None:
+                    raise CheckpointError(f"the rebuilt checkpoint cache entry is damaged: {problem}; is the disk full?")
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise CheckpointError(
+            f"cannot write the checkpoint cache in {cache_dir}: {exc.strerror} ({exc.filename}). "
+            "Point pytest at a writable temporary directory: --basetemp=PATH, or set TMPDIR."
+        ) from exc
     _SESSION_CHECKPOINTS[memo] = final
     return final
 
@@ -193,32 +213,23 @@ def _build_into(
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
     try:
-        with without_patches():
+        with pristine():  # the checkpoint is the unpatched model's, whatever the test that first asks for it patched
             model = seeded_model(config, dtype=dtype, seed=seed, model_class=model_class, init=init)
             shard = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
             with _quiet_progress_bars():
                 model.save_pretrained(staging, **shard)
         (staging / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
-        try:
-            os.rename(staging, final)
-        except OSError:
-            # another worker renamed its copy first: theirs is complete, drop ours
-            if not (final / "config.json").is_file():
-                raise
+        write_manifest(staging)  # last: an entry without a manifest was never finished
+        os.rename(staging, final)  # the caller holds the entry's lock: nobody else renames into place
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextmanager
 def _quiet_progress_bars() -> Iterator[None]:
-    """No "Writing model shards" / "Loading weights" bars for tiny models in test output."""
-    was_enabled = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
+    """No progress bars or load reports from the plugin's own loads in test output (unless -v)."""
+    with quiet_loads():
         yield
-    finally:
-        if was_enabled:
-            transformers_logging.enable_progress_bar()
 
 
 # ---------------------------------------------------------------------------
@@ -233,6 +244,8 @@ def check_checkpoint_dir(path: Path | str) -> list[Path]:
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: save the model with model.save_pretrained({str(path)!r})")
+    _read_json(path / "config.json", "save the model again with model.save_pretrained(path)")
+    _check_shard_index(path)
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         legacy = sorted(p.name for p in path.glob("*.bin"))
@@ -248,6 +261,26 @@ def check_checkpoint_dir(path: Path | str) -> list[Path]:
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"corrupt safetensors file {file}: {exc}; delete it and rebuild the checkpoint") from exc
     return weights
+
+
+def _read_json(file: Path, fix: str) -> Any:
+    """``file`` parsed, or ``CheckpointError`` naming it (transformers says only ``OSError``)."""
+    try:
+        return json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc}): {fix}") from exc
+
+
+def _check_shard_index(path: Path) -> None:
+    """Every shard a ``*.safetensors.index.json`` names exists (transformers: a raw FileNotFoundError)."""
+    for index in path.glob("*.safetensors.index.json"):
+        weight_map = _read_json(index, "re-save the sharded checkpoint").get("weight_map", {})
+        missing = sorted({shard for shard in weight_map.values() if not (path / shard).is_file()})
+        if missing:
+            raise CheckpointError(
+                f"{index} names shard(s) that are missing from {path}: {', '.join(missing)}. "
+                "Copy the missing files, or re-save the model with model.save_pretrained(path)."
+            )
 
 
 def checkpoint_model_class(path: Path | str) -> type[PreTrainedModel]:

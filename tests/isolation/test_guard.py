@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,25 @@ def test_saved_attributes_are_put_back_or_removed() -> None:
         LlamaAttention.brand_new = 1  # type: ignore[attr-defined]
     assert LlamaAttention.forward is original
     assert not hasattr(LlamaAttention, "brand_new")
+
+
+class _AliasModule(types.ModuleType):
+    """A backward-compat alias module whose listing imports a missing library (transformers 5.17)."""
+
+    def __dir__(self) -> list[str]:
+        raise ModuleNotFoundError("No module named 'torchvision'")
+
+    def __getattr__(self, name: str) -> object:
+        raise ModuleNotFoundError("No module named 'torchvision'")
+
+
+def test_a_module_whose_listing_imports_does_not_crash_a_patched_load(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alias = "transformers.models.llama.image_processing_llama_alias"
+    monkeypatch.setitem(sys.modules, alias, _AliasModule(alias))
+    with isolated_patch_state():
+        monkey_patching.register_patch_mapping({"LlamaAttention": RecordingAttention})
+        model = LlamaForCausalLM.from_pretrained(checkpoint)
+    assert type(model.model.layers[0].self_attn) is RecordingAttention
+    assert modeling_llama.LlamaAttention is LlamaAttention

@@ -1,0 +1,90 @@
+"""What the plugin costs a suite that never uses it: 1000 trivial tests, with and without it.
+
+The test module imports torch and ``transformers.models.llama.modeling_llama`` (so the
+leak guard has a modeling module and the attention registries to watch). Baseline: the
+same run with ``-p no:modelpatch``, measured in the same invocation, alternating, best of
+``ROUNDS``. Printed: the test loop's time (first setup to last teardown, from a conftest
+hook, so torch's import does not dilute the ratio) and the whole process's wall time.
+Goal: loop ratio <= 1.02x (about 0.1 ms a test).
+
+Run: python benchmarks/bench_overhead.py [ROUNDS]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TESTS = 1000
+
+MODULE = """
+import torch
+from transformers.models.llama import modeling_llama
+
+
+def make(i):
+    def test():
+        assert modeling_llama.LlamaRMSNorm is not None
+    return test
+
+
+for i in range({tests}):
+    globals()[f"test_{{i}}"] = make(i)
+"""
+
+CONFTEST = """
+import time
+import pytest
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session):
+    start = time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        print(f"\\nLOOP_SECONDS={time.perf_counter() - start:.4f}")
+"""
+
+
+def run(folder: Path, plugin: bool) -> tuple[float, float]:
+    """(test loop seconds, process wall seconds) of one pytest run."""
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    if not plugin:
+        args += ["-p", "no:modelpatch"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTEST_ADDOPTS", None)
+    start = time.perf_counter()
+    done = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    found = re.search(r"LOOP_SECONDS=([\d.]+)", done.stdout)
+    if done.returncode != 0 or found is None or f"{TESTS} passed" not in done.stdout:
+        raise SystemExit(f"pytest failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return float(found.group(1)), wall
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "test_trivial.py").write_text(MODULE.format(tests=TESTS))
+        (folder / "conftest.py").write_text(CONFTEST)
+        results: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+        for _ in range(rounds):
+            for plugin in (False, True):
+                results[plugin].append(run(folder, plugin))
+    base_loop, base_wall = min(r[0] for r in results[False]), min(r[1] for r in results[False])
+    with_loop, with_wall = min(r[0] for r in results[True]), min(r[1] for r in results[True])
+    print(f"{TESTS} trivial tests, best of {rounds} (module imports torch and modeling_llama)")
+    print(f"  test loop: -p no:modelpatch {base_loop:.3f} s | with plugin {with_loop:.3f} s | "
+          f"ratio {with_loop / base_loop:.3f}x | {(with_loop - base_loop) / TESTS * 1e3:.3f} ms/test (goal <= 1.02x)")
+    print(f"  process:   -p no:modelpatch {base_wall:.3f} s | with plugin {with_wall:.3f} s | ratio {with_wall / base_wall:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""What kernel libraries change in transformers, beyond the patch mapping.
+
+Liger-Kernel, Unsloth and their kin rebind module globals
+(``modeling_llama.LlamaRMSNorm = LigerRMSNorm``), rebind class attributes
+(``LlamaMLP.forward = fast_forward``) and register attention or mask functions.
+``LibraryState.take()`` records, by reference, the globals of every loaded
+``transformers.models.*.modeling_*`` module, the ``__dict__`` of the classes
+defined there, and the attention/mask function registries; ``changes()`` compares
+by identity and ``restore()`` puts the recorded objects back. A module imported
+after the snapshot is compared with what importing it produced (recorded by an
+import hook), and a module re-executed by ``importlib.reload`` is a revert, not a
+leak: its re-created definitions are replaced by the original objects, which the
+rest of transformers (auto mappings, ``transformers.LlamaForCausalLM``) still holds.
+Nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+_MISSING: Any = object()
+_MODELS_PREFIX = "transformers.models."
+# Registries of name -> function that a library can add to: (module, interface class, singleton, label).
+_REGISTRIES = (
+    ("transformers.modeling_utils", "AttentionInterface", "ALL_ATTENTION_FUNCTIONS", "attention function"),
+    ("transformers.masking_utils", "AttentionMaskInterface", "ALL_MASK_ATTENTION_FUNCTIONS", "mask function"),
+)
+# PreTrainedModel caches answers on the class (5.x: _can_set_attn_implementation_cached_value).
+_CACHE_SUFFIX = "_cached_value"
+_REGISTRY_MODULES = frozenset(module for module, *_ in _REGISTRIES)
+# Set by Python itself at run time, not by a patch (warnings' per-module registry).
+_IGNORED_GLOBALS = frozenset({"__warningregistry__", "__spec__", "__loader__", "__file__", "__cached__"})
+
+
+def is_modeling_module(name: str) -> bool:
+    """``transformers.models.llama.modeling_llama`` and the like; not the auto classes' mapping tables."""
+    return name.startswith(_MODELS_PREFIX) and name.rpartition(".")[2].startswith("modeling_") and ".auto." not in name
+
+
+def _same(live: Any, saved: dict[str, Any]) -> bool:
+    """Same keys and values, compared in C: dict equality tries identity before ``==``.
+
+    Functions and classes compare by identity, so a rebound one is always caught; an
+    equal but distinct data value (a rebuilt string) is no patch worth reporting.
+    """
+    try:
+        return bool(live == saved)
+    except Exception:  # noqa: BLE001 - a distinct tensor's ambiguous truth value: look closer
+        return False
+
+
+def _label(value: Any) -> str:
+    if value is _MISSING:
+        return "absent"
+    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+    return name if isinstance(name, str) else type(value).__name__
+
+
+def _recreated(original: Any, fresh: Any) -> bool:
+    """``fresh`` is ``original`` defined again by re-executing its module (a reload)."""
+    if original is _MISSING or fresh is _MISSING or type(original) is not type(fresh):
+        return False
+    if not hasattr(original, "__qualname__"):  # module-level data (strings, dicts) built again
+        try:
+            return bool(original == fresh)
+        except Exception:  # noqa: BLE001 - e.g. a tensor's ambiguous truth value: data, not a patch
+            return True
+    if getattr(original, "__module__", _MISSING) != getattr(fresh, "__module__", None):
+        return False
+    if getattr(original, "__qualname__", _MISSING) != getattr(fresh, "__qualname__", None):
+        return False
+    code, fresh_code = getattr(original, "__code__", None), getattr(fresh, "__code__", None)
+    if code is not None and getattr(fresh_code, "co_filename", None) != code.co_filename:
+        return False
+    # a class patched by subclassing the original keeps module and name: not a re-creation
+    return not (isinstance(fresh, type) and isinstance(original, type) and issubclass(fresh, original))
+
+
+@dataclass
+class _ModuleRecord:
+    """One modeling module's globals and the ``__dict__`` of each class it defines."""
+
+    module: types.ModuleType
+    spec: Any
+    globals: dict[str, Any]
+    classes: dict[str, tuple[type, dict[str, Any]]]
+
+    @classmethod
+    def capture(cls, module: types.ModuleType) -> _ModuleRecord:
+        namespace = module.__dict__
+        keys = _CLASS_KEYS.get(module.__name__)
+        if keys is None:  # the classes a module defines: found once, a per-test scan costs ~5 us a module
+            name = module.__name__
+            keys = _CLASS_KEYS[name] = [k for k, v in namespace.items() if isinstance(v, type) and v.__module__ == name]
+        classes = {k: (v, dict(v.__dict__)) for k in keys if isinstance(v := namespace.get(k), type)}
+        return cls(module, namespace.get("__spec__"), dict(namespace), classes)
+
+    @property
+    def short(self) -> str:
+        return self.module.__name__.rpartition(".")[2]
+
+    def reconcile(self) -> list[str]:
+        """Put the recorded objects back; return what changed, less re-created definitions."""
+        namespace = self.module.__dict__
+        # importlib.reload re-executes into the same namespace and sets a new __spec__
+        reloaded = namespace.get("__spec__") is not self.spec
+        fresh_classes = {key: namespace.get(key) for key in self.classes} if reloaded else {}
+        found: list[str] = []
+        if not _same(namespace, self.globals):
+            found += self._reconcile_globals(namespace, reloaded)
+        for key, (klass, saved) in self.classes.items():
+            owner = key if key == klass.__qualname__ else f"{self.short}.{key}"
+            found += _reconcile_class(owner, klass, saved, fresh_classes.get(key))
+        return found
+
+    def _reconcile_globals(self, namespace: dict[str, Any], reloaded: bool) -> list[str]:
+        found = []
+        for key in namespace.keys() - self.globals.keys():
+            if key not in _IGNORED_GLOBALS:
+                found.append(f"{self.short}.{key} added ({_label(namespace[key])})")
+                del namespace[key]
+        for key, was in self.globals.items():
+            now = namespace.get(key, _MISSING)
+            if now is was or key in _IGNORED_GLOBALS:
+                continue
+            if not (reloaded and _recreated(was, now)):
+                found.append(f"{self.short}.{key}: {_label(was)} -> {_label(now)}")
+            namespace[key] = was
+        return found
+
+
+def _reconcile_class(owner: str, klass: type, saved: dict[str, Any], fresh: Any) -> list[str]:
+    live = klass.__dict__
+    if _same(live, saved):
+        return []
+    found = []
+    for key in list(live.keys() - saved.keys()):
+        if key.endswith(_CACHE_SUFFIX):
+            continue
+        found.append(f"{owner}.{key} added")
+        delattr(klass, key)
+    for key, was in saved.items():
+        now = live.get(key, _MISSING)
+        if now is was:
+            continue
+        # After a reload the fresh class holds the definitions the reload meant to restore.
+        if fresh is None or not _recreated(was, fresh.__dict__.get(key, _MISSING)):
+            found.append(f"{owner}.{key} {'removed' if now is _MISSING else 'replaced'}")
+        setattr(klass, key, was)
+    return found
+
+
+@dataclass
+class _RegistryRecord:
+    """One name -> function dict of an attention or mask interface."""
+
+    label: str
+    live: dict[str, Any]
+    saved: dict[str, Any]
+
+    def reconcile(self) -> list[str]:
+        live, saved = self.live, self.saved
+        if _same(live, saved):
+            return []
+        found = [f"{self.label} {k!r} registered" for k in sorted(live.keys() - saved.keys())]
+        found += [f"{self.label} {k!r} removed" for k in sorted(saved.keys() - live.keys())]
+        found += [f"{self.label} {k!r} replaced" for k in sorted(live.keys() & saved.keys()) if live[k] is not saved[k]]
+        live.clear()
+        live.update(saved)
+        return found
+
+
+def _registries() -> list[_RegistryRecord]:
+    found = []
+    for module_name, interface, singleton, label in _REGISTRIES:
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        for owner, attr, where in ((getattr(module, interface, None), "_global_mapping", ""),
+                                   (getattr(module, singleton, None), "_local_mapping", f" (on {singleton})")):
+            mapping = getattr(owner, attr, None)
+            if isinstance(mapping, dict):
+                found.append(_RegistryRecord(label + where, mapping, dict(mapping)))
+    return found
+
+
+@dataclass(eq=False)
+class LibraryState:
+    """References to what libraries patch; ``reconcile()`` restores and reports."""
+
+    modules: dict[str, _ModuleRecord] = field(default_factory=dict)
+    registries: list[_RegistryRecord] = field(default_factory=list)
+    executions: int = 0  # the import counter when taken: unchanged means no module to look for
+
+    @classmethod
+    def take(cls) -> LibraryState:
+        _install_import_hook()
+        state = cls(registries=_registries(), executions=_EXECUTIONS[0])
+        for name in _MODELING_NAMES:
+            module = sys.modules.get(name)
+            if module is not None:
+                state.modules[name] = _ModuleRecord.capture(module)
+        return state
+
+    def reconcile(self) -> list[str]:
+        """Restore every recorded object; return the changes that were leaks."""
+        found: list[str] = []
+        for record in self.modules.values():
+            found += record.reconcile()
+        found += [change for record in self.registries for change in record.reconcile()]
+        if _EXECUTIONS[0] != self.executions:
+            found += self._reconcile_imported()
+        return found
+
+    def _reconcile_imported(self) -> list[str]:
+        """Modules and registries first imported after the snapshot, against what importing built."""
+        found: list[str] = []
+        for name, fresh in list(_IMPORTED.items()):
+            if name not in self.modules and sys.modules.get(name) is fresh.module:
+                found += fresh.reconcile()
+        seen = {id(r.live) for r in self.registries}
+        # registries whose module was imported after the snapshot: compare with their built-in state
+        for record in _registries():
+            if id(record.live) not in seen and id(record.live) in _BUILTIN_REGISTRIES:
+                found += _RegistryRecord(record.label, record.live, _BUILTIN_REGISTRIES[id(record.live)]).reconcile()
+        return found
+
+
+# -- modules imported after a snapshot -------------------------------------------
+_IMPORTED: dict[str, _ModuleRecord] = {}  # state right after the last execution, by module name
+_BUILTIN_REGISTRIES: dict[int, dict[str, Any]] = {}
+# Every modeling module ever loaded: scanning sys.modules (thousands of names) per test costs ~0.3 ms.
+_MODELING_NAMES: set[str] = set()
+_CLASS_KEYS: dict[str, list[str]] = {}
+_EXECUTIONS = [0]  # modeling and registry modules executed (imported or reloaded) so far
+
+
+def executions() -> int:
+    """A counter that moves whenever a watched module is imported or reloaded: snapshots go stale."""
+    return _EXECUTIONS[0]
+
+
+class _RecordingLoader(importlib.abc.Loader):
+    """Runs the real loader, then records the module as importing produced it."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename...: inspect and linecache use them
+        return getattr(self._loader, name)
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._loader.exec_module(module)
+        _EXECUTIONS[0] += 1
+        if is_modeling_module(module.__name__):
+            _MODELING_NAMES.add(module.__name__)
+            _CLASS_KEYS.pop(module.__name__, None)
+            _IMPORTED[module.__name__] = _ModuleRecord.capture(module)
+        for record in _registries():  # the registries as importing built them
+            _BUILTIN_REGISTRIES.setdefault(id(record.live), dict(record.live))
+
+
+class _ModelingImportHook(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if not is_modeling_module(fullname) and fullname not in _REGISTRY_MODULES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is None:
+                continue
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _RecordingLoader(spec.loader)
+            return spec
+        return None
+
+
+_HOOK = _ModelingImportHook()
+
+
+def _install_import_hook() -> None:
+    if _HOOK in sys.meta_path:
+        return
+    sys.meta_path.insert(0, _HOOK)
+    _MODELING_NAMES.update(name for name in list(sys.modules) if is_modeling_module(name))
+    for record in _registries():
+        _BUILTIN_REGISTRIES.setdefault(id(record.live), dict(record.live))

@@ -1,0 +1,183 @@
+"""The leak guard catches what kernel libraries really change, charges it to the right test or fixture,
+and restores it; a revert by ``importlib.reload`` is no leak."""
+
+from __future__ import annotations
+
+import pytest
+
+HEADER = """
+import importlib
+import pytest
+import torch
+import transformers
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama import modeling_llama
+
+ORIGINAL_NORM = modeling_llama.LlamaRMSNorm
+ORIGINAL_MLP_FORWARD = modeling_llama.LlamaMLP.forward
+
+
+class MyNorm(torch.nn.Module):
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
+def fast_forward(self, x):
+    return x
+
+
+def my_attn(*args, **kwargs):
+    raise NotImplementedError
+"""
+
+
+def test_each_leak_kind_is_named_restored_and_fails_its_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        HEADER
+        + """
+def test_rebinds_module_global():
+    modeling_llama.LlamaRMSNorm = MyNorm
+
+
+def test_rebinds_class_method():
+    modeling_llama.LlamaMLP.forward = fast_forward
+
+
+def test_registers_attention_function():
+    AttentionInterface.register("my_attn", my_attn)
+
+
+@pytest.mark.xfail(reason="the body fails as expected; the leak must still fail it")
+def test_leaks_in_xfail():
+    modeling_llama.LlamaRMSNorm = MyNorm
+    assert False
+
+
+def test_patches_a_module_imported_in_the_test():
+    from transformers.models.gpt2 import modeling_gpt2
+    modeling_gpt2.GPT2MLP.forward = fast_forward
+
+
+def test_z_sees_the_originals():
+    from transformers.models.gpt2 import modeling_gpt2
+    assert modeling_llama.LlamaRMSNorm is ORIGINAL_NORM
+    assert modeling_llama.LlamaMLP.forward is ORIGINAL_MLP_FORWARD
+    assert "my_attn" not in AttentionInterface._global_mapping
+    assert modeling_gpt2.GPT2MLP.forward is not fast_forward
+"""
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=5, errors=5, xfailed=1)
+    result.stdout.fnmatch_lines_random(
+        [
+            "*test_rebinds_module_global leaked transformers patch state*",
+            "*modeling_llama.LlamaRMSNorm: LlamaRMSNorm -> MyNorm",
+            "*LlamaMLP.forward replaced",
+            "*attention function 'my_attn' registered",
+            "*GPT2MLP.forward replaced",
+            "ERROR *test_leaks_in_xfail*",
+        ]
+    )
+
+
+def test_warn_mode_reports_without_failing(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(HEADER + "\ndef test_rebinds():\n    modeling_llama.LlamaRMSNorm = MyNorm\n")
+    result = pytester.runpytest("-o", "modelpatch_leaks=warn", "-W", "default")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*modeling_llama.LlamaRMSNorm: LlamaRMSNorm -> MyNorm*"])
+
+
+def test_revert_by_reload_is_not_a_leak_and_the_originals_come_back(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        HEADER
+        + """
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+
+def test_a_patches_then_reloads():
+    # what Liger-Kernel's own tests do to undo apply_liger_kernel_to_llama()
+    modeling_llama.LlamaRMSNorm = MyNorm
+    modeling_llama.LlamaForCausalLM.forward = fast_forward
+    importlib.reload(modeling_llama)
+    assert modeling_llama.LlamaRMSNorm is not MyNorm
+
+
+def test_b_sees_the_original_classes():
+    assert modeling_llama.LlamaForCausalLM is transformers.LlamaForCausalLM is LlamaForCausalLM
+    assert MODEL_FOR_CAUSAL_LM_MAPPING[LlamaConfig] is LlamaForCausalLM
+    assert modeling_llama.LlamaRMSNorm is ORIGINAL_NORM
+    assert LlamaForCausalLM.forward is not fast_forward
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=32)
+    assert type(AutoModelForCausalLM.from_config(config)) is LlamaForCausalLM
+"""
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=2)
+
+
+def test_patches_outside_the_leaking_test_are_charged_to_their_fixture(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        """
+from transformers.models.llama import modeling_llama
+# patched at import time, as `import my_kernels` does: the session's baseline, not a leak
+modeling_llama.LlamaMLP.conftest_marker = True
+"""
+    )
+    pytester.makepyfile(
+        HEADER
+        + """
+from transformers.monkey_patching import register_patch_mapping, clear_patch_mapping
+
+
+class ExplodingAttention(modeling_llama.LlamaAttention):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("replacement __init__ failed")
+
+
+@pytest.fixture(scope="session")
+def fast_norm():
+    modeling_llama.LlamaRMSNorm = MyNorm
+    yield
+    modeling_llama.LlamaRMSNorm = ORIGINAL_NORM
+
+
+@pytest.fixture(scope="module")
+def failed_patched_load():
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=32)
+    register_patch_mapping({"LlamaAttention": ExplodingAttention})
+    try:
+        LlamaForCausalLM(config)  # raises inside transformers' apply_patches
+    except RuntimeError:
+        pass
+    finally:
+        clear_patch_mapping()
+
+
+@pytest.fixture(scope="module")
+def leaky_module_fixture():
+    modeling_llama.LlamaMLP.forward = fast_forward
+
+
+def test_uses_the_session_patch(fast_norm):
+    assert modeling_llama.LlamaRMSNorm is MyNorm
+
+
+def test_after_a_failed_load_in_a_module_fixture(failed_patched_load):
+    assert modeling_llama.LlamaAttention is not ExplodingAttention
+    assert modeling_llama.LlamaMLP.conftest_marker
+
+
+def test_uses_the_leaky_fixture(leaky_module_fixture):
+    pass
+"""
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*module-scoped fixture 'leaky_module_fixture' leaked transformers patch state*", "*LlamaMLP.forward replaced"]
+    )
+    result.stdout.no_fnmatch_line("*fast_norm*leaked*")
+    result.stdout.no_fnmatch_line("*conftest_marker*")
