@@ -52,6 +52,7 @@ class ModuleCall:
     module_class: str
     inputs: dict[str, Any]
     output: dict[str, Any]
+    mutated: list[str] = field(default_factory=list)  # inputs the call changed in place
 
 
 Hook = Callable[..., None]
@@ -86,7 +87,13 @@ def record_module_calls(model: torch.nn.Module, inputs: Mapping[str, Any]) -> li
 
         def after(_: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             index, seen = open_calls[name].pop()
-            calls.append(ModuleCall(name, index, type(module).__name__, seen, _flat_clone(output, "output")))
+            live = {**dict(flatten_outputs(args, "args", caches=False)), **dict(flatten_outputs(kwargs, caches=False))}
+            mutated = [
+                path for path, value in live.items()
+                if isinstance(value, torch.Tensor) and isinstance(seen.get(path), torch.Tensor)
+                and value.shape == seen[path].shape and not torch.equal(value, seen[path])
+            ]  # fmt: skip
+            calls.append(ModuleCall(name, index, type(module).__name__, seen, _flat_clone(output, "output"), mutated))
 
         return module, before, after
 
@@ -107,6 +114,7 @@ class Divergence:
     output_differences: list[TensorComparison]
     input_differences: list[TensorComparison] = field(default_factory=list)
     profile: list[tuple[str, float]] = field(default_factory=list, repr=False)
+    mutated_inputs: list[str] = field(default_factory=list)  # changed in place by the patched module only
 
     def __str__(self) -> str:
         call = f" (call {self.index + 1})" if self.index else ""
@@ -116,6 +124,11 @@ class Divergence:
             else f"{self.reference_class} in the reference, {self.patched_class} in the patched model"
         )
         lines = [f"first diverging module: {self.name}{call} ({classes})"]
+        if self.mutated_inputs:
+            lines.append(
+                f"  it changes its input {', '.join(self.mutated_inputs)} in place, which the original does not: "
+                "the caller and every later reader of that tensor see other values (clone before an in-place op)"
+            )
         if self.inputs_agree:
             lines.append("  its inputs agree; its output differs:")
         else:
@@ -157,6 +170,13 @@ def first_divergence(
         comparisons = compare_flat(call.output, other.output, spec)
         profile.append((_call_label(call), max((c.max_abs for c in comparisons if c.problem is None), default=0.0)))
         outputs = [c for c in comparisons if not c.passed]
+        mutated = [path for path in other.mutated if path not in call.mutated]
+        if mutated and found is None:
+            # its own output may agree, yet it changed what its caller holds: it is the culprit, not the caller
+            ins = [c for c in compare_flat(call.inputs, other.inputs, spec, common_only=True) if not c.passed]
+            found = Divergence(call.name, call.index, call.module_class, other.module_class, not ins, outputs, ins,
+                               mutated_inputs=mutated)  # fmt: skip
+            continue
         if not outputs or found is not None:
             continue
         ins = [c for c in compare_flat(call.inputs, other.inputs, spec, common_only=True) if not c.passed]
