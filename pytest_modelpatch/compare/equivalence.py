@@ -27,7 +27,7 @@ from pytest_modelpatch.compare.outputs import (
 )
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 from pytest_modelpatch.compare.same_model import check_same_model
-from pytest_modelpatch.models.usage import unused_message, unused_replacements
+from pytest_modelpatch.models.usage import coverage_lines, unused_message, unused_replacements
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
 # ---------------------------------------------------------------------------
@@ -50,6 +50,7 @@ class EquivalenceReport:
     duration_s: float = 0.0
     extra: list[str] = field(default_factory=list)
     unused: str = ""  # why the check proves nothing about some replacement, when one never ran
+    coverage: list[str] = field(default_factory=list)  # what the compared forward reached only partly
 
     @property
     def passed(self) -> bool:
@@ -74,12 +75,13 @@ class EquivalenceReport:
                 f"patched {self.patched} matches reference {self.reference}{where}: {len(self.comparisons)} outputs, "
                 f"max abs {self.max_abs_error:.3g}, max rel {self.max_rel_error:.3g}"
             )
-            return "\n".join([head, f"tolerance: {self.tolerance}"])
+            return "\n".join([head, f"tolerance: {self.tolerance}", *(f"coverage: {line}" for line in self.coverage)])
         lines = [
             f"patched {self.patched} differs from reference {self.reference}{where} "
             f"in {len(self.failures)} of {len(self.comparisons)} outputs",
             *self.extra,
             *([self.unused] if self.unused else []),
+            *(f"coverage: {line}" for line in self.coverage),
             f"inputs: {self.inputs}",
             *describe_tolerances(self.failures),
             *(f"  {c}" for c in self.failures),
@@ -102,7 +104,7 @@ class EquivalenceReport:
                 elements_over_tolerance=over, elements_compared=sum(c.total for c in self.comparisons),
                 duration_s=self.duration_s, detail=detail or ("" if self.passed else str(self)),
                 output=max(self.comparisons, key=lambda c: c.max_abs).path if self.comparisons else "",
-                profile=self.divergence.profile if self.divergence is not None else [],
+                profile=self.divergence.profile if self.divergence is not None else [], coverage=self.coverage,
             )
         )  # fmt: skip
 
@@ -162,6 +164,7 @@ def assert_equivalent(
     unused = [u.replacement for u in unused_replacements(patched)]
     if unused and not allow_unused:
         report.unused = unused_message(unused, where="the compared forward")
+    report.coverage = coverage_lines(patched)
     report.record()
     if not report.passed:
         raise AssertionError(str(report))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import HealthCheck, Phase, Verbosity, event, given, settings, target
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
@@ -168,7 +168,7 @@ def check_equivalence(
         database=None,
         deadline=None,
         derandomize=False,
-        phases=(Phase.explicit, Phase.generate, Phase.shrink),
+        phases=(Phase.explicit, Phase.generate, Phase.target, Phase.shrink),
         suppress_health_check=list(HealthCheck),
         verbosity=Verbosity.quiet,
         report_multiple_bugs=False,
@@ -181,7 +181,13 @@ def check_equivalence(
         try:
             oracle = oracle_outputs(reference, example, spec)
             comparisons = compare_outputs(forward(reference, example), forward(patched, example), spec, oracle)
-            ran.update(u.replacement for u in patch_usage(patched) if u.calls_in_last_forward)
+            usage = patch_usage(patched)
+            ran.update(u.replacement for u in usage if u.calls_in_last_forward)
+            if usage:
+                # steer the search toward inputs that reach every replacement instance (and say how often it did)
+                target(float(sum(u.instances_run for u in usage)), label="replacement instances run")
+                for u in usage:
+                    event(f"{u.replacement.rpartition('.')[2]}: {u.instances_run} of {u.instances} instances ran")
         except Exception:
             remember_failure(example)
             raise

@@ -35,6 +35,7 @@ class CheckRecord:
     nodeid: str = ""
     output: str = ""  # the output that erred most, e.g. "logits"
     profile: list[tuple[str, float]] = field(default_factory=list)  # per-module max abs error, forward order
+    coverage: list[str] = field(default_factory=list)  # replacements that ran only partly, idle experts
     # the test's intent, stamped after it ran: an xfail test's checks, or a failing check whose
     # AssertionError the test caught (pytest.raises) and went on, were meant to fail
     expected_failure: bool = False

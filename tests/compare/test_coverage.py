@@ -98,3 +98,33 @@ def test_replay_is_not_a_model_call(reference_model, patched_model):
     )
     result = pytester.runpytest("-p", "no:randomly")
     result.assert_outcomes(passed=1)
+
+
+def test_the_report_says_which_experts_got_no_tokens(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import json
+import pytest
+import torch
+from fixtures import load_patch
+from pytest_modelpatch import assert_equivalent
+
+PATCH = load_patch("qwen2_moe")
+
+
+@pytest.mark.model("qwen2_moe")
+@pytest.mark.patch(PATCH.MAPPING, conversions=PATCH.CONVERSIONS, overwrite=True)
+def test_two_tokens_reach_few_experts(reference_model, patched_model):
+    experts = patched_model.config.num_experts
+    report = assert_equivalent(reference_model, patched_model, {"input_ids": torch.tensor([[3, 5]])})
+    idle = [line for line in report.coverage if "got no tokens" in line]
+    assert idle, report.coverage
+    # two tokens, top-k each: at most 2 * k experts of a layer can be busy
+    assert all(f"of {experts} got no tokens" in line for line in idle)
+    assert "coverage: model.layers.0.mlp.gate: experts" in str(report)
+"""
+    )
+    result = pytester.runpytest("--modelpatch-report", "r.json")
+    result.assert_outcomes(passed=1)
+    rows = __import__("json").loads((pytester.path / "r.json").read_text())["rows"]
+    assert any("got no tokens" in line for line in rows[0]["coverage"])
