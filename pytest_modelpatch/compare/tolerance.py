@@ -128,9 +128,10 @@ LOOSE_POLICY = TolerancePolicy(
     "loose",
     {k: DtypeTolerance(v.atol * 10, v.rtol * 10, v.ulps * 4) for k, v in DEFAULT_POLICY.per_dtype.items()},
 )
-# Quantization noise, judged per tensor: an int8 weight-only Llama MLP scores about 55 dB in
-# float32 and 45 dB in bfloat16 on the tiny model; half-precision round-off alone costs ~45 dB.
-SQNR_DEFAULT_DB: dict[str, float] = {"float64": 40.0, "float32": 40.0, "float16": 35.0, "bfloat16": 30.0}
+# Quantization noise, judged per tensor: an int8 weight-only Llama MLP scores 38-41 dB at the
+# logits of the tiny model with its non-degenerate seeded weights (float32), a wrong scale or a
+# transposed weight scores under 10 dB; half-precision round-off alone costs ~45 dB.
+SQNR_DEFAULT_DB: dict[str, float] = {"float64": 30.0, "float32": 30.0, "float16": 30.0, "bfloat16": 25.0}
 
 
 def sqnr_policy(min_db: float | Mapping[str, float] | None = None) -> TolerancePolicy:

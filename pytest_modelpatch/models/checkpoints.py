@@ -220,7 +220,12 @@ def _build_into(
                 model.save_pretrained(staging, **shard)
         (staging / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
         write_manifest(staging)  # last: an entry without a manifest was never finished
-        os.rename(staging, final)  # the caller holds the entry's lock: nobody else renames into place
+        try:
+            os.rename(staging, final)  # the caller holds the entry's lock, so this normally wins
+        except OSError:
+            if verify_entry(final) is not None:
+                raise
+            # a process that does not share the lock (another cache user) finished first: theirs is whole, drop ours
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

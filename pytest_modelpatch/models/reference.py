@@ -36,6 +36,10 @@ class ReferenceRecord:
     classes: dict[type, dict[str, Any]]
     hooks: dict[str, int]  # module name -> forward hooks installed at build time
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ReferenceRecord:
+        # a copy of the reference (a float64 oracle, say) was built with the same classes: share the record
+        return self
+
     def problems(self, model: torch.nn.Module) -> list[str]:
         """What differs from the build: replaced module classes, rebound methods, lost capture hooks."""
         found = []
