@@ -287,7 +287,7 @@ class DecodingReport:
             *self._token_lines(failed),
         ]
         if ties:
-            lines.append(ties.removeprefix("; ").capitalize() + " before it")
+            lines.append(f"near-ties so far (tokens taken from the reference): {self.near_ties}")
         if self.divergence is not None:
             lines.append(f"at {failed.name}, {self.divergence}")
         so_far = [list(row) for row in zip(*(s.reference_tokens for s in self.steps[:-1]))]
