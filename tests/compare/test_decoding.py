@@ -15,6 +15,7 @@ from fixtures import load_patch, tiny_config
 from pytest_modelpatch import PatchUsageError, assert_equivalent, assert_generates_equivalent, check_generation
 from pytest_modelpatch.compare.decoding import default_prompts
 from pytest_modelpatch.models.checkpoints import cached_checkpoint
+from pytest_modelpatch.models.families import tiny_config as tiny_config_of
 
 
 # ---------------------------------------------------------------------------
@@ -34,6 +35,20 @@ def test_reference_tokens_are_the_tokens_generate_picks(pair: Callable[..., Pair
                                    eos_token_id=None, pad_token_id=0)  # fmt: skip
     ours = [list(row) for row in zip(*(step.reference_tokens for step in report.steps))]
     assert ours == generated[:, prompts["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_hybrid_sliding_family_decodes_as_generate_does(cache: str | None) -> None:
+    from pytest_modelpatch.models.families import model_class_for
+
+    torch.manual_seed(0)
+    config = tiny_config_of("gemma2", sliding_window=4)  # layers: sliding, full
+    model = model_class_for(config)(config).eval()
+    prompts = default_prompts(model)
+    report = assert_generates_equivalent(model, model, prompts, cache_implementation=cache)
+    generated = model.generate(**prompts, max_new_tokens=8, do_sample=False, cache_implementation=cache,
+                               eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert [list(row) for row in zip(*(s.reference_tokens for s in report.steps))] == generated[:, 8:].tolist()
 
 
 def test_default_prompts_are_left_padded_with_unequal_lengths(pair: Callable[..., Pair]) -> None:
