@@ -148,19 +148,27 @@ def _call_label(call: ModuleCall) -> str:
 
 
 def first_divergence(
-    reference: torch.nn.Module, patched: torch.nn.Module, inputs: Mapping[str, Any], spec: ToleranceSpec
+    reference: torch.nn.Module,
+    patched: torch.nn.Module,
+    inputs: Mapping[str, Any],
+    spec: ToleranceSpec,
+    *,
+    patched_inputs: Mapping[str, Any] | None = None,
 ) -> Divergence | None:
     """The first module, in the order calls finish, present in both models whose output differs.
 
     Prefers a module whose inputs agree (it introduced the difference); falls back to the
     first differing module at all. ``None`` when every shared module agrees. The result's
     ``profile`` holds every shared call's max abs output difference, in forward order.
+    ``patched_inputs``: the patched model's own inputs when they cannot be shared (a decoding
+    step, where each model brings its own KV cache); default ``inputs``.
 
     Example::
 
         first_divergence(reference, patched, inputs, resolve_tolerance()).name  # "model.layers.0.self_attn"
     """
-    patched_calls = {(c.name, c.index): c for c in record_module_calls(patched, inputs)}
+    own = inputs if patched_inputs is None else patched_inputs
+    patched_calls = {(c.name, c.index): c for c in record_module_calls(patched, own)}
     found = fallback = None
     profile: list[tuple[str, float]] = []
     for call in record_module_calls(reference, inputs):

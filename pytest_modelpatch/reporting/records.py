@@ -16,7 +16,7 @@ from typing import Any
 class CheckRecord:
     """One check: what was compared, on what, with which tolerance, and how it went."""
 
-    kind: str  # "equivalence", "property", "module", "roundtrip", "lint"
+    kind: str  # "equivalence", "property", "module", "decode", "roundtrip", "lint"
     outcome: str  # "passed" | "failed"
     model: str = ""  # model family or spec, e.g. "llama"
     patch_keys: list[str] = field(default_factory=list)
