@@ -19,6 +19,8 @@ _EXPORTS: dict[str, str] = {
     "validate_mapping": "isolation.registration",
     "assert_equivalent": "compare.equivalence",
     "check_equivalence": "compare.property_checks",
+    "assert_backward_equivalent": "compare.backward",
+    "BackwardReport": "compare.backward",
     "check_module_equivalence": "compare.divergence",
     "first_divergence": "compare.divergence",
     "TolerancePolicy": "compare.tolerance",

@@ -44,15 +44,17 @@ from pytest_modelpatch.models.usage import unused_message, unused_replacements
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
 # Gradients sum over every token and pass back through every layer, so they carry more
-# round-off than outputs. Measured on the example patches (fixtures/patches/*_autograd*.py,
-# llama_fused_qkv), tiny Llama, CPU: see docs/backward.md for the figures.
+# round-off than outputs. Measured on the good example patches (swiglu/rmsnorm autograd kernels,
+# fused QKV, split-K MLP), tiny Llama, CPU, 3 input sizes: fp32 gradients differ by up to 13 ulps
+# of the tensor's max |value| (the outputs: 4), bf16 by up to 4; so 16 and 8 ulps, about 1.2-2x
+# headroom, with the output policy's atol/rtol otherwise (fp32 rtol 1e-5: 2.3e-5 needed at 4 ulps).
 GRADIENT_POLICY = TolerancePolicy(
     "gradient",
     {
-        "float64": DtypeTolerance(atol=1e-7, rtol=1e-7, ulps=8),
+        "float64": DtypeTolerance(atol=1e-7, rtol=1e-7, ulps=16),
         "float32": DtypeTolerance(atol=1e-5, rtol=1e-5, ulps=16),
-        "float16": DtypeTolerance(atol=1e-4, rtol=4e-3, ulps=16),
-        "bfloat16": DtypeTolerance(atol=1e-4, rtol=3.2e-2, ulps=16),
+        "float16": DtypeTolerance(atol=1e-5, rtol=1e-3, ulps=8),
+        "bfloat16": DtypeTolerance(atol=1e-5, rtol=1.6e-2, ulps=8),
     },
 )
 
