@@ -22,6 +22,8 @@ _EXPORTS: dict[str, str] = {
     "assert_generates_equivalent": "compare.decoding",
     "DecodingReport": "compare.decoding",
     "check_generation": "compare.decoding_properties",
+    "assert_backward_equivalent": "compare.backward",
+    "BackwardReport": "compare.backward",
     "check_module_equivalence": "compare.divergence",
     "first_divergence": "compare.divergence",
     "TolerancePolicy": "compare.tolerance",

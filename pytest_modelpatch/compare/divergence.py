@@ -30,6 +30,7 @@ from pytest_modelpatch.compare.outputs import (
     forward,
 )
 from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.training import training_state
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
@@ -59,22 +60,25 @@ Hook = Callable[..., None]
 
 
 def run_with_hooks(
-    model: torch.nn.Module, inputs: Mapping[str, Any], hooks: list[tuple[torch.nn.Module, Hook, Hook]]
+    model: torch.nn.Module, inputs: Mapping[str, Any], hooks: list[tuple[torch.nn.Module, Hook, Hook]], *, train: bool = False
 ) -> None:
-    """One forward of ``model`` with ``(module, pre_hook, hook)`` installed (both with kwargs); removed after."""
+    """One forward of ``model`` with ``(module, pre_hook, hook)`` installed (both with kwargs); removed after.
+
+    ``train``: run it in train mode with dropout off (``compare.training.training_state``), not eval.
+    """
     handles = []
     try:
         for module, before, after in hooks:
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True))
-        with evaluating(model):
+        with training_state(model) if train else evaluating(model):
             forward(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
 
 
-def record_module_calls(model: torch.nn.Module, inputs: Mapping[str, Any]) -> list[ModuleCall]:
+def record_module_calls(model: torch.nn.Module, inputs: Mapping[str, Any], *, train: bool = False) -> list[ModuleCall]:
     """Run ``model`` on ``inputs`` and return every submodule call in the order the calls finished."""
     calls: list[ModuleCall] = []
     open_calls: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
@@ -98,7 +102,7 @@ def record_module_calls(model: torch.nn.Module, inputs: Mapping[str, Any]) -> li
         return module, before, after
 
     # The root is skipped: its output is the model output, compared already.
-    run_with_hooks(model, inputs, [hooks(name, module) for name, module in model.named_modules() if name])
+    run_with_hooks(model, inputs, [hooks(name, module) for name, module in model.named_modules() if name], train=train)
     return calls
 
 
@@ -154,6 +158,7 @@ def first_divergence(
     spec: ToleranceSpec,
     *,
     patched_inputs: Mapping[str, Any] | None = None,
+    train: bool = False,
 ) -> Divergence | None:
     """The first module, in the order calls finish, present in both models whose output differs.
 
@@ -162,16 +167,17 @@ def first_divergence(
     ``profile`` holds every shared call's max abs output difference, in forward order.
     ``patched_inputs``: the patched model's own inputs when they cannot be shared (a decoding
     step, where each model brings its own KV cache); default ``inputs``.
+    ``train=True`` runs both in train mode with dropout off (for ``if self.training`` paths).
 
     Example::
 
         first_divergence(reference, patched, inputs, resolve_tolerance()).name  # "model.layers.0.self_attn"
     """
     own = inputs if patched_inputs is None else patched_inputs
-    patched_calls = {(c.name, c.index): c for c in record_module_calls(patched, own)}
+    patched_calls = {(c.name, c.index): c for c in record_module_calls(patched, own, train=train)}
     found = fallback = None
     profile: list[tuple[str, float]] = []
-    for call in record_module_calls(reference, inputs):
+    for call in record_module_calls(reference, inputs, train=train):
         other = patched_calls.get((call.name, call.index))
         if other is None:
             continue

@@ -19,10 +19,12 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
+from pytest_modelpatch.compare.backward import compare_training
 from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_models
 from pytest_modelpatch.compare.outputs import compare_outputs, describe_inputs, evaluating, forward, oracle_outputs
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
+from pytest_modelpatch.compare.training import with_labels
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.usage import patch_usage, unused_message
 
@@ -54,10 +56,11 @@ class PropertyReport:
     max_rel_error: float = 0.0
     tolerance: ToleranceSpec | None = None
     worst: EquivalenceReport | None = None  # the passing example with the largest error, for the report row
-    failure: EquivalenceReport | None = None
+    failure: Any = None  # EquivalenceReport, or BackwardReport with backward=True
     error: str = ""  # an exception a model raised on the minimal example, when that was the failure
     minimal_inputs: str = ""
     duration_s: float = 0.0
+    backward: bool = False  # each example ran a training step (assert_backward_equivalent's comparison)
 
     @property
     def passed(self) -> bool:
@@ -65,7 +68,8 @@ class PropertyReport:
 
     @property
     def header(self) -> str:
-        return f"check_equivalence(seed={self.seed}, max_examples={self.max_examples})"
+        backward = ", backward=True" if self.backward else ""
+        return f"check_equivalence(seed={self.seed}, max_examples={self.max_examples}{backward})"
 
     def __str__(self) -> str:
         if self.passed:
@@ -134,10 +138,13 @@ def check_equivalence(
     rtol: float | None = None,
     policy: str | TolerancePolicy | None = None,
     allow_unused: bool = False,
+    backward: bool = False,
 ) -> PropertyReport:
     """Compare the two models on many drawn inputs; on failure, shrink and show the minimal example.
 
     A replacement class that ran in none of the examples fails the check, unless ``allow_unused=True``.
+    ``backward=True``: each example is a training step compared as ``assert_backward_equivalent``
+    does (labels added where the model takes them; loss, outputs and every gradient).
 
     Example::
 
@@ -152,7 +159,7 @@ def check_equivalence(
         type(reference).__name__, type(patched).__name__,
         seed=seed if seed is not None else _defaults["seed"] or 0,
         max_examples=max_examples or _defaults["max_examples"] or DEFAULT_MAX_EXAMPLES,
-        tolerance=spec,
+        tolerance=spec, backward=backward,
     )  # fmt: skip
     last_failing: list[Mapping[str, Any]] = []
     ran: set[str] = set()  # replacement classes that ran in some example
@@ -179,8 +186,11 @@ def check_equivalence(
     def one_example(example: Mapping[str, Any]) -> None:
         report.examples += 1
         try:
-            oracle = oracle_outputs(reference, example, spec)
-            comparisons = compare_outputs(forward(reference, example), forward(patched, example), spec, oracle)
+            if backward:
+                comparisons = compare_training(reference, patched, with_labels(reference, example), spec, locate=False).comparisons
+            else:
+                oracle = oracle_outputs(reference, example, spec)
+                comparisons = compare_outputs(forward(reference, example), forward(patched, example), spec, oracle)
             usage = patch_usage(patched)
             ran.update(u.replacement for u in usage if u.calls_in_last_forward)
             if usage:
@@ -209,7 +219,11 @@ def check_equivalence(
         minimal = last_failing[0]
         report.minimal_inputs = describe_inputs(minimal)
         if isinstance(error, _ExampleFailed):
-            report.failure = compare_models(reference, patched, minimal, spec)
+            report.failure = (
+                compare_training(reference, patched, with_labels(reference, minimal), spec)
+                if backward
+                else compare_models(reference, patched, minimal, spec)
+            )
         else:
             report.error = f"a model raised {type(error).__name__}: {error}"
         report.duration_s = time.perf_counter() - start

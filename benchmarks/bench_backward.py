@@ -1,0 +1,87 @@
+"""Cost of assert_backward_equivalent against a bare forward+backward of both models on the same inputs.
+
+Both timings in one run, on the same tiny model and inputs (the config's example inputs with
+labels), best of ``--repeats``:
+
+- ``assert_backward_equivalent``: train-mode setup and restore, both steps, every comparison;
+- bare: ``model(**inputs).loss.backward()`` for the reference and the patched model, ``.grad``
+  cleared between runs (goal: the check <= 1.3x this).
+
+Usage::
+
+    python benchmarks/bench_backward.py                          # llama_swiglu_autograd, fp32
+    python benchmarks/bench_backward.py --patch llama_fused_qkv --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `fixtures` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.monkey_patching import register_patch_mapping
+
+from fixtures import load_patch, tiny_config
+from pytest_modelpatch.compare.backward import assert_backward_equivalent
+from pytest_modelpatch.compare.outputs import default_inputs
+from pytest_modelpatch.compare.training import with_labels
+from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
+from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained
+
+
+def load(patch: Any, dtype: str, cache: Path) -> tuple[Any, Any]:
+    path = cached_checkpoint(tiny_config(patch.MODEL_TYPE), dtype=dtype, cache_dir=cache)
+    with isolated_patch_state():
+        register_patch_mapping(patch.MAPPING)
+        for model_type, transforms in patch.CONVERSIONS.items():
+            register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
+        with without_patches():
+            reference = load_pretrained(path, dtype=dtype)
+        return reference, load_pretrained(path, dtype=dtype)
+
+
+def bare_step(reference: Any, patched: Any, inputs: dict[str, Any]) -> float:
+    start = time.perf_counter()
+    for model in (reference, patched):
+        model.train()
+        model(**inputs).loss.backward()
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def checked_step(reference: Any, patched: Any, inputs: dict[str, Any]) -> float:
+    start = time.perf_counter()
+    assert_backward_equivalent(reference, patched, inputs)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--patch", default="llama_swiglu_autograd")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as cache:
+        reference, patched = load(load_patch(args.patch), args.dtype, Path(cache))
+        inputs = with_labels(reference, default_inputs(reference))
+        for _ in range(3):  # warm up both paths
+            bare_step(reference, patched, inputs), checked_step(reference, patched, inputs)
+        bare = min(bare_step(reference, patched, inputs) for _ in range(args.repeats))
+        checked = min(checked_step(reference, patched, inputs) for _ in range(args.repeats))
+    print(f"patch {args.patch}, {args.dtype}, best of {args.repeats}")
+    print(f"bare forward+backward of both models: {bare * 1e3:8.2f} ms")
+    print(f"assert_backward_equivalent:           {checked * 1e3:8.2f} ms  ({checked / bare:.2f}x bare; goal <= 1.3x)")
+
+
+if __name__ == "__main__":
+    main()

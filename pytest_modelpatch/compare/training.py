@@ -1,0 +1,268 @@
+"""Run a model the way training runs it: train mode, no dropout, one seed, a loss, one backward.
+
+``training_run`` is the single forward+backward that the backward checks build on. It changes
+nothing it does not put back: every module's training flag, dropout probabilities (modules and
+configs), gradient checkpointing attributes and each parameter's ``.grad`` are restored after,
+so a session-shared reference model is left exactly as it was found.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pytest_modelpatch.compare.outputs import flatten_outputs, forward, model_device
+from pytest_modelpatch.errors import PatchUsageError
+
+LossFn = Callable[[Any], torch.Tensor]
+_ABSENT: Any = object()
+TRAINING_SEED = 0  # both models run under this seed, so any randomness left draws the same numbers
+
+# ---------------------------------------------------------------------------
+# Inputs and losses
+# ---------------------------------------------------------------------------
+
+
+def with_labels(model: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """``inputs`` plus ``labels`` when the model's forward takes them and none were given.
+
+    Causal and masked LMs get the input ids (padding set to -100, which their losses ignore);
+    sequence and token classifiers get seeded class ids below ``config.num_labels``.
+
+    Example: ``model(**with_labels(model, {"input_ids": ids}))["loss"]``.
+    """
+    from pytest_modelpatch.models.families import forward_parameters
+
+    found = dict(inputs)
+    ids = found.get("input_ids")
+    if "labels" in found or not isinstance(ids, torch.Tensor) or "labels" not in forward_parameters(type(model)):
+        return found
+    name = type(model).__name__
+    generator = torch.Generator().manual_seed(TRAINING_SEED)
+    classes = int(getattr(model.config, "num_labels", 2) or 2)
+    if name.endswith("ForSequenceClassification"):
+        found["labels"] = torch.randint(0, classes, (ids.shape[0],), generator=generator).to(ids.device)
+    elif name.endswith("ForTokenClassification"):
+        found["labels"] = torch.randint(0, classes, tuple(ids.shape), generator=generator).to(ids.device)
+    else:
+        labels = ids.clone()
+        mask = found.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.shape == labels.shape:
+            labels = labels.masked_fill(mask == 0, -100)
+        found["labels"] = labels
+    return found
+
+
+def default_reduction(outputs: Any) -> torch.Tensor:
+    """The loss used when the model computes none: a fixed random projection of every output.
+
+    ``sum over floating outputs o of (o * R_o).sum() / o.numel()``, ``R_o`` standard normal drawn
+    from a generator seeded by the output's path, so both models get the same ``R`` and every
+    output element gets its own non-zero gradient (a plain sum would give softmax outputs none).
+
+    Example: ``default_reduction(model(**inputs)).backward()``.
+    """
+    total: torch.Tensor | None = None
+    for path, leaf in flatten_outputs(outputs, caches=False):
+        if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point() or not leaf.requires_grad:
+            continue
+        generator = torch.Generator().manual_seed(zlib.crc32(path.encode()))
+        weight = torch.randn(tuple(leaf.shape), generator=generator, dtype=torch.float32).to(leaf.device)
+        term = (leaf.float() * weight).sum() / max(leaf.numel(), 1)
+        total = term if total is None else total + term
+    if total is None:
+        raise PatchUsageError(
+            "assert_backward_equivalent: the model returned no floating output that requires grad, so there is "
+            "nothing to backpropagate. Pass inputs the model differentiates, or loss=callable(outputs)."
+        )
+    return total
+
+
+def training_loss(outputs: Any, loss: LossFn | None) -> tuple[torch.Tensor, str]:
+    """The scalar to backpropagate and where it came from: ``loss=``, the model's loss, or the default."""
+    if loss is not None:
+        value, source = loss(outputs), f"loss={getattr(loss, '__name__', type(loss).__name__)}"
+    elif isinstance(outputs, Mapping) and isinstance(outputs.get("loss"), torch.Tensor):
+        value, source = outputs["loss"], "the model's loss"
+    else:
+        value, source = default_reduction(outputs), "default reduction (random projection of the outputs)"
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise PatchUsageError(
+            f"assert_backward_equivalent: {source} gave {type(value).__name__}"
+            f"{'' if not isinstance(value, torch.Tensor) else ' of shape ' + str(tuple(value.shape))}, not a scalar "
+            "tensor. Reduce it, e.g. loss=lambda out: out.logits.float().pow(2).mean()."
+        )
+    return value.reshape(()), source
+
+
+# ---------------------------------------------------------------------------
+# Training state, put back after
+# ---------------------------------------------------------------------------
+
+
+def _is_dropout_attr(name: str, value: Any) -> bool:
+    return "dropout" in name and isinstance(value, float) and not isinstance(value, bool)
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            found[id(config)] = config
+            for value in vars(config).values():  # text_config, vision_config, ...
+                if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                    found[id(value)] = value
+    return list(found.values())
+
+
+def _set_attr(owner: Any, name: str, value: Any) -> None:
+    if value is _ABSENT:
+        owner.__dict__.pop(name, None)
+    else:
+        setattr(owner, name, value)
+
+
+@contextmanager
+def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | None = None) -> Iterator[None]:
+    """Train mode with every dropout at 0, ``.grad`` cleared, checkpointing as asked; all restored after.
+
+    ``checkpointing``: ``None`` leaves it off, else the kwargs for ``torch.utils.checkpoint``
+    (``{"use_reentrant": False}``), enabled through transformers' API.
+
+    Example::
+
+        with training_state(model, {"use_reentrant": True}):
+            model(**inputs).loss.backward()
+    """
+    saved: list[tuple[Any, str, Any]] = [(m, "training", m.training) for m in model.modules()]
+    dropouts: list[tuple[Any, str, Any]] = []
+    for module in model.modules():
+        # nn.Dropout's p, and float attributes copied from the config (LlamaAttention.attention_dropout)
+        is_dropout = isinstance(module, torch.nn.modules.dropout._DropoutNd)
+        dropouts += [(module, k, v) for k, v in vars(module).items() if (k == "p" and is_dropout) or _is_dropout_attr(k, v)]
+        if hasattr(module, "gradient_checkpointing"):
+            saved += [(module, k, module.__dict__.get(k, _ABSENT)) for k in ("gradient_checkpointing", "_gradient_checkpointing_func")]
+    for config in _configs(model):  # attention functions read config.attention_dropout at call time
+        dropouts += [(config, k, v) for k, v in vars(config).items() if _is_dropout_attr(k, v)]
+    saved += dropouts
+    grads = [(p, p.grad) for p in model.parameters()]
+    try:
+        model.train()
+        for owner, name, _ in dropouts:
+            setattr(owner, name, 0.0)
+        for param, _ in grads:
+            param.grad = None
+        if checkpointing is not None:
+            enable_checkpointing(model, checkpointing)
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            _set_attr(owner, name, value)
+        for param, grad in grads:
+            param.grad = grad
+
+
+def enable_checkpointing(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> None:
+    """Gradient checkpointing through transformers' API (``activation_checkpointing_enable`` from 5.x)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=dict(kwargs))
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(kwargs))
+    else:
+        raise PatchUsageError(
+            f"assert_backward_equivalent: {type(model).__name__} is not a transformers model, so gradient "
+            "checkpointing cannot be enabled on it; pass gradient_checkpointing=False."
+        )
+
+
+# ---------------------------------------------------------------------------
+# One forward and backward
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class TrainingRun:
+    """What one training step computed: outputs, the loss, and every gradient by name."""
+
+    outputs: Any
+    loss: torch.Tensor
+    loss_source: str
+    gradients: dict[str, torch.Tensor | None]  # parameter name -> .grad (None: it got no gradient)
+    input_gradients: dict[str, torch.Tensor] = field(default_factory=dict)  # "input_embeddings" -> grad
+
+
+@contextmanager
+def _input_embedding_gradients(model: torch.nn.Module, found: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Keep the gradient of every output of the model's input embeddings (one per call)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        embeddings = getter() if getter is not None else None
+    except NotImplementedError:  # a model without text embeddings
+        embeddings = None
+    if not isinstance(embeddings, torch.nn.Module):
+        yield
+        return
+
+    def keep(_: torch.nn.Module, args: Any, output: Any) -> Any:
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return None
+        name = f"input_embeddings[{len(calls)}]" if calls else "input_embeddings"
+        calls.append(name)
+        if not output.requires_grad:  # frozen embeddings: the gradient still reaches this tensor
+            output = output.detach().requires_grad_(True)
+        output.register_hook(lambda grad: found.__setitem__(name, grad.detach()))
+        return output
+
+    calls: list[str] = []
+    handle = embeddings.register_forward_hook(keep)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def training_run(
+    model: torch.nn.Module,
+    inputs: Mapping[str, Any],
+    *,
+    loss: LossFn | None = None,
+    checkpointing: Mapping[str, Any] | None = None,
+    around_backward: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> TrainingRun:
+    """One seeded forward and backward of ``model`` in :func:`training_state`; the model is left as found.
+
+    ``around_backward``: a context for the backward (the reference runs it in ``pristine()``, so a
+    checkpointed layer recomputed during backward is unpatched too).
+
+    Example: ``training_run(model, with_labels(model, inputs)).gradients["lm_head.weight"]``.
+    """
+    device = model_device(model)
+    input_grads: dict[str, torch.Tensor] = {}
+    with ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
+        torch.manual_seed(TRAINING_SEED)
+        stack.enter_context(training_state(model, checkpointing))
+        stack.enter_context(_input_embedding_gradients(model, input_grads))
+        with torch.enable_grad():
+            outputs = forward(model, inputs)
+            value, source = training_loss(outputs, loss)
+            with around_backward():
+                value.backward()
+        gradients = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    return TrainingRun(_detached(outputs), value.detach(), source, gradients, input_grads)
+
+
+def _detached(outputs: Any) -> Any:
+    """Outputs without their autograd graph, so holding them keeps no activations alive."""
+    if isinstance(outputs, Mapping):
+        for key, value in list(outputs.items()):
+            if isinstance(value, torch.Tensor):
+                outputs[key] = value.detach()
+    return outputs

@@ -1,0 +1,142 @@
+"""assert_backward_equivalent: loss, train-mode outputs and every gradient compared; the module that broke backward named."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import Pair
+
+from pytest_modelpatch.compare.backward import assert_backward_equivalent
+from pytest_modelpatch.compare.equivalence import assert_equivalent
+from pytest_modelpatch.compare.property_checks import check_equivalence
+from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.reporting.records import CheckRecord
+
+CHECKPOINTING = [
+    pytest.param({}, id="plain"),
+    pytest.param({"gradient_checkpointing": True}, id="non-reentrant"),
+    pytest.param({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}, id="reentrant"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING)
+@pytest.mark.parametrize("name", ["llama_swiglu_autograd", "llama_rmsnorm_autograd"])
+def test_correct_autograd_kernels_pass_with_and_without_checkpointing(
+    pair: Callable[..., Pair], name: str, checkpointing: dict, dtype: str
+) -> None:
+    report = assert_backward_equivalent(*pair(name, dtype=dtype), **checkpointing)
+    assert report.passed and len(report.gradients) == 22  # 21 parameters and the input embeddings
+    assert report.gradients[-1].path == "input_embeddings"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_broken_swiglu_passes_the_forward_check_and_fails_backward_naming_the_mlp(pair: Callable[..., Pair], dtype: str) -> None:
+    reference, patched = pair("llama_swiglu_autograd_broken", dtype=dtype)
+    assert assert_equivalent(reference, patched).passed
+    with pytest.raises(AssertionError) as failure:
+        assert_backward_equivalent(reference, patched)
+    message = str(failure.value)
+    assert "differs from reference LlamaForCausalLM in training" in message
+    assert "loss (the model's loss): reference " in message and "difference 0 (ok)" in message
+    assert "worst parameter gradient: model." in message and "worst at [" in message
+    assert (
+        "first module in backward order whose gradient diverges: model.layers.1.mlp "
+        "(LlamaMLP in the reference, LlamaDroppedUpSwiGLUMLP in the patched model)\n"
+        "  the gradient flowing into its output agrees; the gradients it computes differ:"
+    ) in message
+    assert "model.layers.1.mlp.up_proj.weight: shape (128, 64)" in message
+
+
+def test_broken_rmsnorm_fails_naming_the_last_norm_first_reached_by_backward(pair: Callable[..., Pair]) -> None:
+    with pytest.raises(AssertionError, match=r"gradient diverges: model\.norm \(LlamaRMSNorm in the reference, LlamaConstantScaleRMSNorm"):
+        assert_backward_equivalent(*pair("llama_rmsnorm_autograd_broken"), gradient_checkpointing=True)
+
+
+def test_training_only_path_passes_eval_check_and_fails_backward_in_the_train_mode_forward(pair: Callable[..., Pair]) -> None:
+    reference, patched = pair("llama_training_path_mlp")
+    assert assert_equivalent(reference, patched).passed
+    with pytest.raises(AssertionError) as failure:
+        assert_backward_equivalent(reference, patched)
+    message = str(failure.value)
+    assert "over tolerance" in message.split("\n")[1]  # the loss line
+    assert "the train-mode forward already differs" in message
+    assert "first diverging module: model.layers.0.mlp (LlamaMLP in the reference, LlamaTrainingPathMLP" in message
+
+
+def test_fused_qkv_gradients_are_compared_through_the_conversion(pair: Callable[..., Pair]) -> None:
+    reference, patched = pair("llama_fused_qkv")
+    report = assert_backward_equivalent(reference, patched)
+    paths = [c.path for c in report.gradients]
+    assert "model.layers.0.self_attn.k_proj.weight" in paths and not any("qkv_proj" in p for p in paths)
+    assert "through the reverse of its weight conversions (ConcatenateQKV)" in str(report)
+
+
+def test_a_gradient_without_counterpart_is_reported(pair: Callable[..., Pair]) -> None:
+    reference, patched = pair("llama_fused_qkv")
+    conversions = patched._weight_conversions
+    patched._weight_conversions = []  # as if the conversion were lost: qkv_proj has no counterpart
+    try:
+        with pytest.raises(AssertionError) as failure:
+            assert_backward_equivalent(reference, patched)
+    finally:
+        patched._weight_conversions = conversions
+    message = str(failure.value)
+    assert "model.layers.0.self_attn.q_proj.weight: reference is tensor (64, 64) float32, patched is absent" in message
+    assert "model.layers.0.self_attn.qkv_proj.weight: reference is absent, patched is tensor (128, 64) float32" in message
+
+
+def test_models_are_left_as_found_training_flags_grads_and_requires_grad(pair: Callable[..., Pair]) -> None:
+    reference, patched = pair("llama_swiglu_autograd")
+    sentinel = torch.full_like(reference.lm_head.weight, 7.0)
+    reference.lm_head.weight.grad = sentinel
+    for model in (reference, patched):  # frozen embeddings: no gradient on either side, and still frozen after
+        model.model.embed_tokens.weight.requires_grad_(False)
+    try:
+        assert_backward_equivalent(reference, patched, gradient_checkpointing=True)
+        assert not reference.training and not any(m.training for m in reference.modules())
+        assert reference.lm_head.weight.grad is sentinel and patched.lm_head.weight.grad is None
+        assert not reference.model.embed_tokens.weight.requires_grad and reference.lm_head.weight.requires_grad
+        assert not reference.is_gradient_checkpointing and not patched.is_gradient_checkpointing
+        assert not any("_gradient_checkpointing_func" in vars(m) for m in reference.modules())
+    finally:
+        reference.lm_head.weight.grad = None
+        for model in (reference, patched):
+            model.model.embed_tokens.weight.requires_grad_(True)
+
+
+def test_loss_callable_and_default_reduction(pair: Callable[..., Pair]) -> None:
+    reference, patched = pair("llama_swiglu_autograd_broken")
+    ids = {"input_ids": torch.tensor([[3, 1, 4, 1, 5, 9]])}  # no labels: the default reduction
+    with pytest.raises(AssertionError, match=r"loss \(default reduction"):
+        assert_backward_equivalent(reference, patched, ids)
+
+    def mean_logit(outputs: Any) -> torch.Tensor:
+        return outputs.logits.mean()
+
+    with pytest.raises(AssertionError, match=r"loss \(loss=mean_logit\)"):
+        assert_backward_equivalent(reference, patched, ids, loss=mean_logit)
+    with pytest.raises(PatchUsageError, match="not a scalar tensor"):
+        assert_backward_equivalent(reference, patched, ids, loss=lambda outputs: outputs.logits)
+
+
+def test_backward_record_row(pair: Callable[..., Pair], records: list[CheckRecord]) -> None:
+    assert_backward_equivalent(*pair("llama_swiglu_autograd"))
+    (row,) = records
+    assert row.kind == "backward" and row.outcome == "passed" and row.elements_compared > 0
+    assert row.max_abs_error is not None and row.max_abs_error < 1e-5
+
+
+def test_property_check_with_backward_catches_the_broken_kernel_and_shrinks(pair: Callable[..., Pair]) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check_equivalence(*pair("llama_swiglu_autograd_broken"), max_examples=5, backward=True)
+    message = str(failure.value)
+    assert re.match(r"check_equivalence\(seed=0, max_examples=5, backward=True\): example \d of 5 failed; shrunk", message)
+    # shrunk to one row of two tokens: the smallest causal-LM step with a label to predict
+    assert re.search(r"\ninputs: input_ids=\[\[\d+, \d+\]\], attention_mask=\[\[1, 1\]\], .*labels=\[\[", message)
+    assert "first module in backward order whose gradient diverges: model.layers.1.mlp" in message
+    assert check_equivalence(*pair("llama_swiglu_autograd"), max_examples=3, backward=True).passed
