@@ -79,7 +79,7 @@ def eager_logits(model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> 
 
 
 def shape_label(inputs: Mapping[str, torch.Tensor]) -> str:
-    """``2x8``: batch x sequence of the inputs, used to name compared outputs (``logits@2x8``)."""
+    """``2x8``: batch x sequence of the inputs, used to name compared outputs (``logits_2x8``)."""
     return "x".join(str(n) for n in inputs["input_ids"].shape)
 
 
@@ -222,7 +222,7 @@ def compare_traced(
         with torch.no_grad():
             got = traced(inputs["input_ids"], inputs["attention_mask"])
         expected = eager_logits(reference, inputs)
-        label = f"logits@{shape_label(inputs)}"
+        label = f"logits_{shape_label(inputs)}"  # an identifier, so the path reads logits_2x8
         report.comparisons += compare_outputs({label: expected}, {label: got}, report.tolerance)
         report.inputs.append(describe_inputs(inputs))
     if not report.passed:
