@@ -9,7 +9,6 @@ before and after a block and removes what it wrote.
 
 from __future__ import annotations
 
-import gc
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,7 +57,6 @@ def fresh_dynamo() -> Iterator[None]:
         yield
     finally:
         torch._dynamo.reset()
-        gc.collect()
         _run_cleanup_hooks()
         for name, module in list(sys.modules.items()):
             namespace = vars(module) if module is not None else {}
