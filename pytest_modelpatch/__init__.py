@@ -61,6 +61,9 @@ _EXPORTS: dict[str, str] = {
     "ReferenceNotPristineError": "errors",
     "pristine": "isolation.pristine",
     "ScanIndexError": "errors",
+    "assert_exports_equivalent": "compare.export",
+    "assert_compiles_equivalent": "compare.compile",
+    "ParityReport": "compare.export",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

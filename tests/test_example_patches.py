@@ -201,7 +201,9 @@ def test_example_module_exports_mapping_conversions_model_type_and_expected(name
     assert patch.__doc__ and ("GOOD" in patch.__doc__ or "BROKEN" in patch.__doc__)
     assert patch.EXPECTED in {"equivalent", "diverges", "lossless", "lossy"}
     assert isinstance(patch.MODEL_TYPE, str)
-    assert patch.MAPPING and all(issubclass(cls, torch.nn.Module) for cls in patch.MAPPING.values())
+    assert patch.MAPPING or getattr(patch, "METHODS", None), "a patch replaces classes, methods or both"
+    assert all(issubclass(cls, torch.nn.Module) for cls in patch.MAPPING.values())
+    assert all(hasattr(cls, "_PATCHED_CLASS_") and cls._PATCHES_ for cls in getattr(patch, "METHODS", []))
     assert isinstance(patch.CONVERSIONS, dict)
 
 
