@@ -65,6 +65,8 @@ class Replaced:
 
 def signature_findings(replaced: Replaced, scope_modules: Iterable[str]) -> list[Finding]:
     """What the parent passes to the replacement's ``__init__``/``forward`` that it cannot take."""
+    if _forward_owner(replaced.replacement).__module__.startswith("torch"):
+        return []  # no forward of its own (a stand-in class): nothing to compare, it cannot run
     sites = [s for m in scope_modules for s in source.module_calls(m).constructions.get(replaced.name, [])]
     findings = _init_findings(replaced, sites)
     runs = [s for m in scope_modules for s in source.module_calls(m).forwards.get(replaced.name, [])]
@@ -142,8 +144,8 @@ def _unused_findings(replaced: Replaced, original: source.Params) -> list[Findin
 
 def _mentioned(cls: type) -> set[str] | None:
     """Names and string constants in the replacement's own ``forward`` source."""
-    owner = next((k for k in cls.__mro__ if "forward" in vars(k)), None)
-    if owner is None or owner.__module__.startswith(("transformers", "torch")):
+    owner = _forward_owner(cls)
+    if owner.__module__.startswith(("transformers", "torch")):
         return None
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(vars(owner)["forward"])))
@@ -154,6 +156,10 @@ def _mentioned(cls: type) -> set[str] | None:
     return {n.id for n in body if isinstance(n, ast.Name)} | {
         n.value for n in body if isinstance(n, ast.Constant) and isinstance(n.value, str)
     }
+
+
+def _forward_owner(cls: type) -> type:
+    return next((k for k in cls.__mro__ if "forward" in vars(k)), object)
 
 
 def _signature(obj: Any, *, drop_self: bool = False) -> inspect.Signature | None:
