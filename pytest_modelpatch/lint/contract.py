@@ -153,9 +153,17 @@ def _mentioned(cls: type) -> set[str] | None:
         return None
     body = [n for f in tree.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for s in f.body
             for n in ast.walk(s)]
+    if any(_passes_on_to_super(n) for n in body):
+        return None  # super().forward(..., **kwargs) hands the original everything it was given
     return {n.id for n in body if isinstance(n, ast.Name)} | {
         n.value for n in body if isinstance(n, ast.Constant) and isinstance(n.value, str)
     }
+
+
+def _passes_on_to_super(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "forward"
+            and isinstance(node.func.value, ast.Call) and isinstance(node.func.value.func, ast.Name)
+            and node.func.value.func.id == "super" and any(k.arg is None for k in node.keywords))
 
 
 def _forward_owner(cls: type) -> type:

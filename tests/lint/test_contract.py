@@ -35,6 +35,14 @@ class IgnoresCacheAttention(LlamaAttention):
         return super().forward(hidden_states, position_embeddings, attention_mask, None)
 
 
+class PassThroughAttention(LlamaAttention):
+    """*args/**kwargs handed to super().forward: everything reaches the original, nothing is swallowed."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        output, weights = super().forward(*args, **kwargs)
+        return output * 1.0, weights
+
+
 class NoLayerIdxAttention(LlamaAttention):
     """LlamaDecoderLayer builds LlamaAttention(config=config, layer_idx=layer_idx)."""
 
@@ -69,6 +77,10 @@ def test_kwargs_that_swallow_the_cache_get_the_unused_argument_warning() -> None
     assert finding.kind is Kind.UNUSED_ARGUMENT
     assert "accepts 'past_key_values' through **kwargs but never reads it" in finding.message
     assert finding.suggestion == "past_key_values"
+
+
+def test_kwargs_passed_on_to_super_forward_are_not_unused() -> None:
+    assert contract({"LlamaAttention": PassThroughAttention}, checks=("signature",)) == []
 
 
 def test_init_without_layer_idx_is_a_signature_finding() -> None:
