@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "check_reversible": "isolation.reversibility",
     "lint_patterns": "lint.patterns",
     "Finding": "lint.patterns",
+    "meta_structures": "models.structure",
     "tiny_config": "models.families",
     "example_inputs": "models.families",
     "CheckpointError": "errors",

@@ -1,5 +1,8 @@
 """The ``modelpatch`` command line: ``modelpatch lint PATTERN... [--family F] [--json]``.
 
+``modelpatch lint --family llama --mapping fixtures.patches.llama_fused_qkv:MAPPING`` lints the
+replacement classes' contract too (``--check signature,weights,plan``).
+
 Subcommands are argparse sub-parsers; add one with ``_add_<name>(subparsers)`` and a
 ``run`` default. Nothing heavy is imported until a subcommand runs.
 Exit codes: 0 clean, 1 failing findings, 2 wrong use.
@@ -8,13 +11,17 @@ Exit codes: 0 clean, 1 failing findings, 2 wrong use.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pytest_modelpatch.errors import ReportFileError
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+CHECKS = ("names", "signature", "weights", "plan")  # as pytest_modelpatch.lint.patterns.CHECKS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +40,15 @@ def _add_lint(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="Report keys that would replace containers or non-modules, or match nothing. "
         "Exit 1 when a CONTAINER, NOT_A_MODULE, NO_MATCH or INVALID_REGEX finding is not allowed.",
     )
-    lint.add_argument("patterns", nargs="+", metavar="PATTERN", help="keys, in mapping order (exact names or regexes)")
+    lint.add_argument("patterns", nargs="*", metavar="PATTERN", help="keys, in mapping order (exact names or regexes)")
+    lint.add_argument("--mapping", metavar="MODULE:NAME",
+                      help="a patch mapping to import (keys and replacement classes), e.g. "
+                      "'fixtures.patches.llama_fused_qkv:MAPPING'; with --family its contract is linted too")
+    lint.add_argument("--conversions", metavar="MODULE:NAME",
+                      help="the mapping's weight conversions ({model_type: [WeightConverter, ...]}); "
+                      "default: CONVERSIONS beside --mapping's NAME, if its module has one")
+    lint.add_argument("--check", default=",".join(CHECKS), metavar="CHECK[,CHECK]",
+                      help=f"which checks to run, of {','.join(CHECKS)} (contract checks need --mapping and --family)")
     lint.add_argument("--family", action="append", dest="families", metavar="FAMILY",
                       help="limit to a model family (model type such as 'bert'); repeatable")
     lint.add_argument("--allow", action="append", default=[], metavar="PATTERN=KIND[,KIND]",
@@ -57,11 +72,23 @@ def _run_lint(args: argparse.Namespace) -> int:
     from pytest_modelpatch.lint import patterns
     from pytest_modelpatch.lint.scan_index import load_index
 
-    mapping = dict.fromkeys(args.patterns)
+    mapping: dict[str, object] = dict.fromkeys(args.patterns)
+    conversions = None
+    if args.mapping:
+        mapping.update(_import_object(args.mapping, "--mapping"))
+        conversions = _conversions(args)
+    if not mapping:
+        raise ValueError("give PATTERN arguments or --mapping MODULE:NAME")
     allow = _parse_allow(args.allow)
     patterns._check_allow(mapping, allow)
     index = load_index(rebuild=args.rebuild_index)
-    findings = patterns.lint_patterns(args.patterns, families=args.families, index=index)
+    checks = [c for c in args.check.split(",") if c.strip()]
+    structures = None
+    if args.mapping and args.families and {"weights", "plan"} & {c.strip().lower() for c in checks}:
+        from pytest_modelpatch.models.structure import meta_structures as structures
+    findings = patterns.lint_patterns(mapping, families=args.families, index=index, conversions=conversions,
+                                      checks=checks, structures=structures)
+    args.patterns = list(mapping)
     bad = patterns.failing(findings, allow)
     failed = {id(f) for f in bad}  # findings compare by value; thousands of them, so by identity
     if args.json:
@@ -80,6 +107,30 @@ def _run_lint(args: argparse.Namespace) -> int:
         print(f"{len(findings)} findings, {len(bad)} failing, for {len(args.patterns)} keys{scope} "
               f"(transformers {index.transformers_version})")
     return EXIT_FINDINGS if bad else EXIT_OK
+
+
+def _import_object(spec: str, option: str) -> Any:
+    """``package.module:NAME`` imported from the current folder, as pytest imports test modules."""
+    module_name, sep, name = spec.partition(":")
+    if not sep or not module_name or not name:
+        raise ValueError(f"{option} {spec!r}: expected MODULE:NAME, e.g. 'fixtures.patches.llama_fused_qkv:MAPPING'")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"{option} {spec!r}: cannot import {module_name!r} ({error}); run from the folder that "
+                         f"holds it or put it on PYTHONPATH") from error
+    if not hasattr(module, name):
+        raise ValueError(f"{option} {spec!r}: module {module_name!r} has no {name!r}")
+    return getattr(module, name)
+
+
+def _conversions(args: argparse.Namespace) -> Any:
+    if args.conversions:
+        return _import_object(args.conversions, "--conversions")
+    module = sys.modules[args.mapping.partition(":")[0]]
+    return getattr(module, "CONVERSIONS", None)
 
 
 def _add_gate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -336,7 +336,14 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
         request = _model_request(item)
         if request is not None:
             families = [resolve_model_spec(request.spec, **dict(request.overrides)).model_type]
-    return lambda mapping: lint_for_registration(mapping, families=families, allow=allow)
+    if families is None:
+        return lambda mapping, conversions: lint_for_registration(mapping, allow=allow)
+    # a family in scope: the contract checks run too, on tiny meta-device models
+    from pytest_modelpatch.models.structure import meta_structures
+
+    return lambda mapping, conversions: lint_for_registration(
+        mapping, families=families, allow=allow, conversions=conversions, structures=meta_structures
+    )
 
 
 def _set_test_tolerance(item: pytest.Item) -> Any:
@@ -425,7 +432,9 @@ def patch_registry() -> Iterator[PatchRegistry]:
     """
     from pytest_modelpatch.isolation.registration import PatchRegistry
 
-    registry = PatchRegistry()
+    from pytest_modelpatch.models.structure import meta_structures
+
+    registry = PatchRegistry(structures=meta_structures)
     try:
         yield registry
     finally:

@@ -105,13 +105,13 @@ def register_patches(
     *,
     conversions: Mapping[str, list[Any]] | None = None,
     overwrite: bool = False,
-    lint: Callable[[dict[str, type]], None] | None = None,
+    lint: Callable[[dict[str, type], dict[str, list[Any]]], None] | None = None,
 ) -> None:
     """Validate, then register into transformers' global registries (all or nothing)."""
     checked = validate_mapping(mapping or {})
     checked_conversions = validate_conversions(conversions)
     if lint is not None and checked:
-        lint(checked)
+        lint(checked, checked_conversions)  # the conversions decide whether renamed weights still load
     if checked_conversions:
         from pytest_modelpatch.isolation.reversibility import assert_reversible
 
@@ -148,9 +148,11 @@ class PatchRegistry:
             assert "LlamaAttention" in patch_registry.mapping
     """
 
-    def __init__(self, *, lint: bool = True) -> None:
+    def __init__(self, *, lint: bool = True, structures: Callable[..., Any] | None = None) -> None:
         self._guard = PatchStateGuard()
         self._lint = lint
+        # builds the tiny models the WEIGHT_NAMES lint compares (models/ sits above this room)
+        self._structures = structures
         self._conversions: dict[str, list[Any]] = {}
 
     def register(
@@ -169,8 +171,9 @@ class PatchRegistry:
         """
         from pytest_modelpatch.lint.patterns import lint_for_registration
 
-        def lint(checked: dict[str, type]) -> None:
-            lint_for_registration(checked, families=families, allow=allow)
+        def lint(checked: dict[str, type], checked_conversions: dict[str, list[Any]]) -> None:
+            lint_for_registration(checked, families=families, allow=allow, structures=self._structures,
+                                  conversions={**self._conversions, **checked_conversions})
 
         register_patches(mapping, conversions=conversions, overwrite=overwrite, lint=lint if self._lint else None)
         self._conversions.update(validate_conversions(conversions))
@@ -208,7 +211,9 @@ class PatchRegistry:
 class ActivePatches:
     """The patches of one test's ``patch`` marks, registered until ``close()``."""
 
-    def __init__(self, spec: PatchSpec, lint: Callable[[dict[str, type]], None] | None = None) -> None:
+    def __init__(
+        self, spec: PatchSpec, lint: Callable[[dict[str, type], dict[str, list[Any]]], None] | None = None
+    ) -> None:
         self._guard = PatchStateGuard()
         self._stack = ExitStack()
         # method and context patches rebind what the reference shares: record them so that it can run without

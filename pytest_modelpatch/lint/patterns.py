@@ -13,84 +13,66 @@ from __future__ import annotations
 
 import difflib
 import re
+import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from enum import Enum
 from functools import cached_property
+from typing import Any
 
+from pytest_modelpatch.lint import contract
+from pytest_modelpatch.lint.contract import StructureBuilder
+from pytest_modelpatch.lint.findings import _EXAMPLES, FAILING_KINDS, WARNING_KINDS, Finding, Kind
 from pytest_modelpatch.lint.scan_index import CORE, ClassEntry, ScanIndex, load_index
 
 
-class Kind(str, Enum):
-    """What is wrong with a key."""
-
-    CONTAINER = "CONTAINER"
-    NOT_A_MODULE = "NOT_A_MODULE"
-    NO_MATCH = "NO_MATCH"
-    INVALID_REGEX = "INVALID_REGEX"
-    SHADOWED = "SHADOWED"
-    BROAD = "BROAD"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-FAILING_KINDS = frozenset({Kind.CONTAINER, Kind.NOT_A_MODULE, Kind.NO_MATCH, Kind.INVALID_REGEX})
-_EXAMPLES = 3
-
-
-@dataclass
-class Finding:
-    """One problem with one key (and, where it applies, one class it matches)."""
-
-    kind: Kind
-    key: str
-    class_name: str = ""
-    family: str = ""
-    module: str = ""
-    message: str = ""
-    suggestion: str = ""
-    contains: tuple[str, ...] = ()  # replaced classes inside a CONTAINER
-    loses: tuple[str, ...] = ()  # unreplaced classes a CONTAINER's replacement drops
-    swapped_in: tuple[str, ...] = field(default=(), repr=False)
-
-    def __str__(self) -> str:
-        return f"[{self.kind}] {self.message}"
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "kind": str(self.kind),
-            "key": self.key,
-            "class": self.class_name,
-            "family": self.family,
-            "module": self.module,
-            "message": self.message,
-            "suggestion": self.suggestion,
-            "contains": list(self.contains),
-            "loses": list(self.loses),
-        }
+CHECKS = ("names", "signature", "weights", "plan")
 
 
 def lint_patterns(
     mapping_or_keys: Mapping[str, object] | Iterable[str] | str,
     *,
     families: Iterable[str] | None = None,
+    conversions: Mapping[str, list[Any]] | None = None,
+    checks: Iterable[str] | None = None,
+    structures: StructureBuilder | None = None,
     index: ScanIndex | None = None,
 ) -> list[Finding]:
     """Findings for each key, matched exactly as transformers matches them.
 
     ``families`` (model types or folder names such as ``"bert"``) limits the classes
     considered to those the families' modules bind; matches elsewhere become ``BROAD``.
+    When the mapping's values are classes and a family is in scope, the contract checks run
+    too (``checks``, default all of ``CHECKS``): ``SIGNATURE``/``UNUSED_ARGUMENT`` and the
+    ``_no_split_modules`` part of ``PARALLEL_PLAN`` from the sources; ``WEIGHT_NAMES`` and the
+    TP/PP plans from tiny models that ``structures`` builds (pass
+    ``pytest_modelpatch.models.structure.meta_structures``; the lint itself builds nothing).
+    ``conversions`` takes the patch marker's form, ``{model_type: [WeightConverter, ...]}``.
 
     Example::
 
         for finding in lint_patterns({".*Attention": MyAttention}, families=["bert"]):
             print(finding)  # [CONTAINER] pattern '.*Attention' replaces BertAttention ...
+
+        lint_patterns(MAPPING, families=["llama"], conversions=CONVERSIONS, structures=meta_structures)
     """
     keys = [mapping_or_keys] if isinstance(mapping_or_keys, str) else list(mapping_or_keys)
+    wanted = _checks(checks)
     index = index or load_index()
     scope = resolve_families(index, families)
-    return _Lint(index, keys, scope).run()
+    lint = _Lint(index, keys, scope)
+    findings = lint.run() if "names" in wanted else []
+    if scope is not None and isinstance(mapping_or_keys, Mapping):
+        classes = {k: v for k, v in mapping_or_keys.items() if isinstance(v, type)}
+        findings += lint.contract(classes, dict(conversions or {}), wanted, structures)
+    return findings
+
+
+def _checks(checks: Iterable[str] | str | None) -> set[str]:
+    if checks is None:
+        return set(CHECKS)
+    wanted = {c.strip().lower() for c in ([checks] if isinstance(checks, str) else checks)}
+    if wanted - set(CHECKS):
+        raise _usage_error(f"unknown lint checks {sorted(wanted - set(CHECKS))}; choose from {', '.join(CHECKS)}")
+    return wanted
 
 
 def matched_classes(
@@ -123,19 +105,31 @@ def failing(findings: Iterable[Finding], allow: Mapping[str, Iterable[str]] | No
     return [f for f in findings if f.kind in FAILING_KINDS and str(f.kind) not in allowed.get(f.key, set())]
 
 
+REGISTRATION_CHECKS = ("names", "signature", "weights")
+
+
 def lint_for_registration(
     mapping: Mapping[str, object],
     *,
     families: Iterable[str] | None = None,
     allow: Mapping[str, Iterable[str]] | None = None,
+    conversions: Mapping[str, list[Any]] | None = None,
+    structures: StructureBuilder | None = None,
+    checks: Iterable[str] = REGISTRATION_CHECKS,
 ) -> None:
     """Raise PatchUsageError listing the failing findings of a mapping about to be registered.
+
+    Warning kinds (``UNUSED_ARGUMENT``) not excused by ``allow`` are warned as ModelPatchWarning.
+    ``PARALLEL_PLAN`` is not in the default ``checks``: a single-device suite cannot act on it,
+    and a good patch (fused QKV) may break the plan on purpose; ``modelpatch lint`` reports it.
 
     Example: ``lint_for_registration({"LlamaAttention": MyAttention}, families=["llama"])``.
     """
     _check_allow(mapping, allow)
-    bad = failing(lint_patterns(mapping, families=families), allow)
+    findings = lint_patterns(mapping, families=families, conversions=conversions, checks=checks, structures=structures)
+    bad = failing(findings, allow)
     if not bad:
+        _warn(findings, allow)
         return
     lines = "\n".join(f"  {finding}" for finding in bad)
     example = f"{bad[0].key!r}: [{str(bad[0].kind)!r}]"
@@ -144,6 +138,16 @@ def lint_for_registration(
         f"Fix the keys, or accept a finding per key: "
         f"@pytest.mark.patch(..., allow={{{example}}}) or patch_registry.register(..., allow={{{example}}})."
     )
+
+
+def _warn(findings: list[Finding], allow: Mapping[str, Iterable[str]] | None) -> None:
+    allowed = {key: {str(k).upper() for k in kinds} for key, kinds in (allow or {}).items()}
+    from pytest_modelpatch.errors import ModelPatchWarning
+
+    for finding in findings:
+        if finding.kind in WARNING_KINDS and str(finding.kind) not in allowed.get(finding.key, set()):
+            warnings.warn(f"{finding} Accept it with allow={{{finding.key!r}: [{str(finding.kind)!r}]}}.",
+                          ModelPatchWarning, stacklevel=3)
 
 
 def _check_allow(mapping: Mapping[str, object], allow: Mapping[str, Iterable[str]] | None) -> None:
@@ -218,6 +222,51 @@ class _Lint:
         findings: list[Finding] = []
         for key in dict.fromkeys(self.keys):
             findings += self.lint_key(key)
+        return findings
+
+    def contract(self, classes: dict[str, type], conversions: dict[str, list[Any]], checks: set[str],
+                 structures: StructureBuilder | None) -> list[Finding]:
+        """The contract findings of the classes each key replaces in the scope."""
+        scope = self.scope or set()
+        modules = sorted(m for m, (family, _) in self.index.modules.items() if family in scope)
+        replaced = [
+            contract.Replaced(key, name, entry.module, entry.family, classes[key], tuple(bound))
+            for key in classes
+            for name in self.candidates(key, self.inside) if self.winner(name) == key
+            for cls, bound in self.inside[name].items()
+            if (entry := self.index.classes[cls]).is_module and entry.module.startswith("transformers")
+        ]
+        findings: list[Finding] = []
+        for item in replaced:
+            if "signature" in checks:
+                findings += contract.signature_findings(item, modules)
+            if "plan" in checks:
+                findings += contract.no_split_findings(item, modules)
+        if structures is None or not replaced or not checks & {"weights", "plan"}:
+            return findings
+        for family in sorted(scope):
+            findings += self.built(family, [r for r in replaced], conversions, checks, structures)
+        return findings
+
+    def built(self, family: str, replaced: list[contract.Replaced], conversions: dict[str, list[Any]],
+              checks: set[str], structures: StructureBuilder) -> list[Finding]:
+        model_type = next((t for t, f in self.index.model_types.items() if f == family and t == family), None) or next(
+            (t for t, f in self.index.model_types.items() if f == family), family)
+        swaps = {r.name: (r.replacement, r.bound_in) for r in replaced}
+        try:
+            original, patched = structures(model_type, swaps)
+        except Exception as error:  # the replacement cannot even be built: say so, with the cause
+            first = replaced[0]
+            return [Finding(Kind.WEIGHT_NAMES, first.key, first.name, first.family, first.module,
+                            f"building the tiny {model_type} model with {', '.join(sorted(swaps))} replaced failed: "
+                            f"{type(error).__name__}: {error}. Fix the replacement's __init__ (see SIGNATURE).")]
+        findings: list[Finding] = []
+        if "weights" in checks:
+            own = conversions.get(model_type)
+            findings += contract.weight_findings(replaced, model_type, original, patched,
+                                                 None if own is None else list(own))
+        if "plan" in checks:
+            findings += contract.plan_findings(replaced, original, patched)
         return findings
 
     def lint_key(self, key: str) -> list[Finding]:

@@ -101,17 +101,20 @@ def cache_dir() -> Path:
 def index_path() -> Path:
     """The cache file for the installed transformers and torch (versions and location)."""
     versions = f"{INDEX_FORMAT}|{_version('transformers')}|{_version('torch')}|{sys.version_info[:2]}"
-    location = ""
-    transformers = sys.modules.get("transformers")
-    if transformers is not None and getattr(transformers, "__file__", None):
-        location = str(Path(transformers.__file__).parent)
-    else:
-        try:
-            location = str(metadata.distribution("transformers").locate_file("transformers"))
-        except metadata.PackageNotFoundError:
-            pass
+    location = transformers_location()
     digest = hashlib.sha256(f"{versions}|{location}".encode()).hexdigest()[:16]
     return cache_dir() / f"scan-index-transformers-{_version('transformers')}-{digest}.json"
+
+
+def transformers_location() -> str:
+    """The installed ``transformers`` package folder, found without importing it ("" if absent)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and getattr(transformers, "__file__", None):
+        return str(Path(transformers.__file__).parent)
+    try:
+        return str(metadata.distribution("transformers").locate_file("transformers"))
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 _LOADED: dict[Path, ScanIndex] = {}

@@ -60,7 +60,10 @@ def test_allowed_kinds_do_not_fail() -> None:
         (["lint", "X", "--allow", "X"], "expected PATTERN=KIND"),
         (["lint", "X", "--allow", "Y=CONTAINER"], "not in the mapping"),
         (["lint", "X", "--allow", "X=CONTAINR"], "finding kinds"),
-        (["lint"], "the following arguments are required"),
+        (["lint"], "give PATTERN arguments or --mapping MODULE:NAME"),
+        (["lint", "--mapping", "fixtures.patches.llama_fused_qkv"], "expected MODULE:NAME"),
+        (["lint", "--mapping", "fixtures.patches.llama_fused_qkv:MAPING"], "has no 'MAPING'"),
+        (["lint", "X", "--check", "weight"], "unknown lint checks ['weight']"),
         ([], "the following arguments are required"),
     ],
 )
@@ -84,3 +87,13 @@ def test_lint_with_a_warm_cache_imports_neither_torch_nor_transformers_nor_pytes
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip().splitlines()[-1] == "0 False"
+
+
+def test_contract_of_a_mapping_from_the_command_line() -> None:
+    fused = ["lint", "--family", "llama", "--mapping", "fixtures.patches.llama_fused_qkv:MAPPING"]
+    result = modelpatch(*fused, "--check", "weights,plan")  # CONVERSIONS beside MAPPING is used
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "note [PARALLEL_PLAN]" in result.stdout and "'layers.*.self_attn.q_proj': 'colwise'" in result.stdout
+    result = modelpatch(*fused, "--check", "weights", "--conversions", "fixtures.patches.qwen3_moe_router:CONVERSIONS")
+    assert result.returncode == 1
+    assert "FAIL [WEIGHT_NAMES]" in result.stdout and "No conversion is registered for 'llama'" in result.stdout

@@ -1,0 +1,170 @@
+"""The contract lint on real transformers classes: signatures, weight names, parallelism plans.
+
+transformers 5.23's attentions no longer take ``cache_position``; ``past_key_values`` is the
+parameter a forward reads for generation, so the "accepted but never used" case is shown on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
+
+from fixtures import PATCH_MODULES, load_patch
+from fixtures.patches import llama_fused_qkv
+from pytest_modelpatch.lint.findings import Kind
+from pytest_modelpatch.lint.patterns import Finding, lint_for_registration, lint_patterns
+from pytest_modelpatch.errors import ModelPatchWarning, PatchUsageError
+from pytest_modelpatch.models.structure import meta_structures
+
+
+class NoPositionIdsAttention(LlamaAttention):
+    """No **kwargs: the decoder layer's position_ids= and use_cache= raise TypeError."""
+
+    def forward(self, hidden_states: Any, position_embeddings: Any = None, attention_mask: Any = None,
+                past_key_values: Any = None) -> Any:
+        return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values)
+
+
+class IgnoresCacheAttention(LlamaAttention):
+    """past_key_values falls into **kwargs and is never read: fine for one forward, wrong for generate."""
+
+    def forward(self, hidden_states: Any, position_embeddings: Any = None, attention_mask: Any = None,
+                **kwargs: Any) -> Any:
+        return super().forward(hidden_states, position_embeddings, attention_mask, None)
+
+
+class PassThroughAttention(LlamaAttention):
+    """*args/**kwargs handed to super().forward: everything reaches the original, nothing is swallowed."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        output, weights = super().forward(*args, **kwargs)
+        return output * 1.0, weights
+
+
+class NoLayerIdxAttention(LlamaAttention):
+    """LlamaDecoderLayer builds LlamaAttention(config=config, layer_idx=layer_idx)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config, 0)
+
+
+class RenamedLayer(LlamaDecoderLayer):
+    """Same weights, a new class name: LlamaPreTrainedModel._no_split_modules no longer covers it."""
+
+
+def kinds(findings: list[Finding]) -> list[str]:
+    return [str(f.kind) for f in findings]
+
+
+def contract(mapping: dict[str, type], conversions: dict[str, list[Any]] | None = None,
+             checks: tuple[str, ...] = ("signature", "weights", "plan")) -> list[Finding]:
+    return lint_patterns(mapping, families=["llama"], conversions=conversions, checks=checks,
+                         structures=meta_structures)
+
+
+def test_forward_missing_a_keyword_the_parent_passes_is_a_signature_finding() -> None:
+    (finding,) = contract({"LlamaAttention": NoPositionIdsAttention}, checks=("signature",))
+    assert finding.kind is Kind.SIGNATURE
+    assert "LlamaDecoderLayer (transformers.models.llama.modeling_llama, line " in finding.message
+    assert "no parameter position_ids, use_cache" in finding.message
+    assert "Accept the same parameters (LlamaAttention.forward(hidden_states" in finding.message
+
+
+def test_kwargs_that_swallow_the_cache_get_the_unused_argument_warning() -> None:
+    (finding,) = contract({"LlamaAttention": IgnoresCacheAttention}, checks=("signature",))
+    assert finding.kind is Kind.UNUSED_ARGUMENT
+    assert "accepts 'past_key_values' through **kwargs but never reads it" in finding.message
+    assert finding.suggestion == "past_key_values"
+
+
+def test_kwargs_passed_on_to_super_forward_are_not_unused() -> None:
+    assert contract({"LlamaAttention": PassThroughAttention}, checks=("signature",)) == []
+
+
+def test_init_without_layer_idx_is_a_signature_finding() -> None:
+    (finding,) = contract({"LlamaAttention": NoLayerIdxAttention}, checks=("signature",))
+    assert finding.kind is Kind.SIGNATURE
+    assert "calls it with (config=..., layer_idx=...): got an unexpected keyword argument 'layer_idx'" in finding.message
+    assert finding.suggestion == "LlamaAttention.__init__(config, layer_idx)"
+
+
+def test_fused_qkv_without_its_conversion_names_missing_and_unexpected_keys() -> None:
+    (finding,) = contract(llama_fused_qkv.MAPPING, checks=("weights",))
+    assert finding.kind is Kind.WEIGHT_NAMES
+    assert "missing keys (initialised randomly at load): layers.0.self_attn.qkv_proj.weight" in finding.message
+    assert "unexpected keys (in the checkpoint, ignored): layers.0.self_attn.k_proj.weight" in finding.message
+    assert finding.suggestion == (
+        "WeightConverter(source_patterns=['k_proj', 'q_proj', 'v_proj'], target_patterns=['qkv_proj'], "
+        "operations=[Concatenate(dim=0)])"
+    )
+
+
+def test_fused_qkv_with_its_conversion_has_no_weight_findings() -> None:
+    assert contract(llama_fused_qkv.MAPPING, llama_fused_qkv.CONVERSIONS, checks=("weights",)) == []
+
+
+def test_a_conversion_that_does_not_produce_the_names_is_reported() -> None:
+    from transformers.core_model_loading import WeightRenaming
+
+    wrong = {"llama": [WeightRenaming("q_proj", "query")]}
+    (finding,) = contract(llama_fused_qkv.MAPPING, wrong, checks=("weights",))
+    assert "The registered conversions for 'llama' (WeightRenaming(['q_proj'] -> ['query']))" in finding.message
+
+
+def test_fused_qkv_on_llama_breaks_the_tp_plan_entries_of_q_k_v() -> None:
+    findings = contract(llama_fused_qkv.MAPPING, llama_fused_qkv.CONVERSIONS, checks=("plan",))
+    assert [f.suggestion for f in findings] == [
+        "layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj", "layers.*.self_attn.v_proj",
+    ]
+    assert all(f.kind is Kind.PARALLEL_PLAN and "(it has qkv_proj instead)" in f.message for f in findings)
+
+
+def test_a_renamed_no_split_class_is_a_parallel_plan_finding() -> None:
+    (finding,) = contract({"LlamaDecoderLayer": RenamedLayer}, checks=("plan",))
+    assert "LlamaPreTrainedModel._no_split_modules names LlamaDecoderLayer" in finding.message
+    assert finding.suggestion == "RenamedLayer"
+
+
+@pytest.mark.parametrize("name", PATCH_MODULES)
+def test_good_examples_have_a_clean_contract(name: str) -> None:
+    patch = load_patch(name)
+    if patch.EXPECTED != "equivalent":
+        pytest.skip(f"{name} is not a good example ({patch.EXPECTED})")
+    found = lint_patterns(patch.MAPPING, families=[patch.MODEL_TYPE], conversions=patch.CONVERSIONS,
+                          checks=("signature", "weights"), structures=meta_structures)
+    assert found == []
+
+
+def test_registration_refuses_signature_and_warns_unused() -> None:
+    with pytest.raises(PatchUsageError, match=r"\[SIGNATURE\].*layer_idx"):
+        lint_for_registration({"LlamaAttention": NoLayerIdxAttention}, families=["llama"], structures=meta_structures)
+    with pytest.warns(ModelPatchWarning, match=r"\[UNUSED_ARGUMENT\].*allow=\{'LlamaAttention': \['UNUSED_ARGUMENT'\]\}"):
+        lint_for_registration({"LlamaAttention": IgnoresCacheAttention}, families=["llama"], structures=meta_structures)
+    lint_for_registration({"LlamaAttention": IgnoresCacheAttention}, families=["llama"], structures=meta_structures,
+                          allow={"LlamaAttention": ["UNUSED_ARGUMENT"]})
+
+
+def test_a_mark_without_its_conversion_fails_at_registration_and_the_good_one_runs(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+        from fixtures.patches import llama_fused_qkv as fused
+
+
+        @pytest.mark.model("llama")
+        @pytest.mark.patch(fused.MAPPING)
+        def test_without_conversion():
+            pass
+
+
+        @pytest.mark.model("llama")
+        @pytest.mark.patch(fused.MAPPING, conversions=fused.CONVERSIONS)
+        def test_with_conversion():
+            pass
+        """
+    )
+    result = pytester.runpytest("-p", "no:xdist", "-p", "no:randomly", "-W", "error::pytest_modelpatch.errors.ModelPatchWarning")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*[[]WEIGHT_NAMES[]]*missing keys*qkv_proj*unexpected keys*q_proj*"])
