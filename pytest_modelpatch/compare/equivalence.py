@@ -74,7 +74,8 @@ class EquivalenceReport:
                 f"patched {self.patched} matches reference {self.reference}{where}: {len(self.comparisons)} outputs, "
                 f"max abs {self.max_abs_error:.3g}, max rel {self.max_rel_error:.3g}"
             )
-            return "\n".join([head, f"tolerance: {self.tolerance}", *self._routing_lines, *(f"coverage: {line}" for line in self.coverage)])
+            coverage = [f"coverage: {line}" for line in self.coverage]
+            return "\n".join([head, f"tolerance: {self.tolerance}", *self._routing_lines, *coverage])
         lines = [
             f"patched {self.patched} differs from reference {self.reference}{where} "
             f"in {len(self.failures)} of {len(self.comparisons)} outputs",

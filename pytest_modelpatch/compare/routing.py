@@ -88,7 +88,9 @@ class RoutingFlips:
         lines = []
         if self.near_ties:
             how = "forced to the reference's routing and compared again" if self.forced else "not forced"
-            lines.append(f"routing: {self.near_ties} near-tie expert choice(s) flipped (reference top-k margin within tolerance); {how}")
+            lines.append(
+                f"routing: {self.near_ties} near-tie expert choice(s) flipped (reference top-k margin within tolerance); {how}"
+            )
         if self.clear:
             lines.append(f"routing: {self.clear} token(s) sent to other experts at a clear reference margin (not a near-tie):")
             lines += [f"  {text}" for text in self.examples]
@@ -112,7 +114,8 @@ def find_flips(reference: RouterCall, patched: RouterCall, spec: ToleranceSpec) 
     amax = float(wide.abs().max())
     near, clear = [], []
     for t in tokens:
-        chosen, taken = set(ref_idx[t].tolist()), [e for e in pat_idx[t].tolist() if e not in set(ref_idx[t].tolist())]
+        chosen = set(ref_idx[t].tolist())
+        taken = [e for e in pat_idx[t].tolist() if e not in chosen]
         kth = min(float(wide[t, e]) for e in chosen)
         margin = kth - min((float(wide[t, e]) for e in taken), default=kth)
         allowed = 2 * (tolerance.abs_term(amax) + tolerance.rtol * abs(kth))
