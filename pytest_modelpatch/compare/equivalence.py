@@ -17,14 +17,12 @@ import torch
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
 from pytest_modelpatch.compare.outputs import (
     TensorComparison,
-    compare_outputs,
     default_inputs,
     describe_inputs,
     describe_tolerances,
     evaluating,
-    forward,
-    oracle_outputs,
 )
+from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.models.usage import coverage_lines, unused_message, unused_replacements
@@ -51,6 +49,7 @@ class EquivalenceReport:
     extra: list[str] = field(default_factory=list)
     unused: str = ""  # why the check proves nothing about some replacement, when one never ran
     coverage: list[str] = field(default_factory=list)  # what the compared forward reached only partly
+    routing: RoutingFlips | None = None  # MoE models: expert choices that differed from the reference's
 
     @property
     def passed(self) -> bool:
@@ -75,11 +74,13 @@ class EquivalenceReport:
                 f"patched {self.patched} matches reference {self.reference}{where}: {len(self.comparisons)} outputs, "
                 f"max abs {self.max_abs_error:.3g}, max rel {self.max_rel_error:.3g}"
             )
-            return "\n".join([head, f"tolerance: {self.tolerance}", *(f"coverage: {line}" for line in self.coverage)])
+            coverage = [f"coverage: {line}" for line in self.coverage]
+            return "\n".join([head, f"tolerance: {self.tolerance}", *self._routing_lines, *coverage])
         lines = [
             f"patched {self.patched} differs from reference {self.reference}{where} "
             f"in {len(self.failures)} of {len(self.comparisons)} outputs",
             *self.extra,
+            *self._routing_lines,
             *([self.unused] if self.unused else []),
             *(f"coverage: {line}" for line in self.coverage),
             f"inputs: {self.inputs}",
@@ -89,6 +90,11 @@ class EquivalenceReport:
         if self.divergence is not None:
             lines.append(str(self.divergence))
         return "\n".join(lines)
+
+    @property
+    def _routing_lines(self) -> list[str]:
+        text = str(self.routing) if self.routing is not None else ""
+        return text.splitlines()
 
     def record(self, kind: str = "equivalence", examples: int = 1, detail: str = "") -> None:
         """Hand this outcome to the running test's report rows."""
@@ -105,6 +111,7 @@ class EquivalenceReport:
                 duration_s=self.duration_s, detail=detail or ("" if self.passed else str(self)),
                 output=max(self.comparisons, key=lambda c: c.max_abs).path if self.comparisons else "",
                 profile=self.divergence.profile if self.divergence is not None else [], coverage=self.coverage,
+                routing_near_ties=self.routing.near_ties if self.routing is not None else 0,
             )
         )  # fmt: skip
 
@@ -120,12 +127,12 @@ def compare_models(
     """Run both models on ``inputs`` and compare; on a difference, find the first diverging module."""
     start = time.perf_counter()
     with evaluating(reference, patched):
-        oracle = oracle_outputs(reference, inputs, spec)  # None unless the policy is 'oracle'
-        comparisons = compare_outputs(forward(reference, inputs), forward(patched, inputs), spec, oracle)
+        # MoE models: near-tie expert choices that flipped are forced to the reference's (compare/routing.py)
+        comparisons, routing = compare_routed(reference, patched, inputs, spec)
     param = next(reference.parameters(), None)
     report = EquivalenceReport(
         reference=type(reference).__name__, patched=type(patched).__name__, comparisons=comparisons,
-        tolerance=spec, inputs=describe_inputs(inputs),
+        tolerance=spec, inputs=describe_inputs(inputs), routing=routing,
         device=str(param.device) if param is not None else "", dtype=dtype_label(param.dtype) if param is not None else "",
     )  # fmt: skip
     if locate and not report.passed:

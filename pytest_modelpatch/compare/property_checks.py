@@ -21,7 +21,8 @@ from hypothesis.strategies import SearchStrategy
 
 from pytest_modelpatch.compare.backward import compare_training
 from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_models
-from pytest_modelpatch.compare.outputs import compare_outputs, describe_inputs, evaluating, forward, oracle_outputs
+from pytest_modelpatch.compare.outputs import describe_inputs, evaluating
+from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 from pytest_modelpatch.compare.training import with_labels
@@ -61,6 +62,8 @@ class PropertyReport:
     minimal_inputs: str = ""
     duration_s: float = 0.0
     backward: bool = False  # each example ran a training step (assert_backward_equivalent's comparison)
+    routing_near_ties: int = 0  # MoE: near-tie expert choices forced to the reference's, over all examples
+    routing_examples: int = 0  # examples that needed such forcing
 
     @property
     def passed(self) -> bool:
@@ -76,7 +79,7 @@ class PropertyReport:
             return (
                 f"{self.header}: patched {self.patched} matches reference {self.reference} on {self.examples} "
                 f"examples, max abs {self.max_abs_error:.3g}, max rel {self.max_rel_error:.3g} "
-                f"({self.tolerance}); {self.duration_s:.2f}s"
+                f"({self.tolerance}); {self.duration_s:.2f}s{self._routing_text}"
             )
         lines = [
             f"{self.header}: example {self.first_failure} of {self.max_examples} failed; shrunk in "
@@ -90,6 +93,15 @@ class PropertyReport:
             lines.append(str(self.failure))
         return "\n".join(lines)
 
+    @property
+    def _routing_text(self) -> str:
+        if not self.routing_near_ties:
+            return ""
+        return (
+            f"\nrouting: {self.routing_near_ties} near-tie expert choice(s) flipped in {self.routing_examples} example(s) "
+            "(reference top-k margin within tolerance); forced to the reference's routing and compared again"
+        )
+
     def record(self) -> None:
         """Hand this outcome to the running test's report rows."""
         if self.failure is not None:
@@ -99,7 +111,9 @@ class PropertyReport:
         if self.worst is not None and self.passed:
             # a passing row shows its worst example's figures: device, dtype, tolerance, output
             self.worst.duration_s = self.duration_s
-            self.worst.record(kind="property", examples=self.examples)
+            if self.routing_near_ties:  # the row counts them over every example, not just the worst one
+                self.worst.routing = RoutingFlips(near_ties=self.routing_near_ties, forced=True)
+            self.worst.record(kind="property", examples=self.examples, detail=self._routing_text.strip())
             return
         from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
@@ -189,8 +203,10 @@ def check_equivalence(
             if backward:
                 comparisons = compare_training(reference, patched, with_labels(reference, example), spec, locate=False).comparisons
             else:
-                oracle = oracle_outputs(reference, example, spec)
-                comparisons = compare_outputs(forward(reference, example), forward(patched, example), spec, oracle)
+                comparisons, routing = compare_routed(reference, patched, example, spec)
+                if routing is not None and routing.forced and all(c.passed for c in comparisons):
+                    report.routing_near_ties += routing.near_ties
+                    report.routing_examples += 1
             usage = patch_usage(patched)
             ran.update(u.replacement for u in usage if u.calls_in_last_forward)
             if usage:

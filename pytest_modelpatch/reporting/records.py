@@ -40,6 +40,8 @@ class CheckRecord:
     # AssertionError the test caught (pytest.raises) and went on, were meant to fail
     expected_failure: bool = False
     intent: str = ""  # why it was expected, e.g. "xfail: the fused kernel is non-causal"
+    # MoE: tokens whose expert choice flipped at a near-tie and was forced to the reference's routing
+    routing_near_ties: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
