@@ -19,11 +19,10 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.backward_divergence import BackwardCall, BackwardDivergence, backward_calls, first_backward_divergence
+from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
 from pytest_modelpatch.compare.outputs import (
     TensorComparison,
-    compare_flat,
-    compare_tensors,
     default_inputs,
     describe_inputs,
     describe_tolerances,
@@ -242,15 +241,20 @@ def _report(
     reference: torch.nn.Module, patched: torch.nn.Module, inputs: Mapping[str, Any], ref: TrainingRun, pat: TrainingRun,
     spec: ToleranceSpec, grad_spec: ToleranceSpec, checkpointing: str,
 ) -> BackwardReport:  # fmt: skip
-    outputs = compare_flat(dict(flatten_outputs(ref.outputs, "outputs")), dict(flatten_outputs(pat.outputs, "outputs")), spec)
+    # "loss" first, then "outputs.*": one batched pass judges both, the loss at index 0
+    loss, *outputs = compare_flat_batched(
+        {"loss": ref.loss, **dict(flatten_outputs(ref.outputs, "outputs"))},
+        {"loss": pat.loss, **dict(flatten_outputs(pat.outputs, "outputs"))},
+        spec,
+    )
     ref_grads, ref_note = checkpoint_gradients(reference, ref.gradients)
     pat_grads, pat_note = checkpoint_gradients(patched, pat.gradients)
-    gradients = compare_flat(ref_grads, pat_grads, grad_spec)
-    gradients += compare_flat(ref.input_gradients, pat.input_gradients, grad_spec)
+    gradients = compare_flat_batched(ref_grads, pat_grads, grad_spec)
+    gradients += compare_flat_batched(ref.input_gradients, pat.input_gradients, grad_spec)
     param = next(reference.parameters(), None)
     return BackwardReport(
         reference=type(reference).__name__, patched=type(patched).__name__,
-        loss=compare_tensors("loss", ref.loss, pat.loss, spec), loss_source=ref.loss_source,
+        loss=loss, loss_source=ref.loss_source,
         loss_values=(float(ref.loss), float(pat.loss)),
         outputs=outputs, gradients=gradients, tolerance=spec, gradient_tolerance=grad_spec,
         inputs=describe_inputs(inputs), checkpointing=checkpointing, conversions=pat_note or ref_note,

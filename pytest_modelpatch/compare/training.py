@@ -8,6 +8,7 @@ so a session-shared reference model is left exactly as it was found.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -128,6 +129,33 @@ def _set_attr(owner: Any, name: str, value: Any) -> None:
         setattr(owner, name, value)
 
 
+_CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+_Scan = tuple[list[torch.nn.Module], list[tuple[torch.nn.Module, str]], list[torch.nn.Module]]
+_SCANS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[tuple[int, int], ...], _Scan]] = weakref.WeakKeyDictionary()
+
+
+def _module_scan(model: torch.nn.Module) -> _Scan:
+    """Every module, its dropout attributes and the modules that can checkpoint; cached per model.
+
+    The cache holds while the model has the same modules with the same number of attributes, so
+    a replaced submodule or a dropout attribute added later is seen; values are always read fresh.
+    """
+    modules = list(model.modules())
+    key = tuple((id(m), len(m.__dict__)) for m in modules)
+    cached = _SCANS.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    locations: list[tuple[torch.nn.Module, str]] = []
+    for module in modules:
+        # nn.Dropout's p, and float attributes copied from the config (LlamaAttention.attention_dropout)
+        is_dropout = isinstance(module, torch.nn.modules.dropout._DropoutNd)
+        # by name only: the values, and so which are floats, are read at each use
+        locations += [(module, k) for k in vars(module) if (k == "p" and is_dropout) or "dropout" in k]
+    scan = (modules, locations, [m for m in modules if hasattr(m, "gradient_checkpointing")])
+    _SCANS[model] = (key, scan)
+    return scan
+
+
 @contextmanager
 def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | None = None) -> Iterator[None]:
     """Train mode with every dropout at 0, ``.grad`` cleared, checkpointing as asked; all restored after.
@@ -140,14 +168,11 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
         with training_state(model, {"use_reentrant": True}):
             model(**inputs).loss.backward()
     """
-    saved: list[tuple[Any, str, Any]] = [(m, "training", m.training) for m in model.modules()]
-    dropouts: list[tuple[Any, str, Any]] = []
-    for module in model.modules():
-        # nn.Dropout's p, and float attributes copied from the config (LlamaAttention.attention_dropout)
-        is_dropout = isinstance(module, torch.nn.modules.dropout._DropoutNd)
-        dropouts += [(module, k, v) for k, v in vars(module).items() if (k == "p" and is_dropout) or _is_dropout_attr(k, v)]
-        if hasattr(module, "gradient_checkpointing"):
-            saved += [(module, k, module.__dict__.get(k, _ABSENT)) for k in ("gradient_checkpointing", "_gradient_checkpointing_func")]
+    modules, locations, checkpointed = _module_scan(model)
+    flags = [(m, m.training) for m in modules]
+    saved: list[tuple[Any, str, Any]] = [(m, k, m.__dict__.get(k, _ABSENT)) for m in checkpointed for k in _CHECKPOINT_ATTRS]
+    current = [(m, k, m.__dict__.get(k, _ABSENT)) for m, k in locations]
+    dropouts = [(m, k, v) for m, k, v in current if (k == "p" and v is not _ABSENT) or _is_dropout_attr(k, v)]
     for config in _configs(model):  # attention functions read config.attention_dropout at call time
         dropouts += [(config, k, v) for k, v in vars(config).items() if _is_dropout_attr(k, v)]
     saved += dropouts
@@ -164,6 +189,8 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
     finally:
         for owner, name, value in reversed(saved):
             _set_attr(owner, name, value)
+        for module, training in flags:  # a plain attribute: skip nn.Module.__setattr__'s parameter checks
+            module.__dict__["training"] = training
         for param, grad in grads:
             param.grad = grad
 

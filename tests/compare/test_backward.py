@@ -140,3 +140,17 @@ def test_property_check_with_backward_catches_the_broken_kernel_and_shrinks(pair
     assert re.search(r"\ninputs: input_ids=\[\[\d+, \d+\]\], attention_mask=\[\[1, 1\]\], .*labels=\[\[", message)
     assert "first module in backward order whose gradient diverges: model.layers.1.mlp" in message
     assert check_equivalence(*pair("llama_swiglu_autograd"), max_examples=3, backward=True).passed
+
+
+def test_training_state_sees_a_dropout_added_or_replaced_after_an_earlier_check() -> None:
+    from pytest_modelpatch.compare.training import training_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    with training_state(model):
+        assert model[1].p == 0.0
+    model[0].attention_dropout = 0.25  # a new attribute: the cached scan must not miss it
+    model[1] = torch.nn.Dropout(0.3)  # a replaced submodule
+    with training_state(model):
+        seen = (model[0].attention_dropout, model[1].p, model.training)
+    assert seen == (0.0, 0.0, True)
+    assert (model[0].attention_dropout, model[1].p) == (0.25, 0.3)
