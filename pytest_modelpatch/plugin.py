@@ -103,6 +103,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="write an HTML page with the divergence profile of each failing equivalence check")
     group.addoption("--modelpatch-verify-cache", dest="modelpatch_verify_cache", action="store_true", default=False,
                     help="hash every file of each cached tiny checkpoint before use (default: sizes and safetensors headers)")
+    group.addoption("--modelpatch-timing", dest="modelpatch_timing", action="store_true", default=False,
+                    help="time reference and patched forwards of each equivalence check (median, peak memory): "
+                    "'timing' on report rows, a speedup column")
+    parser.addini("modelpatch_timing", "time each equivalence check's forwards, as --modelpatch-timing (default false)",
+                  type="bool", default=False)
+    parser.addini("modelpatch_min_speedup", "gate: fail the session when a timed check's speedup is below this", default="")
+    parser.addini("modelpatch_max_speedup_drop", "gate: fail when a timed check's speedup fell more than this fraction below the baseline's", default="")
     parser.addini("modelpatch_seed", "session seed for property checks (default 0)", default="")
     parser.addini("modelpatch_max_abs_error", "gate: fail the session when a check's max abs error exceeds this", default="")
     parser.addini("modelpatch_max_rel_error", "gate: fail the session when a check's max rel error exceeds this", default="")
