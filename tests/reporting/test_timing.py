@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,9 +21,8 @@ from pytest_modelpatch.compare.timing import (
 from pytest_modelpatch.reporting.gate import Thresholds, evaluate
 from pytest_modelpatch.reporting.report import write_report
 
+from tests.reporting.test_cli_gate import modelpatch
 from tests.reporting.test_schema import assert_valid_report
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SUITE = """
 import time
@@ -62,12 +58,6 @@ def test_neutral(reference_model, patched_model):
 
 def _rows(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
     return {(r["nodeid"].rpartition("::")[2], r["check"]): r for r in json.loads(path.read_text())["rows"]}
-
-
-def modelpatch(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "pytest_modelpatch", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, check=False)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
