@@ -147,6 +147,11 @@ def _add_gate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     gate.add_argument("--max-rel-error", type=float, metavar="X", help="fail when a check's max rel error exceeds X")
     gate.add_argument("--factor", type=float, default=None, metavar="F", help="allowed growth over the baseline (default 2)")
     gate.add_argument("--floor", type=float, default=None, metavar="X", help="growth below X always passes (default 1e-6)")
+    gate.add_argument("--min-speedup", type=float, default=None, metavar="X",
+                      help="fail when a timed check (pytest --modelpatch-timing) is less than X times as fast as its reference")
+    gate.add_argument("--max-speedup-drop", type=float, default=None, metavar="F",
+                      help="with --baseline: fail when a timed check's speedup fell more than the fraction F below the "
+                      "baseline's (e.g. 0.2: a 2.0x check must stay at 1.6x or more)")
     gate.set_defaults(run=_run_gate)
 
 
@@ -159,7 +164,10 @@ def _run_gate(args: argparse.Namespace) -> int:
     thresholds = gate.Thresholds(
         args.max_abs_error, args.max_rel_error,
         gate.DEFAULT_FACTOR if args.factor is None else args.factor, gate.DEFAULT_FLOOR if args.floor is None else args.floor,
+        min_speedup=args.min_speedup, max_speedup_drop=args.max_speedup_drop,
     )  # fmt: skip
+    if args.max_speedup_drop is not None and not 0 <= args.max_speedup_drop < 1:
+        raise ValueError(f"--max-speedup-drop {args.max_speedup_drop:g}: expected a fraction in [0, 1), e.g. 0.2")
     verdict = gate.evaluate(rows, thresholds, baseline, args.baseline or "")
     markdown = verdict.markdown(rows)
     print(verdict)

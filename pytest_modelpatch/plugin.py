@@ -17,6 +17,7 @@ from pytest_modelpatch.errors import PatchLeakError, PatchUsageError
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.leaks import LeakGuard, parse_leak_mode, scope_changed
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
+from pytest_modelpatch.models.model_cache import parse_model_cache
 
 if TYPE_CHECKING:
     from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
@@ -103,6 +104,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="write an HTML page with the divergence profile of each failing equivalence check")
     group.addoption("--modelpatch-verify-cache", dest="modelpatch_verify_cache", action="store_true", default=False,
                     help="hash every file of each cached tiny checkpoint before use (default: sizes and safetensors headers)")
+    group.addoption("--modelpatch-timing", dest="modelpatch_timing", action="store_true", default=False,
+                    help="time reference and patched forwards of each equivalence check (median, peak memory): "
+                    "'timing' on report rows, a speedup column")
+    parser.addini("modelpatch_timing", "time each equivalence check's forwards, as --modelpatch-timing (default false)",
+                  type="bool", default=False)
+    parser.addini("modelpatch_min_speedup", "gate: fail the session when a timed check's speedup is below this", default="")
+    parser.addini("modelpatch_max_speedup_drop", "gate: fail when a timed check's speedup fell more than this fraction below the baseline's", default="")
+    parser.addini("modelpatch_model_cache", "reference models kept in memory: a count (8) or a size (512MB); "
+                  "least recently used released first (default: all)", default="")
     parser.addini("modelpatch_seed", "session seed for property checks (default 0)", default="")
     parser.addini("modelpatch_max_abs_error", "gate: fail the session when a check's max abs error exceeds this", default="")
     parser.addini("modelpatch_max_rel_error", "gate: fail the session when a check's max rel error exceeds this", default="")
@@ -115,6 +125,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", line)
     try:
         parse_leak_mode(config.getini("modelpatch_leaks"))
+        parse_model_cache(config.getini("modelpatch_model_cache"))
         devices.requested_device(config.getoption("modelpatch_device"))
     except PatchUsageError as exc:
         raise pytest.UsageError(str(exc)) from None
@@ -372,14 +383,15 @@ def _set_test_tolerance(item: pytest.Item) -> Any:
 
 
 @pytest.fixture(scope="session")
-def model_builder(tmp_path_factory: pytest.TempPathFactory) -> ModelBuilder:
+def model_builder(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> ModelBuilder:
     """Session cache of seeded checkpoints and reference models (checkpoints shared across xdist workers)."""
     from pytest_modelpatch.models.builder import ModelBuilder
 
     base = tmp_path_factory.getbasetemp()
     # under xdist every worker's basetemp sits in one run directory: share the checkpoints there
     root = base.parent if devices.xdist_worker_index() is not None else base
-    return ModelBuilder(root / "modelpatch-checkpoints")
+    bound = parse_model_cache(request.config.getini("modelpatch_model_cache"))
+    return ModelBuilder(root / "modelpatch-checkpoints", model_cache=bound)
 
 
 def _required_model_request(request: pytest.FixtureRequest) -> ModelRequest:

@@ -25,6 +25,7 @@ from pytest_modelpatch.compare.outputs import (
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.timing import timing_if_enabled
 from pytest_modelpatch.models.usage import coverage_lines, unused_message, unused_replacements
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
@@ -50,6 +51,7 @@ class EquivalenceReport:
     unused: str = ""  # why the check proves nothing about some replacement, when one never ran
     coverage: list[str] = field(default_factory=list)  # what the compared forward reached only partly
     routing: RoutingFlips | None = None  # MoE models: expert choices that differed from the reference's
+    timing: dict[str, Any] | None = None  # --modelpatch-timing: both models' forwards timed on these inputs
 
     @property
     def passed(self) -> bool:
@@ -112,6 +114,7 @@ class EquivalenceReport:
                 output=max(self.comparisons, key=lambda c: c.max_abs).path if self.comparisons else "",
                 profile=self.divergence.profile if self.divergence is not None else [], coverage=self.coverage,
                 routing_near_ties=self.routing.near_ties if self.routing is not None else 0,
+                timing=self.timing,
             )
         )  # fmt: skip
 
@@ -172,6 +175,7 @@ def assert_equivalent(
     if unused and not allow_unused:
         report.unused = unused_message(unused, where="the compared forward")
     report.coverage = coverage_lines(patched)
+    report.timing = timing_if_enabled(reference, patched, inputs)
     report.record()
     if not report.passed:
         raise AssertionError(str(report))

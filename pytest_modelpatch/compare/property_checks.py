@@ -24,6 +24,7 @@ from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_mod
 from pytest_modelpatch.compare.outputs import describe_inputs, evaluating
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.timing import timing_if_enabled
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
 from pytest_modelpatch.compare.training import with_labels
 from pytest_modelpatch.errors import PatchUsageError
@@ -176,6 +177,7 @@ def check_equivalence(
         tolerance=spec, backward=backward,
     )  # fmt: skip
     last_failing: list[Mapping[str, Any]] = []
+    worst_example: list[Mapping[str, Any]] = []  # the inputs of report.worst, timed under --modelpatch-timing
     ran: set[str] = set()  # replacement classes that ran in some example
     start = time.perf_counter()
 
@@ -223,6 +225,7 @@ def check_equivalence(
         worst = max((c.max_abs for c in comparisons), default=0.0)
         if report.worst is None or worst > report.worst.max_abs_error:
             report.worst = example_report(reference, patched, comparisons, spec, example)
+            worst_example[:] = [example]
         report.max_abs_error = max([report.max_abs_error, *(c.max_abs for c in comparisons)])
         report.max_rel_error = max([report.max_rel_error, *(c.max_rel for c in comparisons)])
 
@@ -240,12 +243,16 @@ def check_equivalence(
                 if backward
                 else compare_models(reference, patched, minimal, spec)
             )
+            if not backward:
+                report.failure.timing = timing_if_enabled(reference, patched, minimal)
         else:
             report.error = f"a model raised {type(error).__name__}: {error}"
         report.duration_s = time.perf_counter() - start
         report.record()
         raise AssertionError(str(report)) from (None if isinstance(error, _ExampleFailed) else error)
     report.duration_s = time.perf_counter() - start
+    if report.worst is not None and worst_example and not backward:
+        report.worst.timing = timing_if_enabled(reference, patched, worst_example[0])
     unused = [u.replacement for u in patch_usage(patched) if u.instances and u.replacement not in ran]
     if unused and not allow_unused:
         report.error = unused_message(unused, where=f"any of the {report.examples} examples")

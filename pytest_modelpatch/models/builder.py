@@ -20,6 +20,7 @@ import torch
 
 from pytest_modelpatch.models.checkpoints import check_init, cached_checkpoint, load_pretrained, resolve_model_spec
 from pytest_modelpatch.models.devices import dtype_name
+from pytest_modelpatch.models.model_cache import CacheBound, ModelCache
 from pytest_modelpatch.errors import PatchNotAppliedError, PatchUsageError
 from pytest_modelpatch.models.usage import track_patch_usage
 from pytest_modelpatch.models.weights import DEFAULT_INIT
@@ -129,9 +130,10 @@ class ModelBuilder:
             reference = model_builder.reference(request, dtype=dtype)
     """
 
-    def __init__(self, cache_dir: Path) -> None:
+    def __init__(self, cache_dir: Path, model_cache: CacheBound | None = None) -> None:
         self.cache_dir = Path(cache_dir)
-        self._references: dict[tuple[str, str, str, str], torch.nn.Module] = {}
+        # reference models by (checkpoint, dtype, device, attention); least recently used released past the bound
+        self._references = ModelCache(model_cache)
 
     def checkpoint(self, request: ModelRequest, *, dtype: Any = "float32") -> Path:
         """The checkpoint directory: the given one, or a seeded tiny model saved once."""
@@ -145,6 +147,9 @@ class ModelBuilder:
     def reference(self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu") -> torch.nn.Module:
         """The unpatched model, built once per (checkpoint, dtype, device) and shared: do not modify it.
 
+        Kept in memory under ini ``modelpatch_model_cache`` (least recently used released first);
+        a released one is loaded again from its checkpoint when asked for.
+
         Built and called outside the test's patches (see ``models/reference.py``); a cached one
         that is no longer pristine is rebuilt.
         """
@@ -155,7 +160,7 @@ class ModelBuilder:
             return cached
         with pristine():
             model = prepare_reference(load_pretrained(path, dtype=dtype, device=device, **request.load_kwargs()))
-        self._references[key] = model
+        self._references.put(key, model)
         return model
 
     def patched(self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu") -> torch.nn.Module:

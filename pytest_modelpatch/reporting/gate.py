@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_modelpatch.reporting.records import shown_outcome
-from pytest_modelpatch.reporting.report import figure, worst_first
+from pytest_modelpatch.reporting.report import figure, speedup, speedup_cell, worst_first
 
 DEFAULT_FACTOR = 2.0
 DEFAULT_FLOOR = 1e-6
@@ -32,6 +32,8 @@ class Thresholds:
     max_rel_error: float | None = None
     factor: float = DEFAULT_FACTOR
     floor: float = DEFAULT_FLOOR
+    min_speedup: float | None = None  # timed checks (--modelpatch-timing) must be at least this fast
+    max_speedup_drop: float | None = None  # opt-in: a timed check's speedup may fall this fraction below the baseline's
 
     def allowed_growth(self, baseline: float) -> float:
         """The largest max abs error accepted for a check whose baseline figure is ``baseline``."""
@@ -76,10 +78,13 @@ class GateVerdict:
         items = [f"- :x: {_md(f)}" for f in self.failures] + [f"- {_md(n)}" for n in self.notes]
         lines += ["", *items] if items else []
         if rows:
-            lines += ["", "| outcome | max abs | max rel | check | model | dtype@device | test |", "|---|---|---|---|---|---|---|"]
+            timed = any(speedup(r) is not None for r in rows)
+            head, rule = ("| speedup ", "---|") if timed else ("", "")
+            lines += ["", f"| outcome | max abs | max rel {head}| check | model | dtype@device | test |", f"|---|---|---|{rule}---|---|---|---|"]
             for r in sorted(rows, key=worst_first)[:limit]:
+                cell = f" {speedup_cell(r)} |" if timed else ""
                 lines.append(
-                    f"| {outcome(r)} | {figure(r.get('max_abs_error'))} | {figure(r.get('max_rel_error'))} | {r['check']} "
+                    f"| {outcome(r)} | {figure(r.get('max_abs_error'))} | {figure(r.get('max_rel_error'))} |{cell} {r['check']} "
                     f"| {_md(r.get('model') or '-')} | {r.get('dtype') or '-'}@{r.get('device') or '-'} | `{r['nodeid']}` |"
                 )
             if len(rows) > limit:
@@ -96,7 +101,37 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-
+def _judge_speed(
+    rows: list[dict[str, Any]], thresholds: Thresholds, baseline: list[dict[str, Any]] | None, verdict: GateVerdict
+) -> None:
+    """``min_speedup`` on every timed check; ``max_speedup_drop`` against the baseline's timed checks."""
+    if thresholds.min_speedup is None and (thresholds.max_speedup_drop is None or baseline is None):
+        return
+    gated = [r for r in rows if not r.get("expected_failure")]
+    timed = [r for r in gated if speedup(r) is not None]
+    if not timed:
+        verdict.failures.append(
+            "a speed gate is set but no check was timed: run pytest with --modelpatch-timing "
+            "(or ini modelpatch_timing = true) to record timing on equivalence checks"
+        )
+        return
+    limit = thresholds.min_speedup
+    for row in timed:
+        value = speedup(row)
+        if limit is not None and not value >= limit:  # type: ignore[operator]  # NaN passes no floor
+            verdict.failures.append(f"{check_name(row)}: speedup {speedup_cell(row)} is below min speedup {limit:g}x")
+    if thresholds.max_speedup_drop is not None and baseline is not None:
+        before = {_key(r): speedup(r) for r in baseline}
+        for row in timed:
+            old = before.get(_key(row))
+            allowed = None if old is None else old * (1.0 - thresholds.max_speedup_drop)
+            if allowed is not None and not speedup(row) >= allowed:  # type: ignore[operator]
+                verdict.failures.append(
+                    f"{check_name(row)}: speedup fell from {old:.2f}x (baseline) to {speedup_cell(row)}, below the "
+                    f"allowed {allowed:.2f}x (max speedup drop {thresholds.max_speedup_drop:g})"
+                )
+    if len(timed) < len(gated):
+        verdict.notes.append(f"{len(gated) - len(timed)} checks have no timing (only equivalence and property checks are timed)")
 
 
 def evaluate(
@@ -123,6 +158,7 @@ def evaluate(
                 verdict.failures.append(
                     f"{check_name(row)}: {name.replace('_', ' ')} {value:.4g} exceeds modelpatch_{name} = {limit:g}"
                 )
+    _judge_speed(rows, thresholds, baseline, verdict)
     if baseline is None:
         return verdict
     current = {_key(r): r for r in rows}

@@ -42,9 +42,14 @@ class CheckRecord:
     intent: str = ""  # why it was expected, e.g. "xfail: the fused kernel is non-causal"
     # MoE: tokens whose expert choice flipped at a near-tie and was forced to the reference's routing
     routing_near_ties: int = 0
+    # --modelpatch-timing: reference_s, patched_s, speedup, reference/patched_peak_bytes; absent when not asked
+    timing: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        row = asdict(self)
+        if row["timing"] is None:
+            del row["timing"]  # off by default: no timing key at all, not a null one
+        return row
 
     def __str__(self) -> str:
         err = "" if self.max_abs_error is None else f" max_abs={self.max_abs_error:.3g}"

@@ -112,14 +112,27 @@ def figure(value: Any) -> str:
     return "-" if value is None else f"{_read_figure(value):.3g}"
 
 
+def speedup(row: dict[str, Any]) -> float | None:
+    """The row's ``timing.speedup`` (reference seconds / patched seconds), ``None`` when it was not timed."""
+    timing = row.get("timing")
+    return _read_figure(timing.get("speedup")) if isinstance(timing, dict) else None
+
+
+def speedup_cell(row: dict[str, Any]) -> str:
+    """``1.8x`` for a table, ``-`` for a check that was not timed."""
+    value = speedup(row)
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def summary_lines(rows: list[dict[str, Any]], limit: int = 20) -> list[str]:
-    """A compact table of checks, worst max abs error first."""
+    """A compact table of checks, worst max abs error first; a ``speedup`` column when any check was timed."""
     ordered = sorted(rows, key=worst_first)
-    table = [("outcome", "max abs", "max rel", "check", "model", "dtype@device", "test")]
+    timed = any(speedup(r) is not None for r in rows)
+    table = [("outcome", "max abs", "max rel", *(("speedup",) if timed else ()), "check", "model", "dtype@device", "test")]
     for r in ordered[:limit]:
         where = f"{r.get('dtype') or '-'}@{r.get('device') or '-'}"
         table.append((shown_outcome(r["outcome"], bool(r.get("expected_failure"))), figure(r.get("max_abs_error")), figure(r.get("max_rel_error")),
-                      r["check"], r.get("model") or "-", where, r["nodeid"]))  # fmt: skip
+                      *((speedup_cell(r),) if timed else ()), r["check"], r.get("model") or "-", where, r["nodeid"]))  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in table]
     if len(ordered) > limit:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
@@ -83,6 +84,17 @@ def stamp_intent(item: pytest.Item, report: pytest.TestReport) -> None:
 # ---------------------------------------------------------------------------
 
 
+def configure_timing(config: pytest.Config) -> None:
+    """``--modelpatch-timing`` / ini ``modelpatch_timing``, in this process (each xdist worker reads its own)."""
+    enabled = bool(config.getoption("modelpatch_timing") or config.getini("modelpatch_timing"))
+    if not enabled and "pytest_modelpatch.compare.timing" not in sys.modules:
+        return  # off and never imported: nothing to import (timing imports torch)
+    from pytest_modelpatch.compare.timing import set_timing
+
+    previous = set_timing(enabled)
+    config.add_cleanup(lambda: set_timing(previous))  # an in-process pytester run must not leave it on
+
+
 def is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
@@ -115,6 +127,7 @@ def configure(config: pytest.Config) -> None:
     """Set the session seed in this process; on the controller, register the report and xdist hooks."""
     seed = session_seed(config)
     validate_options(config)
+    configure_timing(config)
     if seed:
         # properties imports torch and hypothesis: pay for it only when the seed is not the default 0
         from pytest_modelpatch.compare.property_checks import set_default_seed
@@ -184,6 +197,8 @@ def thresholds_from_ini(config: pytest.Config) -> Thresholds:
         max_rel_error=_ini_float(config, "modelpatch_max_rel_error", None),
         factor=_ini_float(config, "modelpatch_baseline_factor", DEFAULT_FACTOR) or DEFAULT_FACTOR,
         floor=_ini_float(config, "modelpatch_baseline_floor", DEFAULT_FLOOR) or 0.0,
+        min_speedup=_ini_float(config, "modelpatch_min_speedup", None),
+        max_speedup_drop=_ini_float(config, "modelpatch_max_speedup_drop", None),
     )
 
 
@@ -199,6 +214,7 @@ def gate_requested(config: pytest.Config) -> bool:
         config.getoption("modelpatch_baseline")
         or config.getini("modelpatch_max_abs_error")
         or config.getini("modelpatch_max_rel_error")
+        or config.getini("modelpatch_min_speedup")
     )
 
 
