@@ -16,7 +16,7 @@ from pytest_modelpatch import assert_equivalent
 
 
 @pytest.mark.model("bert")
-@pytest.mark.patch(bert_broad_attention.MAPPING, allow={".*Attention": ["CONTAINER", "NOT_A_MODULE", "WEIGHT_NAMES"]})
+@pytest.mark.patch(bert_broad_attention.MAPPING, allow={".*Attention": ["CONTAINER", "NOT_A_MODULE", "WEIGHT_NAMES", "UNUSED_ARGUMENT"]})
 def test_broad_pattern(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
 """
