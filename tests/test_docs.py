@@ -329,3 +329,47 @@ def test_quickstart_quotes_the_failure_its_example_really_raises(pytester: pytes
     assert outcome == "failure"
     stale = [line for line in wanted if line not in message]
     assert not stale, f"{quoted.id} quotes lines the failure no longer has:\n" + "\n".join(stale) + f"\n\nreal:\n{message[-5000:]}"
+
+
+# Failures docs/equivalence.md quotes, with the test that really raises each: the quote's first
+# E line picks the block, and every E line of it must be in the real failure.
+EQUIVALENCE_QUOTES = {
+    "E       AssertionError: patched LlamaForCausalLM differs": """
+import pytest
+from fixtures.patches import llama_fused_qkv_noncausal as broken
+from pytest_modelpatch import assert_equivalent
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(broken.MAPPING, conversions=broken.CONVERSIONS)
+def test_quoted(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+""",
+    "E       AssertionError: check_equivalence(seed=0, max_examples=50)": """
+import pytest
+from fixtures.patches import llama_fused_qkv_noncausal as broken
+from pytest_modelpatch import check_equivalence
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(broken.MAPPING, conversions=broken.CONVERSIONS)
+def test_quoted(reference_model, patched_model):
+    check_equivalence(reference_model, patched_model, max_examples=50, seed=0)
+""",
+}
+
+
+@pytest.mark.parametrize("first_line", list(EQUIVALENCE_QUOTES), ids=["assert_equivalent", "check_equivalence"])
+def test_equivalence_quotes_failures_as_they_really_read(pytester: pytest.Pytester, first_line: str) -> None:
+    page = REPO_ROOT / "docs" / "equivalence.md"
+    (quoted,) = [b for b in code_blocks(page) if b.language == "text" and b.code.startswith(first_line)]
+    wanted = [line[1:].strip() for line in quoted.code.splitlines() if line.startswith("E ")]
+    pytester.makeconftest((REPO_ROOT / "docs" / "conftest.py").read_text())
+    pytester.makepyfile(test_quoted=EQUIVALENCE_QUOTES[first_line])
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    real = [line[1:].strip() for line in result.outlines if line.startswith("E ")]
+    stale = [line for line in wanted if line not in real]
+    assert not stale, f"{quoted.id} quotes lines the failure no longer has:\n" + "\n".join(stale) + "\n\nreal:\n" + "\n".join(
+        line for line in result.outlines if line.startswith("E ")
+    )
