@@ -1,7 +1,10 @@
 """Cost of assert_backward_equivalent against a bare forward+backward of both models on the same inputs.
 
 Both timings in one run, on the same tiny model and inputs (the config's example inputs with
-labels), best of ``--repeats``:
+labels), best of ``--repeats``. Both models are built as a pytest session builds them
+(``ModelBuilder`` inside the test's ``ActivePatches``, the interception wrappers held for the run
+as the plugin holds them from ``pytest_configure``), so the reference enters ``pristine()`` and
+is verified on every call, as it is for users:
 
 - ``assert_backward_equivalent``: train-mode setup and restore, both steps, every comparison;
 - bare: ``model(**inputs).loss.backward()`` for the reference and the patched model, ``.grad``
@@ -27,33 +30,22 @@ if __package__ in (None, ""):  # run as a script: make `fixtures` importable fro
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.monkey_patching import register_patch_mapping
 
-from fixtures import load_patch, tiny_config
+from fixtures import load_patch
 from pytest_modelpatch.compare.backward import assert_backward_equivalent
 from pytest_modelpatch.compare.outputs import default_inputs
 from pytest_modelpatch.compare.training import with_labels
-from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
-from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained
-
-
-def load(patch: Any, dtype: str, cache: Path) -> tuple[Any, Any]:
-    path = cached_checkpoint(tiny_config(patch.MODEL_TYPE), dtype=dtype, cache_dir=cache)
-    with isolated_patch_state():
-        register_patch_mapping(patch.MAPPING)
-        for model_type, transforms in patch.CONVERSIONS.items():
-            register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
-        with without_patches():
-            reference = load_pretrained(path, dtype=dtype)
-        return reference, load_pretrained(path, dtype=dtype)
+from pytest_modelpatch.isolation.interception import hold_for_session
+from pytest_modelpatch.isolation.patch_spec import PatchSpec
+from pytest_modelpatch.isolation.registration import ActivePatches
+from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 
 
 def bare_step(reference: Any, patched: Any, inputs: dict[str, Any]) -> float:
     start = time.perf_counter()
     for model in (reference, patched):
         model.train()
-        model(**inputs).loss.backward()
+        model.forward(**inputs).loss.backward()  # .forward: the plugin's root hooks (pristine scope, usage counts) are not run
         model.eval()
         model.zero_grad(set_to_none=True)
     return time.perf_counter() - start
@@ -72,13 +64,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    patch = load_patch(args.patch)
+    hold_for_session(True)  # as the plugin does from pytest_configure to pytest_unconfigure
     with tempfile.TemporaryDirectory() as cache:
-        reference, patched = load(load_patch(args.patch), args.dtype, Path(cache))
-        inputs = with_labels(reference, default_inputs(reference))
-        for _ in range(3):  # warm up both paths
-            bare_step(reference, patched, inputs), checked_step(reference, patched, inputs)
-        # interleaved, so load from the other engineers' jobs falls on both alike
-        pairs = [(bare_step(reference, patched, inputs), checked_step(reference, patched, inputs)) for _ in range(args.repeats)]
+        builder, request = ModelBuilder(Path(cache)), ModelRequest(patch.MODEL_TYPE)
+        active = ActivePatches(PatchSpec(mapping=dict(patch.MAPPING), conversions=dict(patch.CONVERSIONS), overwrite=True))
+        try:
+            reference = builder.reference(request, dtype=args.dtype)
+            patched = builder.patched(request, dtype=args.dtype)
+            inputs = with_labels(reference, default_inputs(reference))
+            for _ in range(3):  # warm up both paths
+                bare_step(reference, patched, inputs), checked_step(reference, patched, inputs)
+            # interleaved, so load from the other engineers' jobs falls on both alike
+            pairs = [(bare_step(reference, patched, inputs), checked_step(reference, patched, inputs)) for _ in range(args.repeats)]
+        finally:
+            active.close()
+    hold_for_session(False)
     bare, checked = min(b for b, _ in pairs), min(c for _, c in pairs)
     median = statistics.median(c / b for b, c in pairs)
     print(f"patch {args.patch}, {args.dtype}, best of {args.repeats} (interleaved)")

@@ -18,7 +18,8 @@ patches. :func:`prepare_reference` makes it safe to share:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,12 +36,31 @@ class ReferenceRecord:
 
     classes: dict[type, dict[str, Any]]
     hooks: dict[str, int]  # module name -> forward hooks installed at build time
+    # model -> what full_problems read when it last found nothing (weak: a released model takes its entry along)
+    _clean: weakref.WeakKeyDictionary[torch.nn.Module, _Fingerprint] = field(
+        default_factory=weakref.WeakKeyDictionary, repr=False, compare=False
+    )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReferenceRecord:
         # a copy of the reference (a float64 oracle, say) was built with the same classes: share the record
         return self
 
     def problems(self, model: torch.nn.Module) -> list[str]:
+        """:meth:`full_problems`, skipped when nothing it reads changed since it last found none.
+
+        The fingerprint holds every object ``full_problems`` reads (each ``_modules`` entry and
+        module type, each class ``__dict__`` entry, each hooked module's hook count), compared by
+        identity: when all are the same objects, its answer is the same ``[]``.
+        """
+        last = self._clean.get(model)
+        if last is not None and last.holds(model):
+            return []
+        found = self.full_problems(model)
+        if not found:
+            self._clean[model] = _Fingerprint(model, self)
+        return found
+
+    def full_problems(self, model: torch.nn.Module) -> list[str]:
         """What differs from the build: replaced module classes, rebound methods, lost capture hooks."""
         found = []
         modules = dict(model.named_modules())
@@ -58,6 +78,47 @@ class ReferenceRecord:
             if module is None or len(module._forward_hooks) < count:
                 found.append(f"the output-capture hooks of {name or '<root>'} are gone")
         return found
+
+
+class _Fingerprint:
+    """The objects :meth:`ReferenceRecord.full_problems` reads, as they were when it last found nothing.
+
+    Holds no reference to the model itself (its submodules, yes), so it can be a weak dictionary's value.
+    """
+
+    def __init__(self, model: torch.nn.Module, record: ReferenceRecord) -> None:
+        modules = dict(model.named_modules())
+        self.root_type = type(model)
+        self.root = _children(model)
+        self.children = [(m, _children(m)) for m in modules.values() if m is not model]
+        self.namespaces = [(vars(c), len(vars(c)), list(vars(c).items())) for c in record.classes]
+        self.root_hooks = record.hooks.get("", 0)
+        self.hooks = [(modules[name], count) for name, count in record.hooks.items() if name and name in modules]
+
+    def holds(self, model: torch.nn.Module) -> bool:
+        """Every object is the one seen then (modules, types and class entries by identity; hook counts at least)."""
+        if type(model) is not self.root_type or not _same_children(model, self.root):
+            return False
+        if len(model._forward_hooks) < self.root_hooks:
+            return False
+        if not all(_same_children(module, entries) for module, entries in self.children):
+            return False
+        for namespace, size, items in self.namespaces:
+            if len(namespace) != size or any(namespace.get(k, _ABSENT) is not v for k, v in items):
+                return False
+        return all(len(module._forward_hooks) >= count for module, count in self.hooks)
+
+
+def _children(module: torch.nn.Module) -> list[tuple[str, Any, type]]:
+    return [(k, c, type(c)) for k, c in module._modules.items()]
+
+
+def _same_children(module: torch.nn.Module, entries: list[tuple[str, Any, type]]) -> bool:
+    table = module._modules
+    return len(table) == len(entries) and all(table.get(k, _ABSENT) is c and type(c) is t for k, c, t in entries)
+
+
+_ABSENT = object()
 
 
 def _code(cls: type) -> dict[str, Any]:
