@@ -30,11 +30,12 @@ class ModelStructure:
 
 
 def meta_structures(
-    model_type: str, replacements: Mapping[str, tuple[type, tuple[str, ...]]]
-) -> tuple[ModelStructure, ModelStructure]:
+    model_type: str, replacements: Mapping[str, tuple[type, tuple[str, ...]]], *, original: bool = True
+) -> tuple[ModelStructure | None, ModelStructure]:
     """(original, patched) structures of ``model_type``'s tiny base model.
 
     ``replacements`` maps a transformers class name to (replacement class, modules binding it).
+    ``original=False`` skips the original (None in its place): the lint caches it on disk.
 
     Example::
 
@@ -44,7 +45,7 @@ def meta_structures(
         "layers.0.self_attn.qkv_proj.weight" in patched.tensors  # True
     """
     key = tuple(sorted((name, cls, tuple(modules)) for name, (cls, modules) in replacements.items()))
-    return _original(model_type), _patched(model_type, key)
+    return (_original(model_type) if original else None), _patched(model_type, key)
 
 
 @functools.lru_cache(maxsize=64)
