@@ -19,7 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pytest_modelpatch.lint.scan_index import INDEX_FORMAT, _version, index_path, write_atomically
+from pytest_modelpatch.lint.scan_index import (
+    INDEX_FORMAT,
+    _version,
+    cache_dir,
+    index_path,
+    transformers_location,
+    write_atomically,
+)
 
 FACTS_FORMAT = 1  # bump whenever what an entry records changes
 T = TypeVar("T")
@@ -95,15 +102,17 @@ class FactsCache:
         self.changed = {}
 
 
-_CACHES: dict[Path, FactsCache] = {}
+_CACHES: dict[tuple[Path, str], FactsCache] = {}
 
 
 def facts_cache() -> FactsCache:
     """This process's view of the facts file for the installed transformers."""
-    path = facts_path()
-    if path not in _CACHES:
-        _CACHES[path] = FactsCache(path)
-    return _CACHES[path]
+    # facts_path() reads package metadata (milliseconds); the cache folder and the transformers
+    # location, which a process can change, are cheap to read and key the view instead
+    key = (cache_dir(), transformers_location())
+    if key not in _CACHES:
+        _CACHES[key] = FactsCache(facts_path())
+    return _CACHES[key]
 
 
 def forget() -> None:
