@@ -42,8 +42,14 @@ class Structure(Protocol):
     pp_plan: Mapping[str, Any]
 
 
-# (model type, {class name: (replacement, modules binding it)}) -> (original, patched)
-StructureBuilder = Callable[[str, Mapping[str, tuple[type, tuple[str, ...]]]], tuple[Structure, Structure]]
+class StructureBuilder(Protocol):
+    """(model type, {class name: (replacement, modules binding it)}) -> (original, patched).
+
+    With ``original=False`` the original is not built (the lint has it cached) and comes back None.
+    """
+
+    def __call__(self, model_type: str, replacements: Mapping[str, tuple[type, tuple[str, ...]]], *,
+                 original: bool = True) -> tuple[Structure | None, Structure]: ...
 
 
 @dataclass(frozen=True)
@@ -238,18 +244,51 @@ def no_split_findings(replaced: Replaced, scope_modules: Iterable[str]) -> list[
 # ---------------------------------------------------------------------------
 
 
-def weight_findings(replaced: list[Replaced], model_type: str, original: Structure, patched: Structure,
+@dataclass(frozen=True)
+class OriginalModel:
+    """The original tiny model's :class:`Structure`, and the names its checkpoint holds before and after loading.
+
+    The checkpoint is what ``save_pretrained`` writes: the model's names with the family's
+    built-in conversions reversed (per-expert MoE weights); ``loaded`` is what loading makes of
+    them with the built-in conversions. All of it depends only on transformers: it is cached.
+    """
+
+    tensors: Mapping[str, tuple[int, ...]]
+    modules: Mapping[str, str]
+    tp_plan: Mapping[str, str]
+    pp_plan: Mapping[str, Any]
+    checkpoint: tuple[str, ...]
+    loaded: tuple[str, ...]
+
+    @classmethod
+    def of(cls, model_type: str, structure: Structure) -> OriginalModel:
+        builtin = _builtin_conversions(model_type)
+        checkpoint = _renamed_all(structure.tensors, [t.reverse_transform() for t in builtin])
+        return cls({n: tuple(s) for n, s in structure.tensors.items()}, dict(structure.modules),
+                   dict(structure.tp_plan), dict(structure.pp_plan), tuple(checkpoint),
+                   tuple(_renamed_all(checkpoint, builtin)))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tensors": {n: list(s) for n, s in self.tensors.items()}, "modules": dict(self.modules),
+                "tp_plan": dict(self.tp_plan), "pp_plan": dict(self.pp_plan), "checkpoint": list(self.checkpoint),
+                "loaded": list(self.loaded)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OriginalModel:
+        tensors = {str(n): tuple(int(d) for d in s) for n, s in data["tensors"].items()}
+        modules = {str(n): str(c) for n, c in data["modules"].items()}
+        return cls(tensors, modules, dict(data["tp_plan"]), dict(data["pp_plan"]),
+                   tuple(map(str, data["checkpoint"])), tuple(map(str, data["loaded"])))
+
+
+def weight_findings(replaced: list[Replaced], model_type: str, original: OriginalModel, patched: Structure,
                     conversions: list[Any] | None) -> list[Finding]:
     """Names the checkpoint holds (renamed by the conversions loading applies) that the patched model lacks, and back.
 
-    The checkpoint is what ``save_pretrained`` writes for the original model: its names with the
-    family's built-in conversions reversed (per-expert MoE weights). Loading applies
-    ``conversions`` when the patch registers some for the family (they replace the built-in ones),
-    else the built-in ones.
+    Loading applies ``conversions`` when the patch registers some for the family (they replace
+    the built-in ones), else the built-in ones (``original.loaded``).
     """
-    builtin = _builtin_conversions(model_type)
-    checkpoint = _renamed_all(original.tensors, [t.reverse_transform() for t in builtin])
-    expected = _renamed_all(checkpoint, builtin if conversions is None else conversions)
+    expected = original.loaded if conversions is None else _renamed_all(original.checkpoint, conversions)
     exact = {n for n in expected if "*" not in n}
     wild = {n: re.compile(re.escape(n).replace(r"\*", r"\d+")) for n in expected if "*" in n}
     unexpected = sorted(n for n in exact if n not in patched.tensors) + sorted(

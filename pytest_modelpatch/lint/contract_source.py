@@ -5,7 +5,9 @@ importing transformers would only slow down: the parameters of its ``forward`` a
 them the body reads; the calls its parent module makes to construct it
 (``LlamaAttention(config=config, layer_idx=layer_idx)``) and to run it
 (``self.self_attn(hidden_states=..., position_ids=..., **kwargs)``); and the family's
-``_no_split_modules``. Each module file is parsed once per process.
+``_no_split_modules``. They depend only on the installed transformers, so each module's facts
+are read once and kept in the contract facts cache (:mod:`pytest_modelpatch.lint.contract_cache`):
+a warm lint parses no source.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ import ast
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from pytest_modelpatch.lint.contract_cache import facts_cache
 from pytest_modelpatch.lint.scan_index import transformers_location
+
+METHODS = ("forward", "__init__")  # the methods whose parameters the contract lint compares
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,51 @@ def module_path(module: str) -> Path | None:
     return None
 
 
+@dataclass
+class ModuleFacts:
+    """What one module's source says: its calls, ``{class: _no_split_modules}``, ``{"Class.method": Params}``."""
+
+    calls: ModuleCalls
+    no_split: dict[str, list[str]]
+    params: dict[str, Params]
+
+    def to_json(self) -> dict[str, Any]:
+        def sites(table: dict[str, list[CallSite]]) -> dict[str, list[list[Any]]]:
+            return {name: [[s.parent, s.module, s.line, s.positional, list(s.keywords), s.unpacks] for s in found]
+                    for name, found in table.items()}
+
+        return {"constructions": sites(self.calls.constructions), "forwards": sites(self.calls.forwards),
+                "no_split": self.no_split,
+                "params": {k: [list(p.names), list(p.required), p.var_keyword, sorted(p.read)]
+                           for k, p in self.params.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModuleFacts:
+        def sites(table: dict[str, list[list[Any]]]) -> dict[str, list[CallSite]]:
+            return {str(name): [CallSite(str(p), str(m), int(line), int(n), tuple(map(str, kw)), bool(u))
+                                for p, m, line, n, kw, u in found] for name, found in table.items()}
+
+        params = {str(k): Params(tuple(map(str, names)), tuple(map(str, required)), bool(var), frozenset(map(str, read)))
+                  for k, (names, required, var, read) in data["params"].items()}
+        no_split = {str(k): [str(v) for v in names] for k, names in data["no_split"].items()}
+        return cls(ModuleCalls(sites(data["constructions"]), sites(data["forwards"])), no_split, params)
+
+
 @functools.lru_cache(maxsize=256)
+def module_facts(module: str) -> ModuleFacts:
+    """The facts of a ``transformers.*`` module: from the facts cache, else read from its source."""
+    return facts_cache().get("modules", module, ModuleFacts.from_json, lambda: read_module(module),
+                             ModuleFacts.to_json)
+
+
+def read_module(module: str) -> ModuleFacts:
+    """Parse a module's source (once) into its :class:`ModuleFacts`."""
+    classes = _classes(_tree(module))
+    params = {f"{name}.{method}": found for name in classes for method in METHODS
+              if (found := _method_params(classes, name, method)) is not None}
+    return ModuleFacts(_module_calls(module, classes), _no_split_modules(classes), params)
+
+
 def _tree(module: str) -> ast.Module | None:
     path = module_path(module)
     if path is None:
@@ -76,14 +126,16 @@ def _tree(module: str) -> ast.Module | None:
         return None
 
 
-def _classes(module: str) -> dict[str, ast.ClassDef]:
-    tree = _tree(module)
+def _classes(tree: ast.Module | None) -> dict[str, ast.ClassDef]:
     return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)} if tree else {}
 
 
 def method_params(module: str, class_name: str, method: str) -> Params | None:
     """``forward``/``__init__`` parameters of a class, following bases defined in the same module."""
-    classes = _classes(module)
+    return module_facts(module).params.get(f"{class_name}.{method}")
+
+
+def _method_params(classes: dict[str, ast.ClassDef], class_name: str, method: str) -> Params | None:
     seen: set[str] = set()
     todo = [class_name]
     while todo:
@@ -116,11 +168,14 @@ def params_of(function: ast.FunctionDef) -> Params:
     return Params(tuple(a.arg for a in named), tuple(required), args.kwarg is not None, read)
 
 
-@functools.lru_cache(maxsize=256)
 def module_calls(module: str) -> ModuleCalls:
     """Every construction ``Name(...)`` and every ``self.attr(...)`` run of a class bound to ``self.attr``."""
+    return module_facts(module).calls
+
+
+def _module_calls(module: str, classes: dict[str, ast.ClassDef]) -> ModuleCalls:
     calls = ModuleCalls({}, {})
-    for parent, node in _classes(module).items():
+    for parent, node in classes.items():
         bound: dict[str, str] = {}  # self attribute -> class name constructed into it
         for call in (n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)):
             calls.constructions.setdefault(call.func.id, []).append(_site(parent, module, call))
@@ -159,8 +214,12 @@ def _site(parent: str, module: str, call: ast.Call) -> CallSite:
 
 def no_split_modules(module: str) -> dict[str, list[str]]:
     """``{class: _no_split_modules}`` for each class of a module that sets a literal list."""
+    return module_facts(module).no_split
+
+
+def _no_split_modules(classes: dict[str, ast.ClassDef]) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
-    for name, node in _classes(module).items():
+    for name, node in classes.items():
         for item in node.body:
             if isinstance(item, (ast.Assign, ast.AnnAssign)):
                 targets = item.targets if isinstance(item, ast.Assign) else [item.target]

@@ -20,6 +20,7 @@ from typing import Any
 
 from pytest_modelpatch.lint import contract
 from pytest_modelpatch.lint.contract import StructureBuilder
+from pytest_modelpatch.lint.contract_cache import facts_cache
 from pytest_modelpatch.lint.findings import _EXAMPLES, FAILING_KINDS, WARNING_KINDS, Finding, Kind
 from pytest_modelpatch.lint.scan_index import CORE, ClassEntry, ScanIndex, load_index
 
@@ -62,7 +63,10 @@ def lint_patterns(
     findings = lint.run() if "names" in wanted else []
     if scope is not None and isinstance(mapping_or_keys, Mapping):
         classes = {k: v for k, v in mapping_or_keys.items() if isinstance(v, type)}
-        findings += lint.contract(classes, dict(conversions or {}), wanted, structures)
+        try:
+            findings += lint.contract(classes, dict(conversions or {}), wanted, structures)
+        finally:
+            facts_cache().flush()  # what this lint read from sources or built, for the next run
     return findings
 
 
@@ -253,8 +257,15 @@ class _Lint:
         model_type = next((t for t, f in self.index.model_types.items() if f == family and t == family), None) or next(
             (t for t, f in self.index.model_types.items() if f == family), family)
         swaps = {r.name: (r.replacement, r.bound_in) for r in replaced}
+        facts = facts_cache()
         try:
-            original, patched = structures(model_type, swaps)
+            # the original side depends only on transformers: cached; the patched side is built each run
+            original = facts.lookup("originals", model_type, contract.OriginalModel.from_json)
+            built, patched = structures(model_type, swaps, original=original is None)
+            if original is None:
+                assert built is not None
+                original = contract.OriginalModel.of(model_type, built)
+                facts.put("originals", model_type, original.to_json())
         except Exception as error:  # the replacement cannot even be built: say so, with the cause
             first = replaced[0]
             return [Finding(Kind.WEIGHT_NAMES, first.key, first.name, first.family, first.module,

@@ -10,6 +10,7 @@ put back before returning: nothing global stays changed.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 from collections.abc import Iterator, Mapping
@@ -30,11 +31,12 @@ class ModelStructure:
 
 
 def meta_structures(
-    model_type: str, replacements: Mapping[str, tuple[type, tuple[str, ...]]]
-) -> tuple[ModelStructure, ModelStructure]:
+    model_type: str, replacements: Mapping[str, tuple[type, tuple[str, ...]]], *, original: bool = True
+) -> tuple[ModelStructure | None, ModelStructure]:
     """(original, patched) structures of ``model_type``'s tiny base model.
 
     ``replacements`` maps a transformers class name to (replacement class, modules binding it).
+    ``original=False`` skips the original (None in its place): the lint caches it on disk.
 
     Example::
 
@@ -44,7 +46,7 @@ def meta_structures(
         "layers.0.self_attn.qkv_proj.weight" in patched.tensors  # True
     """
     key = tuple(sorted((name, cls, tuple(modules)) for name, (cls, modules) in replacements.items()))
-    return _original(model_type), _patched(model_type, key)
+    return (_original(model_type) if original else None), _patched(model_type, key)
 
 
 @functools.lru_cache(maxsize=64)
@@ -60,10 +62,8 @@ def _patched(model_type: str, key: tuple[tuple[str, type, tuple[str, ...]], ...]
 def _build(model_type: str, swaps: tuple[tuple[str, type, tuple[str, ...]], ...]) -> ModelStructure:
     import torch
 
-    from pytest_modelpatch.models.families import model_class_for, tiny_config
-
-    config = tiny_config(model_type)
-    model_class = model_class_for(config, "base")
+    config, model_class = _config_and_class(model_type)
+    config = copy.deepcopy(config)  # a model may set attributes on its config while it is built
     with _swapped(swaps):
         try:
             with torch.device("meta"):
@@ -77,6 +77,15 @@ def _build(model_type: str, swaps: tuple[tuple[str, type, tuple[str, ...]], ...]
         model_class.__name__, tensors, modules,
         dict(getattr(text, "base_model_tp_plan", None) or {}), dict(getattr(text, "base_model_pp_plan", None) or {}),
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _config_and_class(model_type: str) -> tuple[Any, type]:
+    # read once per process: a lint builds one patched model per patch of the family
+    from pytest_modelpatch.models.families import model_class_for, tiny_config
+
+    config = tiny_config(model_type)
+    return config, model_class_for(config, "base")
 
 
 @contextmanager
