@@ -22,6 +22,7 @@ from pytest_modelpatch.compare.backward_divergence import BackwardCall, Backward
 from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
 from pytest_modelpatch.compare.outputs import (
+    ComparedTensors,
     TensorComparison,
     default_inputs,
     describe_inputs,
@@ -71,7 +72,7 @@ def gradient_tolerance(spec: ToleranceSpec) -> ToleranceSpec:
 
 
 @dataclass
-class BackwardReport:
+class BackwardReport(ComparedTensors):
     """The outcome of comparing one training step of a patched model with its reference's."""
 
     reference: str
@@ -100,17 +101,6 @@ class BackwardReport:
     def passed(self) -> bool:
         return all(c.passed for c in self.comparisons) and not self.unused
 
-    @property
-    def failures(self) -> list[TensorComparison]:
-        return [c for c in self.comparisons if not c.passed]
-
-    @property
-    def max_abs_error(self) -> float:
-        return max((c.max_abs for c in self.comparisons), default=0.0)
-
-    @property
-    def max_rel_error(self) -> float:
-        return max((c.max_rel for c in self.comparisons), default=0.0)
 
     @property
     def worst_gradient(self) -> TensorComparison | None:

@@ -16,6 +16,7 @@ import torch
 
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
 from pytest_modelpatch.compare.outputs import (
+    ComparedTensors,
     TensorComparison,
     default_inputs,
     describe_inputs,
@@ -35,7 +36,7 @@ from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
 
 @dataclass
-class EquivalenceReport:
+class EquivalenceReport(ComparedTensors):
     """The outcome of comparing a patched model with its reference on one set of inputs."""
 
     reference: str
@@ -57,17 +58,6 @@ class EquivalenceReport:
     def passed(self) -> bool:
         return all(c.passed for c in self.comparisons) and not self.unused
 
-    @property
-    def failures(self) -> list[TensorComparison]:
-        return [c for c in self.comparisons if not c.passed]
-
-    @property
-    def max_abs_error(self) -> float:
-        return max((c.max_abs for c in self.comparisons), default=0.0)
-
-    @property
-    def max_rel_error(self) -> float:
-        return max((c.max_rel for c in self.comparisons), default=0.0)
 
     def __str__(self) -> str:
         where = f" ({self.dtype} on {self.device})" if self.device else ""

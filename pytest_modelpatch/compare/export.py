@@ -20,6 +20,7 @@ import torch
 
 from pytest_modelpatch.compare.dynamo_state import fresh_dynamo
 from pytest_modelpatch.compare.outputs import (
+    ComparedTensors,
     TensorComparison,
     compare_outputs,
     describe_inputs,
@@ -110,7 +111,7 @@ def skip_without(*names: str) -> None:
 
 
 @dataclass
-class ParityReport:
+class ParityReport(ComparedTensors):
     """Exporting or compiling a patched model, then comparing its logits with the eager reference's."""
 
     kind: str  # "export" | "compile"
@@ -137,13 +138,6 @@ class ParityReport:
     def passed(self) -> bool:
         return self.failure is None and not self.too_many_breaks and all(c.passed for c in self.comparisons)
 
-    @property
-    def max_abs_error(self) -> float:
-        return max((c.max_abs for c in self.comparisons), default=0.0)
-
-    @property
-    def max_rel_error(self) -> float:
-        return max((c.max_rel for c in self.comparisons), default=0.0)
 
     def breaks_text(self) -> str:
         """``2 graph breaks: file.py:12 (LlamaMLP.forward) x2``, grouped by location."""

@@ -143,6 +143,28 @@ class TensorComparison:
         )
 
 
+class ComparedTensors:
+    """The figures every check report derives from its ``comparisons``: failures and worst errors.
+
+    Mixed into the forward, backward and export reports; each keeps its own ``passed``, since
+    each fails for reasons beyond its tensors (an unused replacement, graph breaks).
+    """
+
+    comparisons: list[TensorComparison]
+
+    @property
+    def failures(self) -> list[TensorComparison]:
+        return [c for c in self.comparisons if not c.passed]
+
+    @property
+    def max_abs_error(self) -> float:
+        return max((c.max_abs for c in self.comparisons), default=0.0)
+
+    @property
+    def max_rel_error(self) -> float:
+        return max((c.max_rel for c in self.comparisons), default=0.0)
+
+
 def describe_tolerances(comparisons: list[TensorComparison]) -> list[str]:
     """One ``tolerance: ...`` line per distinct tolerance the comparisons were judged by."""
     seen = dict.fromkeys(str(c.tolerance) for c in comparisons if c.tolerance is not None)
