@@ -9,6 +9,8 @@ the module that introduced the difference, as ``first_divergence`` does for the 
 
 from __future__ import annotations
 
+import warnings
+
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -53,7 +55,13 @@ def backward_calls(model: torch.nn.Module, calls: list[BackwardCall]) -> Iterato
     # The root is skipped: its output gradient is the loss's, and its parameters are all compared.
     handles = [m.register_full_backward_hook(hook(n, m)) for n, m in model.named_modules() if n]
     try:
-        yield
+        with warnings.catch_warnings():
+            # Modules returning a ModelOutput get no backward hook call (torch warns once per such
+            # module), and a first layer whose inputs need no gradient reports its output gradient
+            # only: both are expected here, and not the user's concern.
+            warnings.filterwarnings("ignore", message="For backward hooks to be called", category=UserWarning)
+            warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+            yield
     finally:
         for handle in handles:
             handle.remove()
