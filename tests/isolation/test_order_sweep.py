@@ -183,7 +183,7 @@ def test_pass_reference_untouched_by_earlier_patches(reference_model):
 def test_every_scenario_keeps_its_outcome_in_every_shuffled_order(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST.format(blocks=BLOCKS))
     pytester.makepyfile(test_scenarios=SCENARIOS)
-    result = pytester.runpytest("-q", "-p", "no:randomly", "-p", "no:cacheprovider")
+    result = pytester.runpytest("-q", "--tb=no", "-rN", "-p", "no:randomly", "-p", "no:cacheprovider")
     summary = json.loads((pytester.path / "sweep.json").read_text())
     scenarios = SCENARIOS.count("\ndef test_")
     print(f"order sweep: {BLOCKS} shuffled orders x {scenarios} scenarios = {summary['ran']} runs, "
