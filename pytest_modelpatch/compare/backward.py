@@ -28,6 +28,7 @@ from pytest_modelpatch.compare.outputs import (
     describe_inputs,
     describe_tolerances,
     flatten_outputs,
+    placement,
 )
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import (
@@ -35,7 +36,6 @@ from pytest_modelpatch.compare.tolerance import (
     DtypeTolerance,
     TolerancePolicy,
     ToleranceSpec,
-    dtype_label,
     resolve_tolerance,
 )
 from pytest_modelpatch.compare.training import LossFn, TrainingRun, training_run, with_labels
@@ -241,14 +241,13 @@ def _report(
     pat_grads, pat_note = checkpoint_gradients(patched, pat.gradients)
     gradients = compare_flat_batched(ref_grads, pat_grads, grad_spec)
     gradients += compare_flat_batched(ref.input_gradients, pat.input_gradients, grad_spec)
-    param = next(reference.parameters(), None)
     return BackwardReport(
         reference=type(reference).__name__, patched=type(patched).__name__,
         loss=loss, loss_source=ref.loss_source,
         loss_values=(float(ref.loss), float(pat.loss)),
         outputs=outputs, gradients=gradients, tolerance=spec, gradient_tolerance=grad_spec,
         inputs=describe_inputs(inputs), checkpointing=checkpointing, conversions=pat_note or ref_note,
-        device=str(param.device) if param is not None else "", dtype=dtype_label(param.dtype) if param is not None else "",
+        **placement(reference),
     )  # fmt: skip
 
 

@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, describe_tolerances, flatten_outputs
+from pytest_modelpatch.compare.outputs import (
+    TensorComparison,
+    class_pair,
+    compare_flat,
+    describe_tolerances,
+    flatten_outputs,
+)
 from pytest_modelpatch.compare.tolerance import ToleranceSpec
 
 
@@ -82,11 +88,7 @@ class BackwardDivergence:
 
     def __str__(self) -> str:
         call = f" (reached {self.index + 1} times)" if self.index else ""
-        classes = (
-            self.reference_class
-            if self.reference_class == self.patched_class
-            else f"{self.reference_class} in the reference, {self.patched_class} in the patched model"
-        )
+        classes = class_pair(self.reference_class, self.patched_class)
         lines = [f"first module in backward order whose gradient diverges: {self.name}{call} ({classes})"]
         if self.incoming_agrees:
             lines.append("  the gradient flowing into its output agrees; the gradients it computes differ:")

@@ -27,9 +27,10 @@ from pytest_modelpatch.compare.outputs import (
     evaluating,
     model_device,
     move_inputs,
+    placement,
 )
 from pytest_modelpatch.compare.same_model import check_same_model
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
+from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.pristine import pristine
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
@@ -340,11 +341,9 @@ def compare_decoding(
     start = time.perf_counter()
     options = {"max_new_tokens": max_new_tokens, "cache_implementation": cache_implementation, "spec": spec}
     steps = decode_pair(reference, patched, prompts, **options)
-    param = next(reference.parameters(), None)
     report = DecodingReport(
         type(reference).__name__, type(patched).__name__, steps, spec, max_new_tokens, cache_implementation,
-        inputs=describe_inputs(prompts), device=str(param.device) if param is not None else "",
-        dtype=dtype_label(param.dtype) if param is not None else "",
+        inputs=describe_inputs(prompts), **placement(reference),
     )  # fmt: skip
     if locate and not report.passed:
         report.divergence = locate_step(reference, patched, prompts, steps, **options)

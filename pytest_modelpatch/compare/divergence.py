@@ -21,6 +21,7 @@ import torch
 
 from pytest_modelpatch.compare.outputs import (
     TensorComparison,
+    class_pair,
     compare_flat,
     default_inputs,
     describe_inputs,
@@ -28,12 +29,13 @@ from pytest_modelpatch.compare.outputs import (
     evaluating,
     flatten_outputs,
     forward,
+    placement,
 )
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.training import training_state
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
+from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 
 
 def _flat_clone(value: Any, path: str = "") -> dict[str, Any]:
@@ -122,11 +124,7 @@ class Divergence:
 
     def __str__(self) -> str:
         call = f" (call {self.index + 1})" if self.index else ""
-        classes = (
-            self.reference_class
-            if self.reference_class == self.patched_class
-            else f"{self.reference_class} in the reference, {self.patched_class} in the patched model"
-        )
+        classes = class_pair(self.reference_class, self.patched_class)
         lines = [f"first diverging module: {self.name}{call} ({classes})"]
         if self.mutated_inputs:
             lines.append(
@@ -374,14 +372,12 @@ def check_module_equivalence(
 
 
 def _record(report: ModuleEquivalenceReport, module: torch.nn.Module) -> None:
-    param = next(module.parameters(), None)
     tol = next((c.tolerance for c in report.comparisons if c.tolerance is not None), None)
     record_check(
         CheckRecord(
             kind="module", outcome="passed" if report.passed else "failed", model=report.original,
             replacements=[report.patched], examples=report.calls,
-            device=str(param.device) if param is not None else "",
-            dtype=dtype_label(param.dtype) if param is not None else "",
+            **placement(module),
             max_abs_error=max((c.max_abs for c in report.comparisons), default=0.0),
             max_rel_error=max((c.max_rel for c in report.comparisons), default=0.0),
             atol=tol.atol if tol else None, rtol=tol.rtol if tol else None,

@@ -22,9 +22,10 @@ from pytest_modelpatch.compare.outputs import (
     describe_inputs,
     describe_tolerances,
     evaluating,
+    placement,
 )
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
+from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.timing import timing_if_enabled
 from pytest_modelpatch.models.usage import coverage_lines, unused_message, unused_replacements
@@ -122,11 +123,10 @@ def compare_models(
     with evaluating(reference, patched):
         # MoE models: near-tie expert choices that flipped are forced to the reference's (compare/routing.py)
         comparisons, routing = compare_routed(reference, patched, inputs, spec)
-    param = next(reference.parameters(), None)
     report = EquivalenceReport(
         reference=type(reference).__name__, patched=type(patched).__name__, comparisons=comparisons,
         tolerance=spec, inputs=describe_inputs(inputs), routing=routing,
-        device=str(param.device) if param is not None else "", dtype=dtype_label(param.dtype) if param is not None else "",
+        **placement(reference),
     )  # fmt: skip
     if locate and not report.passed:
         report.divergence = first_divergence(reference, patched, inputs, spec)

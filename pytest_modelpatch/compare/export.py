@@ -27,9 +27,10 @@ from pytest_modelpatch.compare.outputs import (
     describe_tolerances,
     evaluating,
     model_device,
+    placement,
 )
 from pytest_modelpatch.compare.same_model import check_same_model
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
+from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.trace_failures import SourceLocation, TraceFailure, describe_failure
 from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
@@ -198,10 +199,9 @@ def start_report(
     kind: str, how: str, reference: torch.nn.Module, patched: torch.nn.Module, tolerance: ToleranceSpec
 ) -> ParityReport:
     """An empty report naming both models, the device and the dtype."""
-    param = next(reference.parameters(), None)
     return ParityReport(
         kind=kind, reference=type(reference).__name__, patched=type(patched).__name__, how=how, tolerance=tolerance,
-        device=str(param.device) if param is not None else "", dtype=dtype_label(param.dtype) if param is not None else "",
+        **placement(reference),
     )  # fmt: skip
 
 

@@ -346,6 +346,24 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
+def class_pair(reference_class: str, patched_class: str) -> str:
+    """``LlamaMLP`` when both models ran the same class, else which ran where: how reports name a module."""
+    if reference_class == patched_class:
+        return reference_class
+    return f"{reference_class} in the reference, {patched_class} in the patched model"
+
+
+def placement(model: torch.nn.Module) -> dict[str, str]:
+    """``{"device": "cpu", "dtype": "float32"}`` from the model's first parameter (empty strings when it has none).
+
+    Every check report names where it ran this way; pass it on as ``**placement(model)``.
+    """
+    param = next(model.parameters(), None)
+    if param is None:
+        return {"device": "", "dtype": ""}
+    return {"device": str(param.device), "dtype": dtype_label(param.dtype)}
+
+
 def move_inputs(inputs: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     """Inputs with every tensor on ``device`` (others untouched)."""
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}

@@ -21,11 +21,11 @@ from hypothesis.strategies import SearchStrategy
 
 from pytest_modelpatch.compare.backward import compare_training
 from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_models
-from pytest_modelpatch.compare.outputs import describe_inputs, evaluating
+from pytest_modelpatch.compare.outputs import describe_inputs, evaluating, placement
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.timing import timing_if_enabled
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, dtype_label, resolve_tolerance
+from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.training import with_labels
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.usage import patch_usage, unused_message
@@ -266,11 +266,10 @@ def example_report(
     reference: torch.nn.Module, patched: torch.nn.Module, comparisons: list[Any], spec: ToleranceSpec, example: Mapping[str, Any]
 ) -> EquivalenceReport:
     """One passing example as an equivalence report (no divergence search: it passed)."""
-    param = next(reference.parameters(), None)
     return EquivalenceReport(
         reference=type(reference).__name__, patched=type(patched).__name__, comparisons=comparisons,
         tolerance=spec, inputs=describe_inputs(example),
-        device=str(param.device) if param is not None else "", dtype=dtype_label(param.dtype) if param is not None else "",
+        **placement(reference),
     )  # fmt: skip
 
 
