@@ -23,7 +23,8 @@ from transformers.utils import logging as transformers_logging
 
 from pytest_modelpatch.compare.outputs import flatten_outputs
 from pytest_modelpatch.models.checkpoints import seeded_model
-from pytest_modelpatch.models.families import available_model_types, example_inputs, model_class_for, tiny_config
+from pytest_modelpatch.models.families import available_model_types, model_class_for, tiny_config
+from pytest_modelpatch.models.inputs import example_inputs
 
 PER_TYPE_TIMEOUT_S = 60
 

@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "Finding": "lint.patterns",
     "meta_structures": "models.structure",
     "tiny_config": "models.families",
-    "example_inputs": "models.families",
+    "example_inputs": "models.inputs",
     "CheckpointError": "errors",
     "cached_checkpoint": "models.checkpoints",
     "load_pretrained": "models.checkpoints",

@@ -17,13 +17,8 @@ from hypothesis.strategies import SearchStrategy
 from transformers import PretrainedConfig, PreTrainedModel
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.models.families import (
-    forward_parameters,
-    model_class_for,
-    ordinary_token_ids,
-    text_companions,
-    tiny_config,
-)
+from pytest_modelpatch.models.families import model_class_for, tiny_config
+from pytest_modelpatch.models.inputs import forward_parameters, ordinary_token_ids, text_companions
 from pytest_modelpatch.models.tiny_configs import KV_HEAD_KEYS
 
 PADDING_SIDES = ("none", "left", "right")

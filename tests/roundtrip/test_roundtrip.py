@@ -20,7 +20,7 @@ from pytest_modelpatch.isolation.registration import register_patches
 from pytest_modelpatch.isolation.guard import isolated_patch_state
 from pytest_modelpatch.roundtrip.check import Roundtrip, check_roundtrip
 from pytest_modelpatch.errors import CheckpointError
-from pytest_modelpatch.models.families import example_inputs
+from pytest_modelpatch.models.inputs import example_inputs
 from pytest_modelpatch.roundtrip.safetensors_diff import diff_checkpoints
 
 torch.set_num_threads(1)

@@ -1,0 +1,101 @@
+"""Deterministic example inputs for one forward of any tiny model, built from its config.
+
+``example_inputs`` picks a builder by the model class's main input (``input_ids``,
+``pixel_values``, ``input_features``, ...). Builders live with their modality
+(``text.py``, ``vision.py``, ``audio.py``) and take an ``InputRequest``: the config, the
+class, its forward's parameters, the sizes and a seeded generator. A builder returns
+``None`` when the config is not of the shape it knows, and the caller is told to pass
+inputs itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from pytest_modelpatch.errors import ModelPatchError
+from pytest_modelpatch.models.families import model_class_for
+from pytest_modelpatch.models.inputs.audio import mel_features, waveform
+from pytest_modelpatch.models.inputs.request import InputRequest, forward_parameters, required
+from pytest_modelpatch.models.inputs.text import ordinary_token_ids, text_companions, text_inputs, text_request_inputs
+from pytest_modelpatch.models.inputs.vision import (
+    grid_image_inputs,
+    is_contrastive,
+    pixel_inputs,
+    pixel_values,
+    takes_image_grid,
+)
+
+__all__ = [
+    "InputRequest",
+    "example_inputs",
+    "forward_parameters",
+    "ordinary_token_ids",
+    "required",
+    "text_companions",
+    "text_inputs",
+]
+
+Builder = Callable[[InputRequest], "dict[str, torch.Tensor] | None"]
+
+
+def token_model_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """Text, with the images a VLM splices in or a contrastive model embeds beside it."""
+    config, params = request.config, request.params
+    inputs = text_request_inputs(request)
+    if takes_image_grid(config, params):
+        inputs.update(grid_image_inputs(config, inputs["input_ids"], params, request.generator))
+    inputs.update(text_companions(config, request.model_class, inputs["input_ids"]))
+    if is_contrastive(config, params):
+        inputs["pixel_values"] = pixel_values(config, request.batch_size, request.generator)
+    return inputs
+
+
+# main input name -> builder
+MAIN_INPUT_BUILDERS: dict[str, Builder] = {
+    "input_ids": token_model_inputs,
+    "pixel_values": pixel_inputs,
+    "input_features": mel_features,
+    "input_values": waveform,
+}
+
+
+def example_inputs(
+    config: PretrainedConfig,
+    *,
+    batch_size: int = 2,
+    seq_len: int = 8,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    model_class: type[PreTrainedModel] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Deterministic inputs for one forward of the model built from ``config``.
+
+    Covered: ``input_ids`` (within the text vocabulary, avoiding special and
+    multimodal placeholder ids) with ``attention_mask`` for every model that takes
+    them, plus ``token_type_ids`` where the forward takes them and
+    ``decoder_input_ids`` for encoder-decoders; ``pixel_values`` for vision-only
+    models and beside the text for CLIP-like contrastive models;
+    ``input_features`` for Whisper-like and ``input_values`` for wav2vec2-like
+    audio models; one 4x4-patch image per row, between vision start/end tokens, for
+    Qwen-VL-style models (``pixel_values`` + ``image_grid_thw``), so a patch of the
+    vision tower (e.g. ``fusion_config={"patch_embeddings": True}``) is exercised.
+    Other models with image placeholder tokens get text-only inputs.
+
+    Example: ``model(**example_inputs(model.config))``.
+    """
+    cls = model_class or model_class_for(config)
+    generator = torch.Generator().manual_seed(seed)
+    request = InputRequest(config, cls, batch_size, seq_len, generator)
+    main = getattr(cls, "main_input_name", "input_ids")
+    if isinstance(main, (list, tuple)):
+        main = main[0]  # OneFormer: ["pixel_values", "task_inputs"]
+    if main not in request.params and "input_ids" in request.params:
+        main = "input_ids"
+    builder = MAIN_INPUT_BUILDERS.get(main)
+    inputs = builder(request) if builder is not None else None
+    if inputs is None:
+        raise ModelPatchError(f"example_inputs cannot build {main!r} for {cls.__name__}: pass inputs= explicitly")
+    return {name: tensor.to(device) for name, tensor in inputs.items()}

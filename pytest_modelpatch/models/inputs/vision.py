@@ -1,0 +1,72 @@
+"""Image inputs: pixel values at the config's image size, Qwen-VL-style patch grids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from pytest_modelpatch.models.inputs.request import InputRequest
+from pytest_modelpatch.models.inputs.text import text_request_inputs
+
+_GRID = (1, 4, 4)  # (frames, patch rows, patch columns) of the example image
+
+
+def pixel_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """``pixel_values`` for a vision model; grounded detectors read a text query too."""
+    inputs = {"pixel_values": pixel_values(request.config, request.batch_size, request.generator)}
+    if request.requires("input_ids"):
+        inputs.update(text_request_inputs(request))
+    return inputs
+
+
+def takes_image_grid(config: PretrainedConfig, params: Any) -> bool:
+    """Qwen-VL-style: flattened patches plus ``image_grid_thw``, placeholders in the text."""
+    vision = getattr(config, "vision_config", None)
+    return (
+        {"pixel_values", "image_grid_thw"} <= set(params)
+        and getattr(config, "image_token_id", None) is not None
+        and all(hasattr(vision, k) for k in ("patch_size", "temporal_patch_size", "spatial_merge_size", "in_channels"))
+    )
+
+
+def grid_image_inputs(
+    config: PretrainedConfig, text_ids: torch.Tensor, params: Any, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """Each row's text with one image spliced in, laid out as Qwen-VL processors do."""
+    vision = config.vision_config
+    batch = text_ids.shape[0]
+    patches = _GRID[0] * _GRID[1] * _GRID[2]
+    image = [config.image_token_id] * (patches // vision.spatial_merge_size**2)
+    start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
+    if start is not None and end is not None:
+        image = [start, *image, end]
+    head = text_ids[:, :2]
+    ids = torch.cat([head, torch.tensor([image] * batch, dtype=text_ids.dtype), text_ids[:, 2:]], dim=1)
+    volume = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.randn(batch * patches, volume, generator=generator),
+        "image_grid_thw": torch.tensor([_GRID] * batch),
+    }
+    if "mm_token_type_ids" in params:
+        inputs["mm_token_type_ids"] = (ids == config.image_token_id).long()
+    return inputs
+
+
+def is_contrastive(config: PretrainedConfig, params: Any) -> bool:
+    """CLIP/SigLIP-like: the forward embeds text and images side by side, no image placeholders."""
+    has_vision = getattr(config, "vision_config", None) is not None
+    placeholders = any(k.startswith(("image_token", "video_token")) for k in config.to_dict())
+    return has_vision and "pixel_values" in params and not placeholders
+
+
+def pixel_values(config: PretrainedConfig, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    """A batch of images at the (vision) config's size and channel count."""
+    vision = getattr(config, "vision_config", None) or config
+    size = getattr(vision, "image_size", 32)
+    height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
+    channels = getattr(vision, "num_channels", 3)
+    return torch.randn(batch_size, channels, height, width, generator=generator)
