@@ -1,6 +1,6 @@
 """Shrink a config dict so any transformers family builds tiny and stays valid.
 
-Pure dict work, no torch: ``shrink_config_dict(config.to_dict(), overrides)`` keeps
+Pure dict work, no torch (per-family exceptions: ``family_rules.py``): ``shrink_config_dict(config.to_dict(), overrides)`` keeps
 grouped-query ratios, head sizes the rope settings depend on, per-layer lists sized
 to the new layer count, experts and top-k, and special token ids inside the smaller
 vocabulary; sub-configs (text, vision, audio) are shrunk the same way.
@@ -9,6 +9,8 @@ vocabulary; sub-configs (text, vision, audio) are shrunk the same way.
 from __future__ import annotations
 
 from typing import Any
+
+from pytest_modelpatch.models.family_rules import apply_config_rule
 
 # ---------------------------------------------------------------------------
 # tiny configs
@@ -121,6 +123,7 @@ def _shrink_level(
         for key in TOP_K_KEYS:
             if key in out and out[key] is None:
                 out[key] = TINY_TOP_K
+    apply_config_rule(level.get("model_type"), out)  # per-family rules: after the generic ones, before overrides
     plain = {k: v for k, v in overrides.items() if not (isinstance(v, dict) and _is_config_dict(k, out.get(k)))}
     _resize_per_layer_lists(out, plain)
     out.update(plain)
