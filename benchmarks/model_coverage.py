@@ -1,9 +1,12 @@
 """How many transformers families build tiny and run a forward on CPU.
 
-Tries every model type of the installed transformers that has a modeling class:
-``tiny_config`` -> ``model_class_for`` -> seeded build (``seeded_model``, with the
-plugin's non-degenerate init) -> one forward on ``example_inputs`` -> finite outputs. Prints counts, total time, the slowest families and a table of
-failures with the first line of each exception.
+Tries every model type of the installed transformers that has a modeling class, stage by stage:
+``tiny_config`` -> ``model_class_for`` -> seeded build (``seeded_model``, with the plugin's
+non-degenerate init) -> one forward on ``example_inputs`` -> finite outputs -> what
+``@pytest.mark.model(t)`` does (seeded checkpoint saved as safetensors, reference and patched
+model loaded with ``from_pretrained`` by ``ModelBuilder``) -> ``assert_equivalent`` -> the
+budget (at most ``PARAMETER_BUDGET`` parameters). Prints how many families reached each stage,
+total time, the slowest families and a table of failures with the first line of each exception.
 
     python benchmarks/model_coverage.py            # every family
     python benchmarks/model_coverage.py llama bert  # just these
@@ -13,20 +16,27 @@ from __future__ import annotations
 
 import signal
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers.utils import logging as transformers_logging
 
+from pytest_modelpatch.compare.equivalence import assert_equivalent
 from pytest_modelpatch.compare.outputs import flatten_outputs
+from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
+from pytest_modelpatch.models.model_cache import CacheBound
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.models.families import available_model_types, model_class_for, tiny_config
 from pytest_modelpatch.models.inputs import example_inputs
 
 PER_TYPE_TIMEOUT_S = 60
+PARAMETER_BUDGET = 5_000_000
+STAGES = ("config", "class", "build", "inputs", "forward", "finite", "fixtures", "equivalent", "budget", "ok")
 
 
 @dataclass
@@ -34,7 +44,7 @@ class CoverageRow:
     """One family's outcome: the stage it reached and why it stopped."""
 
     model_type: str
-    stage: str  # "config", "class", "build", "inputs", "forward", "finite", "ok"
+    stage: str  # the first of STAGES that failed, or "ok"
     seconds: float
     error: str = ""
     model_class: str = ""
@@ -53,8 +63,8 @@ def _alarm(signum: int, frame: Any) -> None:
     raise _Timeout(f"no result in {PER_TYPE_TIMEOUT_S}s")
 
 
-def try_model_type(model_type: str) -> CoverageRow:
-    """Run the four stages for one family; the row records the first that failed."""
+def try_model_type(model_type: str, builder: ModelBuilder) -> CoverageRow:
+    """Run the stages for one family; the row records the first that failed."""
     start = time.perf_counter()
     row = CoverageRow(model_type, "config", 0.0)
     signal.alarm(PER_TYPE_TIMEOUT_S)
@@ -75,6 +85,15 @@ def try_model_type(model_type: str) -> CoverageRow:
         bad = [path for path, leaf in flatten_outputs(outputs) if _not_finite(leaf)]
         if bad:
             raise FloatingPointError(f"non-finite values in {', '.join(bad[:3])}")
+        del model, outputs
+        row.stage = "fixtures"
+        request = ModelRequest(model_type)
+        reference, patched = builder.reference(request), builder.patched(request)
+        row.stage = "equivalent"
+        assert_equivalent(reference, patched)
+        row.stage = "budget"
+        if row.parameters > PARAMETER_BUDGET:
+            raise ValueError(f"{row.parameters:,} parameters, over the budget of {PARAMETER_BUDGET:,}")
         row.stage = "ok"
     except BaseException as exc:  # a family may raise anything, even SystemExit-like errors
         if isinstance(exc, KeyboardInterrupt):
@@ -99,15 +118,19 @@ def main(argv: list[str]) -> int:
     types = argv or available_model_types()
     start = time.perf_counter()
     rows = []
+    cache = tempfile.TemporaryDirectory(prefix="model-coverage-")
+    builder = ModelBuilder(Path(cache.name), model_cache=CacheBound(count=1))
     for model_type in types:
-        rows.append(try_model_type(model_type))
+        rows.append(try_model_type(model_type, builder))
         print(f"  {rows[-1].stage:8s} {rows[-1].seconds:6.2f}s {model_type}", file=sys.stderr, flush=True)
     total = time.perf_counter() - start
-    built = [r for r in rows if r.stage in ("inputs", "forward", "finite", "ok")]
     ran = [r for r in rows if r.stage == "ok"]
     print(f"transformers model types with a modeling class: {len(rows)}")
-    print(f"build tiny:  {len(built)}/{len(rows)}")
-    print(f"run forward: {len(ran)}/{len(rows)}")
+    print("families past each stage:")
+    for index, stage in enumerate(STAGES[:-1]):
+        passed = sum(1 for r in rows if STAGES.index(r.stage) > index)
+        print(f"  {stage:11s} {passed}/{len(rows)}")
+    print(f"pass: {len(ran)}/{len(rows)}")
     print(f"total time:  {total:.1f}s (mean {total / max(len(rows), 1):.2f}s per type, imports included)")
     biggest = max(ran, key=lambda r: r.parameters, default=None)
     if biggest:
