@@ -58,10 +58,17 @@ def _shape_differences(ref_config: Any, pat_config: Any) -> list[str]:
     ref_text, pat_text = _text_config(ref_config), _text_config(pat_config)
     differences = []
     for key in SHAPE_KEYS:
-        ref_value, pat_value = getattr(ref_text, key, None), getattr(pat_text, key, None)
+        ref_value, pat_value = _size(ref_text, key), _size(pat_text, key)
         if isinstance(ref_value, int) and isinstance(pat_value, int) and ref_value != pat_value:
             differences.append(f"{key} {ref_value} vs {pat_value}")
     return differences
+
+
+def _size(config: Any, key: str) -> Any:
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - heterogeneous configs (Gemma 4) refuse global reads of per-layer sizes
+        return vars(config).get(key)
 
 
 def _text_config(config: Any) -> Any:

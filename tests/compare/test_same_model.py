@@ -55,3 +55,14 @@ def test_a_patched_top_level_subclass_and_other_module_classes_are_the_same_mode
     with pytest.raises(AssertionError, match="differs from reference"):  # compared, not refused
         assert_equivalent(LLAMA, patched)
     assert assert_equivalent(LLAMA, seeded_model(tiny_config("llama"), model_class=PatchedLlama)).passed
+
+
+def test_heterogeneous_configs_are_compared_without_reading_per_layer_sizes_globally() -> None:
+    # Gemma 4 keeps head_dim per layer and raises on a global read; the check must still
+    # tell two loads of one model apart from a model of another shape.
+    config = tiny_config("gemma4_text")
+    model = seeded_model(config)
+    assert_equivalent(model, model)
+    smaller = seeded_model(tiny_config("gemma4_text", vocab_size=config.vocab_size // 2))
+    with pytest.raises(ModelMismatchError, match=r"vocab_size \d+ vs \d+"):
+        assert_equivalent(model, smaller)
