@@ -385,5 +385,17 @@ def describe_inputs(inputs: Mapping[str, Any], limit: int = 64) -> str:
     return ", ".join(parts)
 
 
+FORWARD_SEED = 0
+
+
 def forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Any:
-    return model(**move_inputs(inputs, model_device(model)))
+    """``model(**inputs)`` on the model's device, from the same random state every time.
+
+    Some forwards draw random numbers even in eval mode (ViT-MAE's masking, VITS's noise):
+    both models of a comparison must draw the same ones, and the caller's generator must
+    not move.
+    """
+    device = model_device(model)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.manual_seed(FORWARD_SEED)
+        return model(**move_inputs(inputs, device))
