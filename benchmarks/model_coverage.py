@@ -10,16 +10,19 @@ total time, the slowest families and a table of failures with the first line of 
 
     python benchmarks/model_coverage.py            # every family
     python benchmarks/model_coverage.py llama bert  # just these
+    python benchmarks/model_coverage.py --markdown  # just the counts block docs/families.md quotes
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import signal
 import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +52,7 @@ class CoverageRow:
     error: str = ""
     model_class: str = ""
     parameters: int = 0
+    build_forward_s: float = 0.0  # seeded build plus one forward
 
     def __str__(self) -> str:
         where = f" {self.model_class}" if self.model_class else ""
@@ -74,6 +78,7 @@ def try_model_type(model_type: str, builder: ModelBuilder) -> CoverageRow:
         cls = model_class_for(config)
         row.model_class = cls.__name__
         row.stage = "build"
+        built_at = time.perf_counter()
         model = seeded_model(config, model_class=cls)
         row.parameters = sum(p.numel() for p in model.parameters())
         row.stage = "inputs"
@@ -82,6 +87,7 @@ def try_model_type(model_type: str, builder: ModelBuilder) -> CoverageRow:
         with torch.no_grad():
             outputs = model(**inputs)
         row.stage = "finite"
+        row.build_forward_s = time.perf_counter() - built_at
         bad = [path for path, leaf in flatten_outputs(outputs) if _not_finite(leaf)]
         if bad:
             raise FloatingPointError(f"non-finite values in {', '.join(bad[:3])}")
@@ -111,30 +117,32 @@ def _not_finite(leaf: Any) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("types", nargs="*", help="model types (default: every one with a modeling class)")
+    parser.add_argument("--markdown", action="store_true", help="print only the counts block docs/families.md quotes")
+    parser.add_argument("--json", type=Path, help="write one row per family to this file")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     transformers_logging.set_verbosity_error()
     signal.signal(signal.SIGALRM, _alarm)
-    types = argv or available_model_types()
+    types = args.types or available_model_types()
     start = time.perf_counter()
     rows = []
     cache = tempfile.TemporaryDirectory(prefix="model-coverage-")
     builder = ModelBuilder(Path(cache.name), model_cache=CacheBound(count=1))
     for model_type in types:
         rows.append(try_model_type(model_type, builder))
-        print(f"  {rows[-1].stage:8s} {rows[-1].seconds:6.2f}s {model_type}", file=sys.stderr, flush=True)
+        print(f"  {rows[-1].stage:10s} {rows[-1].seconds:6.2f}s {model_type}", file=sys.stderr, flush=True)
     total = time.perf_counter() - start
-    ran = [r for r in rows if r.stage == "ok"]
-    print(f"transformers model types with a modeling class: {len(rows)}")
-    print("families past each stage:")
-    for index, stage in enumerate(STAGES[:-1]):
-        passed = sum(1 for r in rows if STAGES.index(r.stage) > index)
-        print(f"  {stage:11s} {passed}/{len(rows)}")
-    print(f"pass: {len(ran)}/{len(rows)}")
-    print(f"total time:  {total:.1f}s (mean {total / max(len(rows), 1):.2f}s per type, imports included)")
-    biggest = max(ran, key=lambda r: r.parameters, default=None)
-    if biggest:
-        print(f"largest tiny model: {biggest.model_type} ({biggest.parameters:,} parameters)")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(row) for row in rows], indent=1))
+    print(markdown(rows))
+    if args.markdown:
+        return 0
+    print(f"\ntotal time:  {total:.1f}s (mean {total / max(len(rows), 1):.2f}s per type, imports included)")
+    slow = [r for r in rows if r.stage == "ok" and r.build_forward_s > 1.0]
+    print(f"build + one forward over 1 s: {', '.join(f'{r.model_type} {r.build_forward_s:.1f}s' for r in slow) or 'none'}")
     print("slowest:", ", ".join(f"{r.model_type} {r.seconds:.1f}s" for r in sorted(rows, key=lambda r: -r.seconds)[:5]))
     failures = [r for r in rows if r.stage != "ok"]
     if failures:
@@ -142,6 +150,20 @@ def main(argv: list[str]) -> int:
         for row in failures:
             print(f"  {row}")
     return 0
+
+
+def markdown(rows: list[CoverageRow]) -> str:
+    """The per-stage counts as the table docs/families.md quotes (deterministic: no timings)."""
+    passed = [r for r in rows if r.stage == "ok"]
+    lines = ["| stage | families past it |", "| --- | --- |"]
+    for index, stage in enumerate(STAGES[:-1]):
+        count = sum(1 for r in rows if STAGES.index(r.stage) > index)
+        lines.append(f"| {stage} | {count}/{len(rows)} |")
+    lines.append(f"| **pass** | **{len(passed)}/{len(rows)}** |")
+    biggest = max(passed, key=lambda r: r.parameters, default=None)
+    if biggest is not None:
+        lines += ["", f"Largest tiny model that passes: `{biggest.model_type}`, {biggest.parameters:,} parameters."]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
