@@ -14,7 +14,16 @@ from typing import Any
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
 
-CONFIG_RULES: dict[str, ConfigRule] = {}
+CONFIG_RULES: dict[str, ConfigRule] = {
+    # BiT's group norms use 32 groups; the tiny first stage's bottleneck has 8 channels
+    "bit": {"num_groups": 8},
+    # CvT indexes each stage's per-layer drop-path rates by the *stage* index
+    # (transformers 5.x), so stage i needs more than i layers
+    "cvt": {"depth": [1, 2, 3]},
+    # pixel-decoder width; the generic rules do not touch ``feature_size`` (time-series
+    # configs derive it from their inputs)
+    "mask2former": {"feature_size": 64},
+}
 
 
 def apply_config_rule(model_type: Any, level: dict[str, Any]) -> None:
