@@ -14,6 +14,14 @@ from typing import Any
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
 
+def _x4_feature_from_backbone(level: dict[str, Any]) -> None:
+    # PP-DocLayoutV3's mask branch reads the backbone's first stage (stride 4) at
+    # ``x4_feat_dim``, a number the config repeats instead of deriving
+    stages = (level.get("backbone_config") or {}).get("stage_out_channels")
+    if isinstance(stages, list) and stages:
+        level["x4_feat_dim"] = stages[0]
+
+
 CONFIG_RULES: dict[str, ConfigRule] = {
     # BiT's group norms use 32 groups; the tiny first stage's bottleneck has 8 channels
     "bit": {"num_groups": 8},
@@ -23,6 +31,7 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # pixel-decoder width; the generic rules do not touch ``feature_size`` (time-series
     # configs derive it from their inputs)
     "mask2former": {"feature_size": 64},
+    "pp_doclayout_v3": _x4_feature_from_backbone,
 }
 
 

@@ -128,6 +128,7 @@ def _shrink_level(
     plain = {k: v for k, v in overrides.items() if not (isinstance(v, dict) and _is_config_dict(k, out.get(k)))}
     _resize_per_layer_lists(out, plain)
     out.update(plain)
+    _replace_timm_backbone(out, set(plain))
     _shrink_stage_widths(out, set(plain))
     _follow_channels(level, out, set(plain))
     _derive_head_sizes(level, out, set(plain), implicit_rope.get(str(level.get("model_type", "")), {}))
@@ -167,6 +168,28 @@ def _shrink_stage_widths(out: dict[str, Any], fixed: set[str]) -> None:
         out["embed_dim"] = embed
         if _is_int(out.get("hidden_size")) and "hidden_size" not in fixed:
             out["hidden_size"] = embed * 2 ** (len(depths) - 1)  # Swin derives it the same way
+
+
+# A transformers ResNet in place of a timm one (timm needs torchvision, which often cannot
+# be installed beside a given torch); DETR-style configs build either. Stage indices
+# mean the same in both ("stem", then stages 1-4).
+TINY_RESNET_BACKBONE: dict[str, Any] = {
+    "model_type": "resnet", "embedding_size": 32, "hidden_sizes": [32, 64, 128, 256], "depths": [1, 1, 1, 1],
+}
+
+
+def _replace_timm_backbone(out: dict[str, Any], fixed: set[str]) -> None:
+    """Swap a ``timm_backbone`` sub-config for a tiny transformers ResNet, same outputs."""
+    backbone = out.get("backbone_config")
+    if "backbone_config" in fixed or not (isinstance(backbone, dict) and backbone.get("model_type") == "timm_backbone"):
+        return
+    indices = backbone.get("out_indices") or [4]
+    out["backbone_config"] = {**TINY_RESNET_BACKBONE, "num_channels": backbone.get("num_channels", 3),
+                              "out_indices": list(indices)}
+    if "use_timm_backbone" in out:
+        out["use_timm_backbone"] = False
+    if out.get("backbone") is not None:
+        out["backbone"] = None  # a timm model name: with a backbone_config it must be unset
 
 
 def _divide_stem(out: dict[str, Any], lists: dict[str, list[int]], divisor: int, fixed: set[str]) -> None:
