@@ -32,6 +32,18 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # configs derive it from their inputs)
     "mask2former": {"feature_size": 64},
     "pp_doclayout_v3": _x4_feature_from_backbone,
+    # EfficientNet scales its stage widths by width_coefficient (2.0: B7) and its last
+    # conv to round_filters(1280); hidden_dim must equal that conv's width
+    "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.5, "hidden_dim": 320},
+    # the validator wants hidden_size == out_features[-1] (stage widths, not names)
+    "efficientloftr": {"out_features": [16, 16, 32, 64], "stage_num_blocks": [1, 1, 2, 2]},
+    # the validator wants (image_size / num_windows) % sqrt(num_windows) == 0
+    "lw_detr_vit": {"num_windows": 4},
+    # LeViT's patch embedding is four fixed stride-2 convs: the attention-bias grid is
+    # image_size // 16 whatever patch_size says, so patch_size must stay 16
+    "levit": {"patch_size": 16},
+    # the last stage unfolds 2x2 patches at output stride 32: the image must be 64 wide
+    "mobilevitv2": {"image_size": 64, "width_multiplier": 0.5},
 }
 
 
