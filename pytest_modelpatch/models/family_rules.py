@@ -22,6 +22,15 @@ def _x4_feature_from_backbone(level: dict[str, Any]) -> None:
         level["x4_feat_dim"] = stages[0]
 
 
+def _efficientloftr(level: dict[str, Any]) -> None:
+    level.update(out_features=[16, 16, 32, 64], stage_num_blocks=[1, 1, 2, 2], num_attention_heads=8)
+    # to_dict() carries the per-block channel lists the config derives from out_features;
+    # dropped, so the config derives them again from the tiny values
+    for key in ("stage_in_channels", "stage_block_stride", "stage_block_out_channels", "stage_block_in_channels",
+                "fine_fusion_dims", "intermediate_size", "num_key_value_heads"):
+        level.pop(key, None)
+
+
 CONFIG_RULES: dict[str, ConfigRule] = {
     # BiT's group norms use 32 groups; the tiny first stage's bottleneck has 8 channels
     "bit": {"num_groups": 8},
@@ -35,8 +44,10 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # EfficientNet scales its stage widths by width_coefficient (2.0: B7) and its last
     # conv to round_filters(1280); hidden_dim must equal that conv's width
     "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.5, "hidden_dim": 320},
-    # the validator wants hidden_size == out_features[-1] (stage widths, not names)
-    "efficientloftr": {"out_features": [16, 16, 32, 64], "stage_num_blocks": [1, 1, 2, 2]},
+    # the validator wants hidden_size == out_features[-1] (stage widths, not names); its 2-D
+    # rope fills hidden_size // 4 frequencies per axis from head_dim * partial_rotary_factor
+    # (4.0) // 2, which agree only with 8 heads
+    "efficientloftr": _efficientloftr,
     # the validator wants (image_size / num_windows) % sqrt(num_windows) == 0
     "lw_detr_vit": {"num_windows": 4},
     # LeViT's patch embedding is four fixed stride-2 convs: the attention-bias grid is

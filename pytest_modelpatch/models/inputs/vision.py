@@ -13,12 +13,29 @@ from pytest_modelpatch.models.inputs.text import text_request_inputs
 _GRID = (1, 4, 4)  # (frames, patch rows, patch columns) of the example image
 
 
+# Keypoint matchers take a pair of images per row: (batch, 2, channels, height, width).
+IMAGE_PAIR_TYPES = frozenset({"efficientloftr", "lightglue", "superglue"})
+PAIR_IMAGE_SIZE = 64  # enough corners for SuperPoint-style detectors to find keypoints in
+
+
 def pixel_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     """``pixel_values`` for a vision model; grounded detectors read a text query too."""
+    if request.config.model_type in IMAGE_PAIR_TYPES:
+        return {"pixel_values": image_pairs(request)}
     inputs = {"pixel_values": pixel_values(request.config, request.batch_size, request.generator)}
     if request.requires("input_ids"):
         inputs.update(text_request_inputs(request))
     return inputs
+
+
+def image_pairs(request: InputRequest) -> torch.Tensor:
+    """Two views of one scene per row (the second a shifted copy), so matches exist."""
+    size = getattr(request.config, "image_size", None)
+    height, width = (size, size) if isinstance(size, int) else tuple(size or (PAIR_IMAGE_SIZE,) * 2)[:2]
+    channels = getattr(request.config, "num_channels", 3)
+    first = request.randn(request.batch_size, channels, height, width)
+    second = torch.roll(first, shifts=(2, 3), dims=(2, 3))
+    return torch.stack([first, second], dim=1)
 
 
 def takes_image_grid(config: PretrainedConfig, params: Any) -> bool:
