@@ -31,6 +31,22 @@ def _efficientloftr(level: dict[str, Any]) -> None:
         level.pop(key, None)
 
 
+def _sam_sizes(level: dict[str, Any]) -> None:
+    # SAM's three sub-configs repeat each other's sizes instead of deriving them: the
+    # vision neck's output_channels and positional features feed the prompt encoder and
+    # the mask decoder, whose image embedding grid is image_size // patch_size
+    vision, prompt = level.get("vision_config"), level.get("prompt_encoder_config")
+    decoder = level.get("mask_decoder_config")
+    if not (isinstance(vision, dict) and isinstance(prompt, dict) and isinstance(decoder, dict)):
+        return
+    width = decoder["hidden_size"]
+    vision.update(output_channels=width, num_pos_feats=width // 2)
+    prompt.update(hidden_size=width, image_embedding_size=vision["image_size"] // vision["patch_size"])
+    decoder["iou_head_hidden_dim"] = width
+    if "vit_dim" in decoder:  # SAM-HQ reads the ViT's early features
+        decoder["vit_dim"] = vision["hidden_size"]
+
+
 CONFIG_RULES: dict[str, ConfigRule] = {
     # BiT's group norms use 32 groups; the tiny first stage's bottleneck has 8 channels
     "bit": {"num_groups": 8},
@@ -54,6 +70,8 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # image_size // 16 whatever patch_size says, so patch_size must stay 16
     "levit": {"patch_size": 16},
     # the last stage unfolds 2x2 patches at output stride 32: the image must be 64 wide
+    "sam": _sam_sizes,
+    "sam_hq": _sam_sizes,
     "mobilevitv2": {"image_size": 64, "width_multiplier": 0.5},
 }
 
