@@ -47,6 +47,22 @@ def _sam_sizes(level: dict[str, Any]) -> None:
         decoder["vit_dim"] = vision["hidden_size"]
 
 
+def _hiera_det(level: dict[str, Any]) -> None:
+    # SAM 2's Hiera backbone: the patch embedding is hidden_size wide and feeds the first
+    # stage; global_attention_blocks index blocks across all stages
+    level["embed_dim_per_stage"] = [24, 48, 96, 192]  # a quarter of the default, heads [1, 2, 4, 8] still divide
+    level["hidden_size"] = 24
+    level["blocks_per_stage"] = [1, 1, 2, 1]
+    level["global_attention_blocks"] = [3]  # not a stage's first block, which pools with its window
+
+
+def _hiera_neck(level: dict[str, Any]) -> None:
+    # the FPN neck lists the backbone's stage widths, widest first
+    backbone = level.get("backbone_config")
+    if isinstance(backbone, dict) and isinstance(backbone.get("embed_dim_per_stage"), list):
+        level["backbone_channel_list"] = list(reversed(backbone["embed_dim_per_stage"]))
+
+
 CONFIG_RULES: dict[str, ConfigRule] = {
     # BiT's group norms use 32 groups; the tiny first stage's bottleneck has 8 channels
     "bit": {"num_groups": 8},
@@ -72,6 +88,8 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # the last stage unfolds 2x2 patches at output stride 32: the image must be 64 wide
     "sam": _sam_sizes,
     "sam_hq": _sam_sizes,
+    "sam2_hiera_det_model": _hiera_det,
+    "sam2_vision_model": _hiera_neck,
     "mobilevitv2": {"image_size": 64, "width_multiplier": 0.5},
 }
 

@@ -47,7 +47,7 @@ WIDTH_KEYS = (
      "projection_dim", "out_hidden_size", "text_hidden_size", "encoder_hidden_size", "decoder_hidden_size",
      "output_hidden_size", "projector_hidden_size", "embedding_size", "vision_output_dim",
     "attention_hidden_size", "embedding_dim", "lru_width", "projection_size",
-    "encoder_hidden_dim", "mask_feature_size", "fpn_feature_size",  # detection / segmentation heads
+    "encoder_hidden_dim", "mask_feature_size", "fpn_feature_size", "fpn_hidden_size",  # detection / segmentation
 )
 # distilbert's ``hidden_dim`` is its feed-forward size
 FFN_KEYS = (
@@ -139,7 +139,7 @@ def _shrink_level(
 # Per-stage channel lists of hierarchical vision backbones (ResNet, ConvNeXt, PVT, ...).
 STAGE_WIDTH_KEYS = (
     "hidden_sizes", "embed_dim", "embed_dims", "dims", "hidden_dims", "stage_in_channels", "stage_mid_channels",
-    "stage_out_channels",
+    "stage_out_channels", "embed_dim_per_stage",
 )
 # Widest stage a tiny backbone keeps: ResNet-50's [256, ..., 2048] become [32, ..., 256]
 # (bottlenecks a quarter as wide: 8 channels), about 0.4M parameters.
