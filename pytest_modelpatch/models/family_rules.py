@@ -61,6 +61,10 @@ def _hiera_neck(level: dict[str, Any]) -> None:
     backbone = level.get("backbone_config")
     if isinstance(backbone, dict) and isinstance(backbone.get("embed_dim_per_stage"), list):
         level["backbone_channel_list"] = list(reversed(backbone["embed_dim_per_stage"]))
+        # and the grids of the three finest stages: image / 4, / 8, / 16
+        image = backbone.get("image_size") or [1024, 1024]
+        side = (image if isinstance(image, int) else image[0]) // 4
+        level["backbone_feature_sizes"] = [[side >> i, side >> i] for i in range(3)]
 
 
 CONFIG_RULES: dict[str, ConfigRule] = {
