@@ -94,6 +94,12 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     "sam_hq": _sam_sizes,
     "sam2_hiera_det_model": _hiera_det,
     "sam2_vision_model": _hiera_neck,
+    # SegGPT's image is the prompt stacked above the query (896 x 448 by default, 2:1);
+    # its decoder reads these layers' hidden states, which must come after the merge layer
+    "seggpt": {"image_size": [64, 32], "intermediate_hidden_state_indices": [1], "merge_index": 0},
+    # OneFormer's task prompt: 77 tokens of a CLIP-size vocabulary by default
+    "oneformer": {"task_seq_len": 8, "text_encoder_context_length": 8, "text_encoder_vocab_size": 256,
+                  "text_encoder_width": 64, "conv_dim": 64, "mask_dim": 64},
     "mobilevitv2": {"image_size": 64, "width_multiplier": 0.5},
 }
 

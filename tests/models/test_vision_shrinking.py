@@ -80,3 +80,12 @@ def test_keypoint_matchers_get_two_related_images_per_row(model_type: str) -> No
     pixels = example_inputs(tiny_config(model_type))["pixel_values"]
     assert pixels.ndim == 5 and pixels.shape[:2] == (2, 2)
     assert torch.equal(torch.roll(pixels[:, 0], shifts=(2, 3), dims=(2, 3)), pixels[:, 1])
+
+
+def test_seggpt_gets_a_prompt_image_and_mask_each_half_the_stacked_height() -> None:
+    config = tiny_config("seggpt")
+    inputs = example_inputs(config)
+    assert set(inputs) == {"pixel_values", "prompt_pixel_values", "prompt_masks"}
+    assert inputs["pixel_values"].shape[2] * 2 == config.image_size[0]
+    assert inputs["prompt_masks"].shape == inputs["pixel_values"].shape
+    assert set(inputs["prompt_masks"].unique().tolist()) == {0.0, 1.0}
