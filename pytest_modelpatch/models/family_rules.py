@@ -14,7 +14,94 @@ from typing import Any
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
 
-CONFIG_RULES: dict[str, ConfigRule] = {}
+def _x4_feature_from_backbone(level: dict[str, Any]) -> None:
+    # PP-DocLayoutV3's mask branch reads the backbone's first stage (stride 4) at
+    # ``x4_feat_dim``, a number the config repeats instead of deriving
+    stages = (level.get("backbone_config") or {}).get("stage_out_channels")
+    if isinstance(stages, list) and stages:
+        level["x4_feat_dim"] = stages[0]
+
+
+def _efficientloftr(level: dict[str, Any]) -> None:
+    level.update(out_features=[16, 16, 32, 64], stage_num_blocks=[1, 1, 2, 2], num_attention_heads=8)
+    # to_dict() carries the per-block channel lists the config derives from out_features;
+    # dropped, so the config derives them again from the tiny values
+    for key in ("stage_in_channels", "stage_block_stride", "stage_block_out_channels", "stage_block_in_channels",
+                "fine_fusion_dims", "intermediate_size", "num_key_value_heads"):
+        level.pop(key, None)
+
+
+def _sam_sizes(level: dict[str, Any]) -> None:
+    # SAM's three sub-configs repeat each other's sizes instead of deriving them: the
+    # vision neck's output_channels and positional features feed the prompt encoder and
+    # the mask decoder, whose image embedding grid is image_size // patch_size
+    vision, prompt = level.get("vision_config"), level.get("prompt_encoder_config")
+    decoder = level.get("mask_decoder_config")
+    if not (isinstance(vision, dict) and isinstance(prompt, dict) and isinstance(decoder, dict)):
+        return
+    width = decoder["hidden_size"]
+    vision.update(output_channels=width, num_pos_feats=width // 2)
+    prompt.update(hidden_size=width, image_embedding_size=vision["image_size"] // vision["patch_size"])
+    decoder["iou_head_hidden_dim"] = width
+    if "vit_dim" in decoder:  # SAM-HQ reads the ViT's early features
+        decoder["vit_dim"] = vision["hidden_size"]
+
+
+def _hiera_det(level: dict[str, Any]) -> None:
+    # SAM 2's Hiera backbone: the patch embedding is hidden_size wide and feeds the first
+    # stage; global_attention_blocks index blocks across all stages
+    level["embed_dim_per_stage"] = [24, 48, 96, 192]  # a quarter of the default, heads [1, 2, 4, 8] still divide
+    level["hidden_size"] = 24
+    level["blocks_per_stage"] = [1, 1, 2, 1]
+    level["global_attention_blocks"] = [3]  # not a stage's first block, which pools with its window
+
+
+def _hiera_neck(level: dict[str, Any]) -> None:
+    # the FPN neck lists the backbone's stage widths, widest first
+    backbone = level.get("backbone_config")
+    if isinstance(backbone, dict) and isinstance(backbone.get("embed_dim_per_stage"), list):
+        level["backbone_channel_list"] = list(reversed(backbone["embed_dim_per_stage"]))
+        # and the grids of the three finest stages: image / 4, / 8, / 16
+        image = backbone.get("image_size") or [1024, 1024]
+        side = (image if isinstance(image, int) else image[0]) // 4
+        level["backbone_feature_sizes"] = [[side >> i, side >> i] for i in range(3)]
+
+
+CONFIG_RULES: dict[str, ConfigRule] = {
+    # BiT's group norms use 32 groups; the tiny first stage's bottleneck has 8 channels
+    "bit": {"num_groups": 8},
+    # CvT indexes each stage's per-layer drop-path rates by the *stage* index
+    # (transformers 5.x), so stage i needs more than i layers
+    "cvt": {"depth": [1, 2, 3]},
+    # pixel-decoder width; the generic rules do not touch ``feature_size`` (time-series
+    # configs derive it from their inputs)
+    "mask2former": {"feature_size": 64},
+    "pp_doclayout_v3": _x4_feature_from_backbone,
+    # EfficientNet scales its stage widths by width_coefficient (2.0: B7) and its last
+    # conv to round_filters(1280); hidden_dim must equal that conv's width
+    "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.5, "hidden_dim": 320},
+    # the validator wants hidden_size == out_features[-1] (stage widths, not names); its 2-D
+    # rope fills hidden_size // 4 frequencies per axis from head_dim * partial_rotary_factor
+    # (4.0) // 2, which agree only with 8 heads
+    "efficientloftr": _efficientloftr,
+    # the validator wants (image_size / num_windows) % sqrt(num_windows) == 0
+    "lw_detr_vit": {"num_windows": 4},
+    # LeViT's patch embedding is four fixed stride-2 convs: the attention-bias grid is
+    # image_size // 16 whatever patch_size says, so patch_size must stay 16
+    "levit": {"patch_size": 16},
+    # the last stage unfolds 2x2 patches at output stride 32: the image must be 64 wide
+    "sam": _sam_sizes,
+    "sam_hq": _sam_sizes,
+    "sam2_hiera_det_model": _hiera_det,
+    "sam2_vision_model": _hiera_neck,
+    # SegGPT's image is the prompt stacked above the query (896 x 448 by default, 2:1);
+    # its decoder reads these layers' hidden states, which must come after the merge layer
+    "seggpt": {"image_size": [64, 32], "intermediate_hidden_state_indices": [1], "merge_index": 0},
+    # OneFormer's task prompt: 77 tokens of a CLIP-size vocabulary by default
+    "oneformer": {"task_seq_len": 8, "text_encoder_context_length": 8, "text_encoder_vocab_size": 256,
+                  "text_encoder_width": 64, "conv_dim": 64, "mask_dim": 64},
+    "mobilevitv2": {"image_size": 64, "width_multiplier": 0.5},
+}
 
 
 def apply_config_rule(model_type: Any, level: dict[str, Any]) -> None:

@@ -47,11 +47,12 @@ WIDTH_KEYS = (
      "projection_dim", "out_hidden_size", "text_hidden_size", "encoder_hidden_size", "decoder_hidden_size",
      "output_hidden_size", "projector_hidden_size", "embedding_size", "vision_output_dim",
     "attention_hidden_size", "embedding_dim", "lru_width", "projection_size",
+    "encoder_hidden_dim", "mask_feature_size", "fpn_feature_size", "fpn_hidden_size",  # detection / segmentation
 )
 # distilbert's ``hidden_dim`` is its feed-forward size
 FFN_KEYS = (
     "intermediate_size", "ffn_dim", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "hidden_dim",
-     "mlp_dim", "ffn_hidden_size", "intermediate_dim",
+     "mlp_dim", "ffn_hidden_size", "intermediate_dim", "dim_feedforward", "encoder_feedforward_dim",
 )
 MOE_FFN_KEYS = (
     "moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
@@ -127,9 +128,105 @@ def _shrink_level(
     plain = {k: v for k, v in overrides.items() if not (isinstance(v, dict) and _is_config_dict(k, out.get(k)))}
     _resize_per_layer_lists(out, plain)
     out.update(plain)
+    _replace_timm_backbone(out, set(plain))
+    _shrink_stage_widths(out, set(plain))
+    _follow_channels(level, out, set(plain))
     _derive_head_sizes(level, out, set(plain), implicit_rope.get(str(level.get("model_type", "")), {}))
     _fit_windows(out, set(plain))
     return out
+
+
+# Per-stage channel lists of hierarchical vision backbones (ResNet, ConvNeXt, PVT, ...).
+STAGE_WIDTH_KEYS = (
+    "hidden_sizes", "embed_dim", "embed_dims", "dims", "hidden_dims", "stage_in_channels", "stage_mid_channels",
+    "stage_out_channels", "embed_dim_per_stage",
+)
+# Widest stage a tiny backbone keeps: ResNet-50's [256, ..., 2048] become [32, ..., 256]
+# (bottlenecks a quarter as wide: 8 channels), about 0.4M parameters.
+TINY_STAGE_WIDTH = 256
+
+
+def _shrink_stage_widths(out: dict[str, Any], fixed: set[str]) -> None:
+    """Divide every per-stage width list of a level by one power of two, so the widest
+    stage is at most ``TINY_STAGE_WIDTH``; one divisor for all lists keeps the equalities
+    between them (HGNet's stage ``i + 1`` input is stage ``i``'s output) and every
+    divisibility by a power of two (heads, groups) that held before."""
+    lists = {k: out[k] for k in STAGE_WIDTH_KEYS if k not in fixed and _is_int_list(out.get(k)) and len(out[k]) > 1}
+    widest = max((max(v) for v in lists.values()), default=0)
+    divisor = 1
+    while widest // divisor > TINY_STAGE_WIDTH and all(v % (divisor * 2) == 0 for vs in lists.values() for v in vs):
+        divisor *= 2
+    for key, values in lists.items():
+        out[key] = [v // divisor for v in values]
+    if divisor > 1:
+        _divide_stem(out, lists, divisor, fixed)
+    # Swin-style: one embedding width, doubled at every stage
+    depths, embed = out.get("depths"), out.get("embed_dim")
+    if _is_int_list(depths) and _is_int(embed) and "embed_dim" not in fixed:
+        while embed * 2 ** (len(depths) - 1) > TINY_STAGE_WIDTH and embed % 2 == 0 and embed > 16:
+            embed //= 2
+        out["embed_dim"] = embed
+        if _is_int(out.get("hidden_size")) and "hidden_size" not in fixed:
+            out["hidden_size"] = embed * 2 ** (len(depths) - 1)  # Swin derives it the same way
+
+
+# A transformers ResNet in place of a timm one (timm needs torchvision, which often cannot
+# be installed beside a given torch); DETR-style configs build either. Stage indices
+# mean the same in both ("stem", then stages 1-4).
+TINY_RESNET_BACKBONE: dict[str, Any] = {
+    "model_type": "resnet", "embedding_size": 32, "hidden_sizes": [32, 64, 128, 256], "depths": [1, 1, 1, 1],
+}
+
+
+def _replace_timm_backbone(out: dict[str, Any], fixed: set[str]) -> None:
+    """Swap a ``timm_backbone`` sub-config for a tiny transformers ResNet, same outputs."""
+    backbone = out.get("backbone_config")
+    if "backbone_config" in fixed or not (isinstance(backbone, dict) and backbone.get("model_type") == "timm_backbone"):
+        return
+    indices = backbone.get("out_indices") or [4]
+    out["backbone_config"] = {**TINY_RESNET_BACKBONE, "num_channels": backbone.get("num_channels", 3),
+                              "out_indices": list(indices)}
+    if "use_timm_backbone" in out:
+        out["use_timm_backbone"] = False
+    if out.get("backbone") is not None:
+        out["backbone"] = None  # a timm model name: with a backbone_config it must be unset
+
+
+def _divide_stem(out: dict[str, Any], lists: dict[str, list[int]], divisor: int, fixed: set[str]) -> None:
+    """The stem feeds the first stage, so its widths shrink by the same divisor
+    (TextNet: ``stem_out_channels == hidden_sizes[0]``; HGNet: ``stem_channels`` =
+    [image channels, ..., first stage's input])."""
+    firsts = {v[0] for v in lists.values()}
+    for key, value in list(out.items()):
+        if "stem" not in str(key) or key in fixed:
+            continue
+        if _is_int(value) and value in firsts and value % divisor == 0:
+            out[key] = value // divisor
+        elif _is_int_list(value) and len(value) > 1 and all(v % divisor == 0 for v in value[1:]):
+            out[key] = [value[0], *(v // divisor for v in value[1:])]
+
+
+def _follow_channels(before: dict[str, Any], out: dict[str, Any], fixed: set[str]) -> None:
+    """Per-level channel lists a detector derives from other sizes (RT-DETR): the encoder
+    reads the backbone's stages at ``out_indices``; the decoder reads the encoder width."""
+    for key, value in before.items():
+        if not (str(key).endswith("_in_channels") and _is_int_list(value)) or key in fixed:
+            continue
+        followed = next(
+            (w for w in WIDTH_KEYS if _is_int(before.get(w)) and before[w] != out.get(w) and set(value) == {before[w]}),
+            None,
+        )
+        if followed is not None:
+            out[key] = [out[followed]] * len(value)
+    backbone = out.get("backbone_config")
+    if "encoder_in_channels" in before and "encoder_in_channels" not in fixed and isinstance(backbone, dict):
+        sizes, indices = backbone.get("hidden_sizes"), backbone.get("out_indices")
+        if _is_int_list(sizes) and _is_int_list(indices) and len(indices) == len(before["encoder_in_channels"]):
+            out["encoder_in_channels"] = [sizes[i - 1] for i in indices]  # index 0 is the stem
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(map(_is_int, value))
 
 
 def _fit_windows(out: dict[str, Any], fixed: set[str]) -> None:
@@ -150,7 +247,7 @@ def _shrink_int_list(key: str, values: list[int]) -> list[int]:
         return [_shrink_int(key, v) for v in values]
     if key in HEAD_KEYS:
         return [TINY_HEADS] * len(values)  # every stage width (64 * 2**i) divides by it
-    if key == "depths":
+    if key in ("depths", "depth"):  # CvT: depth per stage
         return [min(v, TINY_LAYERS) for v in values]
     return values
 

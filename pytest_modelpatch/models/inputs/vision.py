@@ -13,12 +13,52 @@ from pytest_modelpatch.models.inputs.text import text_request_inputs
 _GRID = (1, 4, 4)  # (frames, patch rows, patch columns) of the example image
 
 
+# Keypoint matchers take a pair of images per row: (batch, 2, channels, height, width).
+IMAGE_PAIR_TYPES = frozenset({"efficientloftr", "lightglue", "superglue"})
+PAIR_IMAGE_SIZE = 64
+# SegGPT stacks the prompt above the query: each is half the configured image height.
+PROMPT_STACKED_TYPES = frozenset({"seggpt"})  # enough corners for SuperPoint-style detectors to find keypoints in
+
+
 def pixel_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     """``pixel_values`` for a vision model; grounded detectors read a text query too."""
+    if request.config.model_type in IMAGE_PAIR_TYPES:
+        return {"pixel_values": image_pairs(request)}
     inputs = {"pixel_values": pixel_values(request.config, request.batch_size, request.generator)}
+    if request.config.model_type in PROMPT_STACKED_TYPES:
+        inputs["pixel_values"] = inputs["pixel_values"][:, :, : inputs["pixel_values"].shape[2] // 2]
     if request.requires("input_ids"):
         inputs.update(text_request_inputs(request))
+    inputs.update(image_companions(request, inputs["pixel_values"]))
     return inputs
+
+
+def image_companions(request: InputRequest, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Required inputs beside the image: a prompt image and its mask (SegGPT paints the
+    prompt's mask onto the query), or a task prompt's token ids (OneFormer)."""
+    found: dict[str, torch.Tensor] = {}
+    for name in sorted(request.params):
+        if not request.requires(name):
+            continue
+        if name.endswith("pixel_values") and name != "pixel_values":
+            found[name] = request.randn(*pixels.shape)
+        elif name.startswith("prompt_mask"):
+            found[name] = (request.randn(*pixels.shape) > 0).float()  # a binary mask, per channel
+        elif name == "task_inputs":
+            length = getattr(request.config, "task_seq_len", request.seq_len)
+            vocab = getattr(request.config, "text_encoder_vocab_size", 2)
+            found[name] = torch.randint(1, vocab, (request.batch_size, length), generator=request.generator)
+    return found
+
+
+def image_pairs(request: InputRequest) -> torch.Tensor:
+    """Two views of one scene per row (the second a shifted copy), so matches exist."""
+    size = getattr(request.config, "image_size", None)
+    height, width = (size, size) if isinstance(size, int) else tuple(size or (PAIR_IMAGE_SIZE,) * 2)[:2]
+    channels = getattr(request.config, "num_channels", 3)
+    first = request.randn(request.batch_size, channels, height, width)
+    second = torch.roll(first, shifts=(2, 3), dims=(2, 3))
+    return torch.stack([first, second], dim=1)
 
 
 def takes_image_grid(config: PretrainedConfig, params: Any) -> bool:
