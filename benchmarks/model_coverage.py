@@ -26,6 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: measure this checkout's package, not whichever one is installed
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import torch
 from transformers.utils import logging as transformers_logging
 
