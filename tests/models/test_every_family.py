@@ -31,7 +31,7 @@ PARAMETER_BUDGET = 5_000_000
 # a few of each kind: decoders, MoE, hybrids, encoders, encoder-decoders, VLMs, vision, audio, time series
 REPRESENTATIVE = [
     "llama", "qwen2_moe", "mixtral", "jamba", "mamba2", "bert", "t5", "whisper", "wav2vec2", "qwen2_vl",
-    "llava", "clip", "vit", "vit_mae", "gemma4_text",
+    "llava", "clip", "vit", "swin", "detr", "vit_mae", "gemma4_text",
 ]  # fmt: skip
 
 INNER = """
@@ -40,7 +40,8 @@ import json
 import pytest
 import torch
 
-from pytest_modelpatch import assert_equivalent
+from pytest_modelpatch import assert_equivalent, example_inputs
+from pytest_modelpatch.compare.outputs import flatten_outputs
 
 FAMILIES = {families!r}
 EXCEPTIONS = {exceptions!r}
@@ -55,9 +56,20 @@ def _param(family):
     return pytest.param(family, marks=marks, id=family)
 
 
+def _vacuous(outputs):
+    # NaN matches NaN in a comparison, and an output with no finite value compares nothing
+    return [
+        path for path, leaf in flatten_outputs(outputs) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel()
+        and (bool(leaf.isnan().any()) or not bool(leaf.isfinite().any()))
+    ]
+
+
 @pytest.mark.parametrize("family", [_param(f) for f in FAMILIES])
 def test_family(family, reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
+    with torch.no_grad():
+        outputs = reference_model(**example_inputs(reference_model.config, model_class=type(reference_model)))
+    assert not _vacuous(outputs), f"{{family}}: the reference's outputs hold NaN or no finite value"
     parameters = sum(p.numel() for p in reference_model.parameters())
     assert parameters <= BUDGET, f"{{family}}: {{parameters:,}} parameters, over the budget of {{BUDGET:,}}"
 """
