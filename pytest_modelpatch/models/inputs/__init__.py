@@ -58,6 +58,7 @@ MAIN_INPUT_BUILDERS: dict[str, Builder] = {
     "input_ids": token_model_inputs,
     "pixel_values": pixel_inputs,
     "input_features": mel_features,
+    "audio_mel": mel_features,  # Gemma 3n's audio encoder
     "input_values": waveform,
 }
 
