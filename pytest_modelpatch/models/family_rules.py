@@ -14,7 +14,34 @@ from typing import Any
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
 
-CONFIG_RULES: dict[str, ConfigRule] = {}
+
+
+def _fused_semantic_width(key: str, width_of: str) -> Callable[[dict[str, Any]], None]:
+    """X-Codec style: ``key`` is the width of the semantic and acoustic features concatenated.
+
+    The config stores it as a plain number (1024 + 1024 = 2048 in X-Codec 2), so generic
+    shrinking cannot see that it is a sum of two sub-config widths.
+    """
+
+    def rule(level: dict[str, Any]) -> None:
+        acoustic = level.get(width_of) if width_of != "hidden_size" else level
+        semantic = level.get("semantic_model_config") or {}
+        if isinstance(acoustic, dict) and "hidden_size" in acoustic and "hidden_size" in semantic:
+            level[key] = acoustic["hidden_size"] + semantic["hidden_size"]
+
+    return rule
+
+
+CONFIG_RULES: dict[str, ConfigRule] = {
+    # X-Codec: codebook_dim == acoustic (DAC) width + semantic (HuBERT) width
+    "xcodec": _fused_semantic_width("codebook_dim", "acoustic_model_config"),
+    # X-Codec 2 / NeuCodec: the quantizer projects the concatenated features, hidden_size + semantic width
+    "xcodec2": _fused_semantic_width("quantization_dim", "hidden_size"),
+    "neucodec": _fused_semantic_width("quantization_dim", "hidden_size"),
+    # per-stage widths under a name (hidden_sizes) generic shrinking leaves to vision backbones;
+    # 256..2048 channels make 100M parameters. Doubling per stage, ending at the tiny width.
+    "muse_spark_audio": {"hidden_sizes": [8, 16, 32, 64]},
+}
 
 
 def apply_config_rule(model_type: Any, level: dict[str, Any]) -> None:

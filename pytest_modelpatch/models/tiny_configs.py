@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_modelpatch.models.family_rules import apply_config_rule
+from pytest_modelpatch.models.tiny_audio_configs import shrink_audio_level
 
 # ---------------------------------------------------------------------------
 # tiny configs
@@ -118,6 +119,7 @@ def _shrink_level(
         elif isinstance(value, (list, tuple)) and value and all(map(_is_int, value)):
             out[key] = _shrink_int_list(key, list(value))  # Swin V2 defaults are tuples
     _shrink_layers(level, out)
+    shrink_audio_level(level, out)
     if any(_is_int(out.get(k)) for k in EXPERT_KEYS):
         # some defaults leave top-k unset (DeepSeek-V2) and the router then crashes
         for key in TOP_K_KEYS:

@@ -34,20 +34,21 @@ FEATURE_WIDTH_FACTOR: dict[str, int] = {
 }
 # model types whose feature extractor has a fixed width the config does not record
 FEATURE_WIDTH_DEFAULT: dict[str, int] = {"gemma4_audio": 128}
-CODEC_KEYS = ("upsampling_ratios", "downsampling_ratios", "hop_length", "audio_channels")
+CODEC_KEYS = ("upsampling_ratios", "downsampling_ratios", "hop_length", "audio_channels", "patch_sizes")
 # masks the audio encoders read as "1 = a real frame"
 FRAME_MASKS = ("input_features_mask", "attention_mask", "padding_mask")
 
 
 def audio_level(config: PretrainedConfig) -> PretrainedConfig:
-    """The (sub-)config that holds the audio front end's settings."""
-    keys = FEATURE_WIDTH_KEYS + CODEC_KEYS + ("channels",)
+    """The (sub-)config that holds the audio front end's settings (depth first, in attribute order)."""
+    keys = FEATURE_WIDTH_KEYS + CODEC_KEYS + ("channels", "patch_sizes")
     if any(getattr(config, k, None) is not None for k in keys) or config.model_type in FEATURE_WIDTH_DEFAULT:
         return config
-    for name in ("audio_config", "encoder_config", "speech_config", "audio_encoder_config", "acoustic_config"):
-        sub = getattr(config, name, None)
-        if isinstance(sub, PretrainedConfig):
-            return audio_level(sub)
+    subs = [v for k, v in vars(config).items() if isinstance(v, PretrainedConfig) and not k.startswith("text")]
+    for sub in subs:
+        level = audio_level(sub)
+        if level is not sub or any(getattr(sub, k, None) is not None for k in keys):
+            return level
     return config
 
 
@@ -105,23 +106,47 @@ def _with_decoder_ids(request: InputRequest, inputs: dict[str, torch.Tensor]) ->
 
 def codec_samples(level: PretrainedConfig) -> int:
     """A waveform length of whole codec frames: the product of the down-sampling ratios."""
-    ratios = getattr(level, "downsampling_ratios", None) or getattr(level, "upsampling_ratios", None)
+    ratios = (
+        getattr(level, "downsampling_ratios", None)
+        or getattr(level, "upsampling_ratios", None)
+        or getattr(level, "patch_sizes", None)  # MuseSpark audio: each layer patches its input
+    )
     hop = math.prod(ratios) if ratios else getattr(level, "hop_length", None) or 320
     return CODEC_FRAMES * int(hop)
 
 
 def is_codec(level: PretrainedConfig) -> bool:
     """Codecs and their encoders take (batch, channels, samples) waveforms."""
-    return any(getattr(level, k, None) is not None for k in CODEC_KEYS) or _int(getattr(level, "channels", None))
+    codec_keys = [k for k in CODEC_KEYS if k != "patch_sizes"]  # MuseSpark patches a (batch, samples) waveform
+    return any(getattr(level, k, None) is not None for k in codec_keys) or _int(getattr(level, "channels", None))
 
 
 def waveform(request: InputRequest) -> dict[str, torch.Tensor]:
     """Raw audio: wav2vec2-style (batch, samples), or codec-style (batch, channels, samples)."""
     level = audio_level(request.config)
     if not is_codec(level):
-        return _with_decoder_ids(request, {"input_values": request.randn(request.batch_size, WAVEFORM_SAMPLES)})
+        # MuseSpark patches the waveform: whole patches, else a wav2vec2-style length
+        samples = codec_samples(level) if getattr(level, "patch_sizes", None) else WAVEFORM_SAMPLES
+        return _with_decoder_ids(request, {"input_values": request.randn(request.batch_size, samples)})
     channels = getattr(level, "audio_channels", None) or getattr(level, "channels", None) or 1
-    return {"input_values": request.randn(request.batch_size, channels, codec_samples(level))}
+    samples = codec_samples(level)
+    inputs = {"input_values": request.randn(request.batch_size, channels, samples)}
+    semantic = _feature_level(request.config)
+    if request.requires("input_features") and semantic is not None:
+        # X-Codec 2 / NeuCodec: a semantic encoder reads features framed like the codec's codes
+        frames = CODEC_FRAMES
+        width = feature_width(semantic) or 0
+        shape = (request.batch_size, width, frames) if mel_first(semantic) else (request.batch_size, frames, width)
+        inputs["input_features"] = request.randn(*shape)
+    return inputs
+
+
+def _feature_level(config: PretrainedConfig) -> PretrainedConfig | None:
+    """The first sub-config with a feature width (a codec's semantic encoder)."""
+    for value in vars(config).values():
+        if isinstance(value, PretrainedConfig) and feature_width(value):
+            return value
+    return None
 
 
 def _int(value: Any) -> bool:

@@ -1,0 +1,64 @@
+"""Shrinking rules for audio configs: codecs, codebooks, audio front ends, time series.
+
+Called by ``tiny_configs._shrink_level`` on every config level after the generic rules
+(pure dict work, no torch). Codec convolution stacks double their channels at every
+down-sampling stage, so the base channel count is what keeps them tiny; sizes that equal
+the codec's width in the full config (codebook dimension, up-sampling groups) keep
+equalling it, because the modeling code feeds one into the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TINY_CODEC_TOP_CHANNELS = 128  # channels after the last down-sampling stage
+TINY_CODEBOOK_SIZE = 256  # entries per codebook, the tiny vocabulary's size (codes are tokens to LMs)
+TINY_CODEBOOKS = 4
+TINY_FEATURE_CHANNELS = 32  # wav2vec2-style conv feature encoder channels
+CODEC_RATIO_KEYS = ("downsampling_ratios", "upsampling_ratios", "strides")
+# channel counts at the input end of a codec's encoder, doubled per stage
+CODEC_BASE_CHANNEL_KEYS = ("num_filters", "encoder_hidden_size", "n_filters", "base_channels")
+# codebook counts that an LM over the codes must agree on (Mimi num_quantizers == CSM num_codebooks)
+CODEBOOK_COUNT_KEYS = ("num_quantizers", "n_codebooks", "num_codebooks", "n_q")
+# sizes that equal the codec width in released configs, because the model chains them
+FOLLOW_WIDTH_KEYS = ("codebook_dim", "upsample_groups", "vector_quantization_hidden_dimension")
+WIDTH_KEY = "hidden_size"
+
+
+def is_codec_level(level: dict[str, Any]) -> bool:
+    """A neural audio codec (EnCodec, DAC, Mimi, ...): strided conv stages named by their ratios."""
+    return any(isinstance(level.get(k), list) and level[k] for k in CODEC_RATIO_KEYS[:2])
+
+
+def shrink_audio_level(before: dict[str, Any], out: dict[str, Any]) -> None:
+    """Shrink one config level's codec and codebook sizes in place (``before``: the unshrunk level)."""
+    if is_codec_level(before):
+        _shrink_codec(before, out)
+    if isinstance(before.get("conv_dim"), list) and isinstance(before.get("conv_stride"), list):
+        # wav2vec2-style feature encoders: 7 conv layers of 512 channels are most of a tiny model
+        out["conv_dim"] = [min(v, TINY_FEATURE_CHANNELS) for v in before["conv_dim"]]
+
+
+def _shrink_codec(before: dict[str, Any], out: dict[str, Any]) -> None:
+    stages = max(len(before.get(k) or ()) for k in CODEC_RATIO_KEYS[:2])
+    base = max(2, TINY_CODEC_TOP_CHANNELS >> stages)  # channels double at every stage
+    for key in CODEC_BASE_CHANNEL_KEYS:
+        if _pos_int(before.get(key)):
+            out[key] = min(before[key], base)
+    if _pos_int(before.get("codebook_size")):
+        out["codebook_size"] = min(before["codebook_size"], TINY_CODEBOOK_SIZE)
+    for key in CODEBOOK_COUNT_KEYS:
+        if _pos_int(before.get(key)):
+            out[key] = min(before[key], TINY_CODEBOOKS)
+    old_width, new_width = before.get(WIDTH_KEY), out.get(WIDTH_KEY)
+    for key in FOLLOW_WIDTH_KEYS:
+        if not _pos_int(before.get(key)):
+            continue
+        if before[key] == old_width and _pos_int(new_width):
+            out[key] = new_width
+        else:
+            out[key] = min(before[key], new_width if _pos_int(new_width) else before[key])
+
+
+def _pos_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
