@@ -14,6 +14,8 @@ from typing import Any
 TINY_CODEC_TOP_CHANNELS = 128  # channels after the last down-sampling stage
 TINY_CODEBOOK_SIZE = 256  # entries per codebook, the tiny vocabulary's size (codes are tokens to LMs)
 TINY_CODEBOOKS = 4
+TINY_HORIZON = 4  # forecast steps
+TINY_CONTEXT = 32  # history steps (PatchTST-style models split it into patches)
 TINY_FEATURE_CHANNELS = 32  # wav2vec2-style conv feature encoder channels
 CODEC_RATIO_KEYS = ("downsampling_ratios", "upsampling_ratios", "strides")
 # channel counts at the input end of a codec's encoder, doubled per stage
@@ -34,6 +36,8 @@ def shrink_audio_level(before: dict[str, Any], out: dict[str, Any]) -> None:
     """Shrink one config level's codec and codebook sizes in place (``before``: the unshrunk level)."""
     if is_codec_level(before):
         _shrink_codec(before, out)
+    if "prediction_length" in before:
+        _shrink_forecaster(before, out)
     if isinstance(before.get("conv_dim"), list) and isinstance(before.get("conv_stride"), list):
         # wav2vec2-style feature encoders: 7 conv layers of 512 channels are most of a tiny model
         out["conv_dim"] = [min(v, TINY_FEATURE_CHANNELS) for v in before["conv_dim"]]
@@ -58,6 +62,17 @@ def _shrink_codec(before: dict[str, Any], out: dict[str, Any]) -> None:
             out[key] = new_width
         else:
             out[key] = min(before[key], new_width if _pos_int(new_width) else before[key])
+
+
+def _shrink_forecaster(before: dict[str, Any], out: dict[str, Any]) -> None:
+    """Forecasting horizons: GluonTS-style configs leave them unset and refuse to build."""
+    if before.get("prediction_length") is None:
+        out["prediction_length"] = TINY_HORIZON
+    for key, tiny in (("context_length", TINY_CONTEXT), ("horizon_length", TINY_HORIZON)):
+        if _pos_int(before.get(key)):
+            out[key] = min(before[key], tiny)
+    if _pos_int(before.get("label_length")):
+        out["label_length"] = min(before["label_length"], out.get("context_length") or TINY_HORIZON)
 
 
 def _pos_int(value: Any) -> bool:

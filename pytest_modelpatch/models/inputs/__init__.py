@@ -18,6 +18,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.models.families import model_class_for
 from pytest_modelpatch.models.inputs.audio import mel_features, waveform
+from pytest_modelpatch.models.inputs.series import series_inputs
 from pytest_modelpatch.models.inputs.request import InputRequest, forward_parameters, required
 from pytest_modelpatch.models.inputs.text import ordinary_token_ids, text_companions, text_inputs, text_request_inputs
 from pytest_modelpatch.models.inputs.vision import (
@@ -60,6 +61,7 @@ MAIN_INPUT_BUILDERS: dict[str, Builder] = {
     "input_features": mel_features,
     "audio_mel": mel_features,  # Gemma 3n's audio encoder
     "input_values": waveform,
+    "past_values": series_inputs,
 }
 
 
