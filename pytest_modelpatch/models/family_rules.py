@@ -41,6 +41,14 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # per-stage widths under a name (hidden_sizes) generic shrinking leaves to vision backbones;
     # 256..2048 channels make 100M parameters. Doubling per stage, ending at the tiny width.
     "muse_spark_audio": {"hidden_sizes": [8, 16, 32, 64]},
+    # The forward samples with torch.randn scaled by these (a VAE latent, VITS' flow and
+    # duration noise), so two runs of the same weights differ; at zero they agree and every
+    # layer still runs.
+    "vibevoice_acoustic_tokenizer": {"vae_std": 0.0},
+    # (VITS: its layer counts have names of their own, 16 posterior WaveNet layers)
+    "vits": {"noise_scale": 0.0, "noise_scale_duration": 0.0, "posterior_encoder_num_wavenet_layers": 2},
+    # kernel predictor: hidden x hidden x kernel weights per resblock layer (14.8M at 32/64)
+    "univnet": {"model_hidden_channels": 8, "kernel_predictor_hidden_channels": 16, "model_in_channels": 16},
 }
 
 

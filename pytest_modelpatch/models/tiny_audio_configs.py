@@ -14,6 +14,13 @@ from typing import Any
 TINY_CODEC_TOP_CHANNELS = 128  # channels after the last down-sampling stage
 TINY_CODEBOOK_SIZE = 256  # entries per codebook, the tiny vocabulary's size (codes are tokens to LMs)
 TINY_CODEBOOKS = 4
+TINY_VOCODER_CHANNELS = 32
+TINY_FFN = 128  # tiny_configs.TINY_INTERMEDIATE (not imported: tiny_configs imports this module)
+PREFIXED_FFN_SUFFIXES = ("_intermediate_size", "_ffn_dim", "linear_units")
+PREFIXED_VOCAB_SUFFIXES = ("_vocab_size",)
+# embedding and predictor widths of vocoders and variance adaptors
+PREFIXED_WIDTH_SUFFIXES = ("_embed_dim", "_predictor_channels", "_postnet_units")
+TINY_PART_WIDTH = 64
 TINY_HORIZON = 4  # forecast steps
 TINY_CONTEXT = 32  # history steps (PatchTST-style models split it into patches)
 TINY_FEATURE_CHANNELS = 32  # wav2vec2-style conv feature encoder channels
@@ -36,6 +43,11 @@ def shrink_audio_level(before: dict[str, Any], out: dict[str, Any]) -> None:
     """Shrink one config level's codec and codebook sizes in place (``before``: the unshrunk level)."""
     if is_codec_level(before):
         _shrink_codec(before, out)
+    _shrink_prefixed_sizes(before, out)
+    if _pos_int(before.get("upsample_initial_channel")):
+        # HiFi-GAN vocoders (VITS, SpeechT5, FastSpeech2, SeamlessM4T): channels halve per
+        # up-sampling stage from this, and the resblocks at full width are most of the model
+        out["upsample_initial_channel"] = min(before["upsample_initial_channel"], TINY_VOCODER_CHANNELS)
     if "prediction_length" in before:
         _shrink_forecaster(before, out)
     if isinstance(before.get("conv_dim"), list) and isinstance(before.get("conv_stride"), list):
@@ -62,6 +74,23 @@ def _shrink_codec(before: dict[str, Any], out: dict[str, Any]) -> None:
             out[key] = new_width
         else:
             out[key] = min(before[key], new_width if _pos_int(new_width) else before[key])
+
+
+def _shrink_prefixed_sizes(before: dict[str, Any], out: dict[str, Any]) -> None:
+    """Sizes of one part of a speech model, named with its prefix (SeamlessM4T's
+    ``t2u_encoder_ffn_dim``, ``speech_encoder_intermediate_size``; FastSpeech2's
+    ``encoder_linear_units``), which the generic key lists do not name."""
+    for key, value in before.items():
+        if not (_pos_int(value) and isinstance(key, str) and key in out and out[key] == value):
+            continue  # already shrunk by a generic rule, or not a size
+        if key.endswith(PREFIXED_FFN_SUFFIXES):
+            out[key] = min(value, TINY_FFN)
+        elif key.endswith(PREFIXED_VOCAB_SUFFIXES):
+            out[key] = min(value, TINY_CODEBOOK_SIZE)
+        elif key.endswith(PREFIXED_WIDTH_SUFFIXES):
+            out[key] = min(value, TINY_PART_WIDTH)
+        elif key.endswith("_max_position_embeddings"):
+            out[key] = min(value, TINY_FFN)
 
 
 def _shrink_forecaster(before: dict[str, Any], out: dict[str, Any]) -> None:

@@ -92,6 +92,9 @@ def mel_features(request: InputRequest) -> dict[str, torch.Tensor] | None:
     for mask in FRAME_MASKS:
         if request.requires(mask) or (mask == "input_features_mask" and request.takes(mask)):
             inputs[mask] = torch.ones(batch, frames, dtype=torch.long)
+    if request.takes("noise_sequence"):
+        # UnivNet draws this noise itself when not given: drawn here, seeded, both runs agree
+        inputs["noise_sequence"] = request.randn(batch, frames, level.model_in_channels)
     if request.takes("audio_mel_mask"):
         inputs["audio_mel_mask"] = torch.zeros(batch, frames, dtype=torch.bool)  # Gemma 3n: True = padding
     return _with_decoder_ids(request, inputs)
