@@ -47,6 +47,9 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     "vibevoice_acoustic_tokenizer": {"vae_std": 0.0},
     # (VITS: its layer counts have names of their own, 16 posterior WaveNet layers)
     "vits": {"noise_scale": 0.0, "noise_scale_duration": 0.0, "posterior_encoder_num_wavenet_layers": 2},
+    # Qwen3-ASR's conv stem widths and output projection have names of their own
+    # (downsample_hidden_size 480: 4M of conv weights; output_dim: the LM width it feeds)
+    "qwen3_asr_encoder": {"downsample_hidden_size": 32, "output_dim": 64},
     # kernel predictor: hidden x hidden x kernel weights per resblock layer (14.8M at 32/64)
     "univnet": {"model_hidden_channels": 8, "kernel_predictor_hidden_channels": 16, "model_in_channels": 16},
 }

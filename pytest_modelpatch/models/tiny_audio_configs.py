@@ -19,7 +19,7 @@ TINY_FFN = 128  # tiny_configs.TINY_INTERMEDIATE (not imported: tiny_configs imp
 PREFIXED_FFN_SUFFIXES = ("_intermediate_size", "_ffn_dim", "linear_units")
 PREFIXED_VOCAB_SUFFIXES = ("_vocab_size",)
 # embedding and predictor widths of vocoders and variance adaptors
-PREFIXED_WIDTH_SUFFIXES = ("_embed_dim", "_predictor_channels", "_postnet_units")
+PREFIXED_WIDTH_SUFFIXES = ("_embed_dim", "_predictor_channels", "_postnet_units", "backbone_hidden_size")
 TINY_PART_WIDTH = 64
 TINY_HORIZON = 4  # forecast steps
 TINY_CONTEXT = 32  # history steps (PatchTST-style models split it into patches)
@@ -43,6 +43,10 @@ def shrink_audio_level(before: dict[str, Any], out: dict[str, Any]) -> None:
     """Shrink one config level's codec and codebook sizes in place (``before``: the unshrunk level)."""
     if is_codec_level(before):
         _shrink_codec(before, out)
+    for key in CODEBOOK_COUNT_KEYS:
+        # on every level: a codec and the LM over its codes (CSM, MusicGen, Dia) must agree
+        if _pos_int(before.get(key)):
+            out[key] = min(before[key], TINY_CODEBOOKS)
     _shrink_prefixed_sizes(before, out)
     if _pos_int(before.get("upsample_initial_channel")):
         # HiFi-GAN vocoders (VITS, SpeechT5, FastSpeech2, SeamlessM4T): channels halve per
@@ -63,9 +67,6 @@ def _shrink_codec(before: dict[str, Any], out: dict[str, Any]) -> None:
             out[key] = min(before[key], base)
     if _pos_int(before.get("codebook_size")):
         out["codebook_size"] = min(before["codebook_size"], TINY_CODEBOOK_SIZE)
-    for key in CODEBOOK_COUNT_KEYS:
-        if _pos_int(before.get(key)):
-            out[key] = min(before[key], TINY_CODEBOOKS)
     old_width, new_width = before.get(WIDTH_KEY), out.get(WIDTH_KEY)
     for key in FOLLOW_WIDTH_KEYS:
         if not _pos_int(before.get(key)):
