@@ -127,8 +127,10 @@ TASK_MAPPINGS: dict[str, str] = {
     "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING",
     "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING",
     "base": "MODEL_MAPPING",
+    "text-to-waveform": "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING",
 }
-DEFAULT_TASK_ORDER = ("masked-lm", "causal-lm", "base")
+# text-to-waveform last: MusicGen's base and causal-LM classes take its decoder sub-config only
+DEFAULT_TASK_ORDER = ("masked-lm", "causal-lm", "base", "text-to-waveform")
 
 
 def model_class_for(config: PretrainedConfig, task: str | None = None) -> type[PreTrainedModel]:

@@ -32,6 +32,15 @@ def _fused_semantic_width(key: str, width_of: str) -> Callable[[dict[str, Any]],
     return rule
 
 
+def _dia_cross_attention(level: dict[str, Any]) -> None:
+    """Dia's decoder cross-attends with sizes of the encoder, stored under ``cross_*`` names."""
+    encoder, decoder = level.get("encoder_config"), level.get("decoder_config")
+    if isinstance(encoder, dict) and isinstance(decoder, dict):
+        decoder["cross_hidden_size"] = encoder["hidden_size"]
+        decoder["cross_num_attention_heads"] = decoder["cross_num_key_value_heads"] = encoder["num_attention_heads"]
+        decoder["cross_head_dim"] = encoder["head_dim"]
+
+
 CONFIG_RULES: dict[str, ConfigRule] = {
     # X-Codec: codebook_dim == acoustic (DAC) width + semantic (HuBERT) width
     "xcodec": _fused_semantic_width("codebook_dim", "acoustic_model_config"),
@@ -50,6 +59,14 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # Qwen3-ASR's conv stem widths and output projection have names of their own
     # (downsample_hidden_size 480: 4M of conv weights; output_dim: the LM width it feeds)
     "qwen3_asr_encoder": {"downsample_hidden_size": 32, "output_dim": 64},
+    "dia": _dia_cross_attention,
+    # CLVP's rotary dimension is max(projection_dim // (2 * heads), 32): heads must be 32 wide
+    "clvp_encoder": {"num_attention_heads": 2},
+    # CLAP's Swin audio tower ends at patch_embeds_hidden_size * 2**(stages - 1), which the
+    # projection reads as hidden_size (96 * 8 = 768 in the full config)
+    "clap_audio_model": {"patch_embeds_hidden_size": 8},
+    # AST: 1024 frames x 128 mel bins is 1212 patches; 64 x 32 with its 10-step stride is 10
+    "audio-spectrogram-transformer": {"max_length": 64, "num_mel_bins": 32},
     # kernel predictor: hidden x hidden x kernel weights per resblock layer (14.8M at 32/64)
     "univnet": {"model_hidden_channels": 8, "kernel_predictor_hidden_channels": 16, "model_in_channels": 16},
 }
