@@ -67,6 +67,12 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     "clap_audio_model": {"patch_embeds_hidden_size": 8},
     # AST: 1024 frames x 128 mel bins is 1212 patches; 64 x 32 with its 10-step stride is 10
     "audio-spectrogram-transformer": {"max_length": 64, "num_mel_bins": 32},
+    # Perceiver's latent array has sizes of its own: 256 latents x 1280 wide, 26 self-attention
+    # layers per block (260M parameters); heads must divide both d_latents and d_model
+    "perceiver": {
+        "num_latents": 16, "d_latents": 64, "num_self_attends_per_block": 2,
+        "num_self_attention_heads": 4, "num_cross_attention_heads": 4,
+    },
     # kernel predictor: hidden x hidden x kernel weights per resblock layer (14.8M at 32/64)
     "univnet": {"model_hidden_channels": 8, "kernel_predictor_hidden_channels": 16, "model_in_channels": 16},
 }

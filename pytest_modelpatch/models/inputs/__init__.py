@@ -20,6 +20,7 @@ from pytest_modelpatch.models.families import model_class_for
 from pytest_modelpatch.models.inputs.audio import mel_features, waveform
 from pytest_modelpatch.models.inputs.audio_families import FAMILY_INPUT_BUILDERS
 from pytest_modelpatch.models.inputs.series import series_inputs
+from pytest_modelpatch.models.inputs.trajectories import trajectory_inputs
 from pytest_modelpatch.models.inputs.request import InputRequest, forward_parameters, required
 from pytest_modelpatch.models.inputs.text import ordinary_token_ids, text_companions, text_inputs, text_request_inputs
 from pytest_modelpatch.models.inputs.vision import (
@@ -55,6 +56,11 @@ def token_model_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     return inputs
 
 
+def generic_token_inputs(request: InputRequest) -> dict[str, torch.Tensor] | None:
+    """Perceiver's ``inputs`` is any preprocessed modality; its masked-LM head also takes ``input_ids``."""
+    return text_request_inputs(request) if request.takes("input_ids") else None
+
+
 # main input name -> builder
 MAIN_INPUT_BUILDERS: dict[str, Builder] = {
     "input_ids": token_model_inputs,
@@ -63,6 +69,8 @@ MAIN_INPUT_BUILDERS: dict[str, Builder] = {
     "audio_mel": mel_features,  # Gemma 3n's audio encoder
     "input_values": waveform,
     "past_values": series_inputs,
+    "states": trajectory_inputs,
+    "inputs": generic_token_inputs,
 }
 
 
