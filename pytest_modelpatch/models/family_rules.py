@@ -73,6 +73,10 @@ CONFIG_RULES: dict[str, ConfigRule] = {
         "num_latents": 16, "d_latents": 64, "num_self_attends_per_block": 2,
         "num_self_attention_heads": 4, "num_cross_attention_heads": 4,
     },
+    # transformers 5.23: the decoder layer reads config.num_key_value_heads, which
+    # MoonshineStreamingConfig does not define, so even the default config cannot build;
+    # set to the head count: plain multi-head attention
+    "moonshine_streaming": {"num_key_value_heads": 4},
     # kernel predictor: hidden x hidden x kernel weights per resblock layer (14.8M at 32/64)
     "univnet": {"model_hidden_channels": 8, "kernel_predictor_hidden_channels": 16, "model_in_channels": 16},
 }

@@ -128,6 +128,20 @@ def tokenizer_decoder(request: InputRequest) -> dict[str, torch.Tensor]:
     return {"hidden_states": request.randn(request.batch_size, config.hidden_size, LATENT_FRAMES)}
 
 
+def encoder_states(request: InputRequest) -> dict[str, torch.Tensor]:
+    """Nemotron word timestamps: ASR encoder states (batch, frames, hidden), every frame valid."""
+    config, batch, frames = request.config, request.batch_size, request.seq_len
+    return {
+        "inputs_embeds": request.randn(batch, frames, config.hidden_size),
+        "attention_mask": torch.ones(batch, frames, dtype=torch.long),
+    }
+
+
+def phoneme_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """FastSpeech2 + HiFi-GAN: phoneme ids from the acoustic model's vocabulary."""
+    return _text(request, request.config.model_config)
+
+
 FAMILY_INPUT_BUILDERS: dict[str, FamilyBuilder] = {
     "musicgen": music_inputs,
     "musicgen_melody": music_inputs,
@@ -143,4 +157,6 @@ FAMILY_INPUT_BUILDERS: dict[str, FamilyBuilder] = {
     "pocket_tts_audio_tokenizer_decoder": codec_latents,
     "vibevoice_acoustic_tokenizer_encoder": tokenizer_encoder,
     "vibevoice_acoustic_tokenizer_decoder": tokenizer_decoder,
+    "nemotron3_5_transcribe_word_timestamp": encoder_states,
+    "fastspeech2_conformer_with_hifigan": phoneme_inputs,
 }
