@@ -21,6 +21,10 @@ PREFIXED_VOCAB_SUFFIXES = ("_vocab_size",)
 # embedding and predictor widths of vocoders and variance adaptors
 PREFIXED_WIDTH_SUFFIXES = ("_embed_dim", "_predictor_channels", "_postnet_units", "backbone_hidden_size")
 TINY_PART_WIDTH = 64
+# depths of one part: SeamlessM4T's speech_encoder_layers (24), VITS' prior_encoder_num_flows,
+# FastSpeech2's encoder_config {"layers": 4}
+PREFIXED_DEPTH_SUFFIXES = ("_layers", "_num_flows")
+TINY_PART_DEPTH = 2
 TINY_HORIZON = 4  # forecast steps
 TINY_CONTEXT = 32  # history steps (PatchTST-style models split it into patches)
 TINY_FEATURE_CHANNELS = 32  # wav2vec2-style conv feature encoder channels
@@ -92,6 +96,22 @@ def _shrink_prefixed_sizes(before: dict[str, Any], out: dict[str, Any]) -> None:
             out[key] = min(value, TINY_PART_WIDTH)
         elif key.endswith("_max_position_embeddings"):
             out[key] = min(value, TINY_FFN)
+        elif (key == "layers" or key.endswith(PREFIXED_DEPTH_SUFFIXES)) and not _counts_a_list(before, value):
+            out[key] = min(value, TINY_PART_DEPTH)
+    hifigan = isinstance(before.get("upsample_rates"), list)  # UnivNet's resblock lists are its stages
+    if hifigan and _is_list_of_lists(before.get("resblock_dilation_sizes")) and before.get("resblock_kernel_sizes"):
+        # HiFi-GAN: one residual block per kernel size at every up-sampling stage; one is enough
+        out["resblock_kernel_sizes"] = before["resblock_kernel_sizes"][:1]
+        out["resblock_dilation_sizes"] = before["resblock_dilation_sizes"][:1]
+
+
+def _counts_a_list(level: dict[str, Any], value: int) -> bool:
+    """Whether ``value`` is the length of a per-layer list (wav2vec2's num_feat_extract_layers)."""
+    return any(isinstance(v, list) and len(v) == value for v in level.values())
+
+
+def _is_list_of_lists(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, list) for v in value)
 
 
 def _shrink_forecaster(before: dict[str, Any], out: dict[str, Any]) -> None:
