@@ -96,7 +96,7 @@ def _shrink_prefixed_sizes(before: dict[str, Any], out: dict[str, Any]) -> None:
             out[key] = min(value, TINY_PART_WIDTH)
         elif key.endswith("_max_position_embeddings"):
             out[key] = min(value, TINY_FFN)
-        elif (key == "layers" or key.endswith(PREFIXED_DEPTH_SUFFIXES)) and not _counts_a_list(before, value):
+        elif (key == "layers" or key.endswith(PREFIXED_DEPTH_SUFFIXES)) and not _counts_a_list(before, key, value):
             out[key] = min(value, TINY_PART_DEPTH)
     hifigan = isinstance(before.get("upsample_rates"), list)  # UnivNet's resblock lists are its stages
     if hifigan and _is_list_of_lists(before.get("resblock_dilation_sizes")) and before.get("resblock_kernel_sizes"):
@@ -105,9 +105,10 @@ def _shrink_prefixed_sizes(before: dict[str, Any], out: dict[str, Any]) -> None:
         out["resblock_dilation_sizes"] = before["resblock_dilation_sizes"][:1]
 
 
-def _counts_a_list(level: dict[str, Any], value: int) -> bool:
-    """Whether ``value`` is the length of a per-layer list (wav2vec2's num_feat_extract_layers)."""
-    return any(isinstance(v, list) and len(v) == value for v in level.values())
+def _counts_a_list(level: dict[str, Any], key: str, value: int) -> bool:
+    """Whether a ``num_*`` count may be the length of a per-layer list (wav2vec2's
+    ``num_feat_extract_layers`` == ``len(conv_dim)``)."""
+    return key.startswith("num_") and any(isinstance(v, list) and len(v) == value for v in level.values())
 
 
 def _is_list_of_lists(value: Any) -> bool:
