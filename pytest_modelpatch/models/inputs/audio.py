@@ -41,7 +41,7 @@ FRAME_MASKS = ("input_features_mask", "attention_mask", "padding_mask")
 
 def audio_level(config: PretrainedConfig) -> PretrainedConfig:
     """The (sub-)config that holds the audio front end's settings (depth first, in attribute order)."""
-    keys = FEATURE_WIDTH_KEYS + CODEC_KEYS + ("channels", "patch_sizes")
+    keys = FEATURE_WIDTH_KEYS + CODEC_KEYS + ("channels",)
     if any(getattr(config, k, None) is not None for k in keys) or config.model_type in FEATURE_WIDTH_DEFAULT:
         return config
     subs = [v for k, v in vars(config).items() if isinstance(v, PretrainedConfig) and not k.startswith("text")]
@@ -74,7 +74,7 @@ def feature_frames(level: PretrainedConfig) -> int:
     if _int(getattr(level, "n_window", None)):
         return 2 * level.n_window  # Qwen3-ASR: whole chunks of 2 * n_window frames
     if mel_first(level) and _int(getattr(level, "max_source_positions", None)):
-        return 2 * level.max_source_positions  # two stride-2 convolutions, then fixed positions
+        return 2 * level.max_source_positions  # a stride-2 convolution, then a fixed position table
     return FEATURE_FRAMES
 
 
