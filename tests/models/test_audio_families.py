@@ -165,3 +165,12 @@ def test_time_series_inputs_run(model_type: str, name: str, dims: int) -> None:
 def test_family_inputs_drive_the_whole_model(model_type: str) -> None:
     model, _ = _runs(model_type)
     assert _parameters(model) < 5_000_000
+
+
+def test_audio_lm_inputs_splice_placeholders_so_the_audio_tower_shapes_the_output() -> None:
+    config = tiny_config("qwen3_asr")
+    model, inputs = _runs("qwen3_asr")
+    assert (inputs["input_ids"] == config.audio_token_id).any()
+    changed = {**inputs, "input_features": inputs["input_features"] + 1.0}
+    with torch.no_grad():
+        assert not torch.equal(model(**inputs)[0], model(**changed)[0])

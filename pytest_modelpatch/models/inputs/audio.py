@@ -80,8 +80,11 @@ def feature_frames(level: PretrainedConfig) -> int:
 
 def mel_features(request: InputRequest) -> dict[str, torch.Tensor] | None:
     """Log-mel-like features at the encoder's width and framing, with an all-valid mask if read."""
-    config = request.config
-    level = audio_level(config)
+    return mel_features_for(request, audio_level(request.config))
+
+
+def mel_features_for(request: InputRequest, level: PretrainedConfig) -> dict[str, torch.Tensor] | None:
+    """``mel_features`` for the audio settings of ``level`` (an audio LM's audio sub-config)."""
     width = feature_width(level)
     if width is None:
         return None
