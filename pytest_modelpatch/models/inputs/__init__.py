@@ -19,10 +19,10 @@ from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.models.families import model_class_for
 from pytest_modelpatch.models.inputs.audio import mel_features, waveform
 from pytest_modelpatch.models.inputs.audio_families import FAMILY_INPUT_BUILDERS
-from pytest_modelpatch.models.inputs.series import series_inputs
-from pytest_modelpatch.models.inputs.trajectories import trajectory_inputs
 from pytest_modelpatch.models.inputs.request import InputRequest, forward_parameters, required
+from pytest_modelpatch.models.inputs.series import series_inputs
 from pytest_modelpatch.models.inputs.text import ordinary_token_ids, text_companions, text_inputs, text_request_inputs
+from pytest_modelpatch.models.inputs.trajectories import trajectory_inputs
 from pytest_modelpatch.models.inputs.vision import (
     grid_image_inputs,
     is_contrastive,
