@@ -23,6 +23,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_M
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.tiny_configs import shrink_config_dict
+from pytest_modelpatch.models.validator_fit import MAX_FITS, fit_validator_message
 
 
 def available_model_types() -> list[str]:
@@ -48,7 +49,7 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     tree = default.to_dict()
     shrunk = shrink_config_dict(tree, overrides, {t: implicit_rope_defaults(t) for t in _model_types(tree)})
     try:
-        return type(default).from_dict(shrunk)
+        return _validated(type(default), shrunk, overrides)
     except Exception as exc:  # strict-dataclass validation errors are not ValueErrors
         if not overrides:
             raise
@@ -57,6 +58,17 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
             f"tiny_config({model_type!r}) with overrides {overrides} is not a valid {type(default).__name__}: "
             f"{' '.join(first[:2])}. Change the overrides so the sizes agree."
         ) from exc
+
+
+def _validated(config_class: type[PretrainedConfig], tree: dict[str, Any], overrides: dict[str, Any]) -> PretrainedConfig:
+    """Build the config, first meeting the size equalities its validators name (``validator_fit``)."""
+    for _ in range(MAX_FITS):
+        try:
+            return config_class.from_dict(tree)
+        except Exception as exc:
+            if not fit_validator_message(tree, str(exc), overrides):
+                raise
+    return config_class.from_dict(tree)
 
 
 # `self.mrope_section = config.rope_parameters.get("mrope_section", [16, 24, 24])`
@@ -115,8 +127,10 @@ TASK_MAPPINGS: dict[str, str] = {
     "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING",
     "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING",
     "base": "MODEL_MAPPING",
+    "text-to-waveform": "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING",
 }
-DEFAULT_TASK_ORDER = ("masked-lm", "causal-lm", "base")
+# text-to-waveform last: MusicGen's base and causal-LM classes take its decoder sub-config only
+DEFAULT_TASK_ORDER = ("masked-lm", "causal-lm", "base", "text-to-waveform")
 
 
 def model_class_for(config: PretrainedConfig, task: str | None = None) -> type[PreTrainedModel]:

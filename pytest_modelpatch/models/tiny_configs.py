@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_modelpatch.models.family_rules import apply_config_rule
+from pytest_modelpatch.models.tiny_audio_configs import shrink_audio_level
 
 # ---------------------------------------------------------------------------
 # tiny configs
@@ -119,6 +120,8 @@ def _shrink_level(
         elif isinstance(value, (list, tuple)) and value and all(map(_is_int, value)):
             out[key] = _shrink_int_list(key, list(value))  # Swin V2 defaults are tuples
     _shrink_layers(level, out)
+    _shrink_uncounted_layer_list(level, out)
+    shrink_audio_level(level, out)
     if any(_is_int(out.get(k)) for k in EXPERT_KEYS):
         # some defaults leave top-k unset (DeepSeek-V2) and the router then crashes
         for key in TOP_K_KEYS:
@@ -330,6 +333,17 @@ def _shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
         if str(key).endswith(("_layers", "_indexes")) and isinstance(value, list) and key not in per_layer:
             if all(_is_int(i) and 0 <= i < old for i in value):
                 out[key] = sorted({i * n // old for i in value})
+
+
+def _shrink_uncounted_layer_list(before: dict[str, Any], out: dict[str, Any]) -> None:
+    """A per-layer type list that is the only record of the depth (Nemotron-H's
+    ``layers_block_type``, 52 long inside NeMo SpeechLM): keep the first layer of each kind."""
+    if any(_is_int(before.get(k)) for k in LAYER_KEYS):
+        return
+    for key in ("layers_block_type", "layer_types", "block_types"):
+        value = before.get(key)
+        if isinstance(value, list) and len(value) > TINY_LAYERS:
+            out[key] = [value[i] for i in _layers_to_keep({key: value}, len(value))]
 
 
 def _cover_block_pattern(before: dict[str, Any], old: int, keep: list[int]) -> list[int]:

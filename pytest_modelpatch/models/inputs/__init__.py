@@ -18,8 +18,11 @@ from transformers import PretrainedConfig, PreTrainedModel
 from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.models.families import model_class_for
 from pytest_modelpatch.models.inputs.audio import mel_features, waveform
+from pytest_modelpatch.models.inputs.audio_families import FAMILY_INPUT_BUILDERS
 from pytest_modelpatch.models.inputs.request import InputRequest, forward_parameters, required
+from pytest_modelpatch.models.inputs.series import series_inputs
 from pytest_modelpatch.models.inputs.text import ordinary_token_ids, text_companions, text_inputs, text_request_inputs
+from pytest_modelpatch.models.inputs.trajectories import trajectory_inputs
 from pytest_modelpatch.models.inputs.vision import (
     grid_image_inputs,
     is_contrastive,
@@ -53,12 +56,21 @@ def token_model_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     return inputs
 
 
+def generic_token_inputs(request: InputRequest) -> dict[str, torch.Tensor] | None:
+    """Perceiver's ``inputs`` is any preprocessed modality; its masked-LM head also takes ``input_ids``."""
+    return text_request_inputs(request) if request.takes("input_ids") else None
+
+
 # main input name -> builder
 MAIN_INPUT_BUILDERS: dict[str, Builder] = {
     "input_ids": token_model_inputs,
     "pixel_values": pixel_inputs,
     "input_features": mel_features,
+    "audio_mel": mel_features,  # Gemma 3n's audio encoder
     "input_values": waveform,
+    "past_values": series_inputs,
+    "states": trajectory_inputs,
+    "inputs": generic_token_inputs,
 }
 
 
@@ -94,7 +106,8 @@ def example_inputs(
         main = main[0]  # OneFormer: ["pixel_values", "task_inputs"]
     if main not in request.params and "input_ids" in request.params:
         main = "input_ids"
-    builder = MAIN_INPUT_BUILDERS.get(main)
+    # a family's own builder first (inputs no modality rule derives), then the main input's
+    builder = FAMILY_INPUT_BUILDERS.get(config.model_type) or MAIN_INPUT_BUILDERS.get(main)
     inputs = builder(request) if builder is not None else None
     if inputs is None:
         raise ModelPatchError(f"example_inputs cannot build {main!r} for {cls.__name__}: pass inputs= explicitly")
