@@ -19,6 +19,7 @@ from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.models.families import model_class_for
 from pytest_modelpatch.models.inputs.audio import mel_features, waveform
 from pytest_modelpatch.models.inputs.request import InputRequest, forward_parameters, required
+from pytest_modelpatch.models.inputs.towers import grid_tower_inputs
 from pytest_modelpatch.models.inputs.text import ordinary_token_ids, text_companions, text_inputs, text_request_inputs
 from pytest_modelpatch.models.inputs.vision import (
     grid_image_inputs,
@@ -52,6 +53,10 @@ def token_model_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
         inputs["pixel_values"] = pixel_values(config, request.batch_size, request.generator)
     return inputs
 
+
+# Inputs whose shape the forward's own parameters name (grid metadata, videos, layout
+# boxes), tried in order before the main input's builder; each returns None if not its kind.
+SIGNATURE_BUILDERS: tuple[Builder, ...] = (grid_tower_inputs,)
 
 # main input name -> builder
 MAIN_INPUT_BUILDERS: dict[str, Builder] = {
@@ -92,10 +97,14 @@ def example_inputs(
     main = getattr(cls, "main_input_name", "input_ids")
     if isinstance(main, (list, tuple)):
         main = main[0]  # OneFormer: ["pixel_values", "task_inputs"]
-    if main not in request.params and "input_ids" in request.params:
-        main = "input_ids"
+    if main not in request.params:
+        # a tower's main_input_name is often inherited ("input_ids"): trust its forward
+        takes = [n for n in ("input_ids", *MAIN_INPUT_BUILDERS) if n in request.params]
+        main = takes[0] if takes else main
+    inputs = next((found for build in SIGNATURE_BUILDERS if (found := build(request)) is not None), None)
     builder = MAIN_INPUT_BUILDERS.get(main)
-    inputs = builder(request) if builder is not None else None
+    if inputs is None and builder is not None:
+        inputs = builder(request)
     if inputs is None:
         raise ModelPatchError(f"example_inputs cannot build {main!r} for {cls.__name__}: pass inputs= explicitly")
     return {name: tensor.to(device) for name, tensor in inputs.items()}

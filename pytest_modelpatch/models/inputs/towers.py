@@ -1,0 +1,79 @@
+"""Standalone vision towers of VLMs: packed patches with grid metadata, patch sequences.
+
+A VLM's tower run on its own takes what its processor emits, not an image batch:
+Qwen-VL-style towers take every image's patches flattened into one ``(patches, C*t*p*p)``
+tensor with a ``grid_thw`` row per image; NaFlex/NaViT towers (SigLIP 2, Gemma 4) take
+``(batch, patches, C*p*p)`` with the patch positions or grid sizes beside. Each image
+here is a ``GRID_SIDE x GRID_SIDE`` patch grid, so every spatial merge (1, 2 or 4) tiles it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from pytest_modelpatch.models.inputs.request import InputRequest
+
+GRID_SIDE = 4  # patches per side of each example image: divisible by every merge size seen
+GRID_NAMES = ("grid_thw", "image_grid_thw")
+PACKED_NAMES = ("hidden_states", "pixel_values")
+# How a tower wants its packed patches, where not the Qwen-VL ``(patches, C*t*p*p)`` rows.
+PACKED_LAYOUTS: dict[str, str] = {
+    "kimi_k25_vision": "patch_images",  # a Conv2d over each patch: (patches, C, p, p)
+    # one merged token per row, channels last: (tokens, p*m, p*m, C); its grid counts tokens
+    "inkling2_vision": "token_pixels",
+}
+
+
+def grid_tower_inputs(request: InputRequest) -> dict[str, torch.Tensor] | None:
+    """Qwen-VL-style tower: one image per batch row, its patches packed, ``grid_thw`` beside."""
+    grid_name = next((n for n in GRID_NAMES if request.requires(n)), None)
+    packed = next((n for n in PACKED_NAMES if request.requires(n)), None)
+    if grid_name is None or packed is None or request.takes("input_ids"):
+        return None
+    config = request.config
+    side = GRID_SIDE // _merge(config) if PACKED_LAYOUTS.get(config.model_type) == "token_pixels" else GRID_SIDE
+    grid = torch.tensor([[1, side, side]] * request.batch_size)
+    patches = request.batch_size * GRID_SIDE * GRID_SIDE
+    inputs = {packed: _packed_patches(request, patches), grid_name: grid}
+    if request.requires("merge_sizes"):  # VideoLLaMA 3: a spatial merge per image
+        inputs["merge_sizes"] = torch.full((request.batch_size,), _merge(config), dtype=torch.long)
+    return inputs
+
+
+def _packed_patches(request: InputRequest, patches: int) -> torch.Tensor:
+    config = request.config
+    channels, patch = _channels(config), _patch(config)
+    layout = PACKED_LAYOUTS.get(config.model_type, "patch_rows")
+    if layout == "patch_images":
+        return request.randn(patches, channels, patch, patch)
+    if layout == "token_pixels":
+        merge = _merge(config)
+        return request.randn(patches // merge**2, patch * merge, patch * merge, channels)
+    return request.randn(patches, channels * _temporal_patch(config) * patch * patch)
+
+
+def _patch(config: PretrainedConfig) -> int:
+    return int(getattr(config, "patch_size", 14))
+
+
+def _channels(config: PretrainedConfig) -> int:
+    return int(getattr(config, "in_channels", None) or getattr(config, "num_channels", None) or 3)
+
+
+def _temporal_patch(config: PretrainedConfig) -> int:
+    for key in ("temporal_patch_size", "patch_temporal"):  # MUSE Spark: patch_temporal
+        value: Any = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return 1
+
+
+def _merge(config: PretrainedConfig) -> int:
+    for key in ("spatial_merge_size", "merge_size"):
+        value: Any = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return 1
