@@ -14,8 +14,21 @@ from typing import Any
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
 
-CONFIG_RULES: dict[str, ConfigRule] = {}
 
+def _tvp(level: dict[str, Any]) -> None:
+    # Frames of the generic tiny size (32) leave TVP's 32x-downsampling ResNet a 1x1 map,
+    # which its grid encoder then max-pools by 2 to nothing. Its default ResNet-50 stages
+    # (256..2048 channels) alone are 15M parameters; the grid encoder reads the last one.
+    level["max_img_size"] = 64
+    backbone = level.get("backbone_config")
+    if isinstance(backbone, dict):
+        backbone["hidden_sizes"] = [32, 64, 96, 128]
+        backbone["embedding_size"] = 32
+
+
+CONFIG_RULES: dict[str, ConfigRule] = {
+    "tvp": _tvp,  # frames too small for its ResNet + pooling, and a ResNet-50 backbone
+}
 
 def apply_config_rule(model_type: Any, level: dict[str, Any]) -> None:
     """Apply the rule for ``model_type`` (if any) to one shrunk config level, in place."""

@@ -84,6 +84,40 @@ FIXED_SIZES: dict[str, int] = {
     "hidden_size_per_layer_input": 16,  # Gemma 3n/4 per-layer embeddings
     "num_queries": 8,  # DETR-style object queries: RT-DETR picks them among the few anchors of a tiny image
 }
+# Video models and the small heads beside a tower (VideoMAE's decoder, V-JEPA 2's
+# predictor, X-CLIP's cross-frame transformer, VideoPrism's factorized encoder): named
+# sizes the generic keys miss.
+TINY_FRAMES = 4  # a multiple of every temporal tubelet (2), so frames still group
+FRAME_KEYS = ("num_frames", "frames_per_clip", "frame_num")
+TOWER_SIZE_KEYS: dict[str, int] = {
+    "crop_size": TINY_IMAGE,  # V-JEPA 2's image size
+    "max_img_size": TINY_IMAGE,  # TVP: its frame padding (visual_prompt_size) must fit twice
+    "visual_prompt_size": TINY_IMAGE // 8,
+    "decoder_num_hidden_layers": TINY_LAYERS, "pred_num_hidden_layers": TINY_LAYERS,
+    "mit_num_hidden_layers": TINY_LAYERS, "num_spatial_layers": TINY_LAYERS,
+    "num_temporal_layers": TINY_LAYERS, "num_auxiliary_layers": TINY_LAYERS, "num_pooler_layers": TINY_LAYERS,
+    "pred_hidden_size": TINY_WIDTH, "mit_hidden_size": TINY_WIDTH, "pooler_output_size": TINY_WIDTH,
+    "decoder_intermediate_size": TINY_INTERMEDIATE, "mit_intermediate_size": TINY_INTERMEDIATE,
+    "pred_num_attention_heads": TINY_HEADS, "mit_num_attention_heads": TINY_HEADS,
+}
+
+
+def _shrink_video_sizes(out: dict[str, Any]) -> None:
+    """Frames, tubelets and the heads beside a vision tower, kept consistent with the tiny image."""
+    for key, tiny in TOWER_SIZE_KEYS.items():
+        if _is_int(out.get(key)) and out[key] > tiny:
+            out[key] = tiny
+    tubelet = out.get("tubelet_size")
+    if isinstance(tubelet, list) and len(tubelet) == 3 and all(map(_is_int, tubelet)):
+        # (time, height, width): the spatial part is a patch of the tiny image
+        out["tubelet_size"] = [min(tubelet[0], 2), *(min(v, TINY_PATCH) for v in tubelet[1:])]
+    temporal = out["tubelet_size"][0] if isinstance(out.get("tubelet_size"), list) else out.get("tubelet_size")
+    for key in FRAME_KEYS:
+        if _is_int(out.get(key)) and out[key] > TINY_FRAMES:
+            step = temporal if _is_int(temporal) and temporal > 0 else 1
+            out[key] = max(step, TINY_FRAMES // step * step)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -117,6 +151,7 @@ def _shrink_level(
             out[key] = _shrink_int(key, value)
         elif isinstance(value, (list, tuple)) and value and all(map(_is_int, value)):
             out[key] = _shrink_int_list(key, list(value))  # Swin V2 defaults are tuples
+    _shrink_video_sizes(out)
     _shrink_layers(level, out)
     if any(_is_int(out.get(k)) for k in EXPERT_KEYS):
         # some defaults leave top-k unset (DeepSeek-V2) and the router then crashes
