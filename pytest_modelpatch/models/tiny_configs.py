@@ -99,6 +99,8 @@ TOWER_SIZE_KEYS: dict[str, int] = {
     "pred_hidden_size": TINY_WIDTH, "mit_hidden_size": TINY_WIDTH, "pooler_output_size": TINY_WIDTH,
     "decoder_intermediate_size": TINY_INTERMEDIATE, "mit_intermediate_size": TINY_INTERMEDIATE,
     "pred_num_attention_heads": TINY_HEADS, "mit_num_attention_heads": TINY_HEADS,
+    # NaFlex towers: a learned table of patch positions, resized to each image's grid
+    "num_patches": (TINY_IMAGE // TINY_PATCH) ** 2, "position_embedding_size": TINY_POSITIONS,
 }
 
 
@@ -263,6 +265,8 @@ def _shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
             out[key] = min(value, n)
         elif _is_int(value) and str(key).endswith("_layer_offset"):
             out[key] = min(value, n - 1)
+        elif _is_int(value) and str(key).endswith(("_layer_id", "_layer_idx")) and 0 <= value < old:
+            out[key] = value * n // old  # MiniCPM-V's merger insert point: still inside the stack
     for key, value in before.items():
         # lists of layer indices (mlp_only_layers, global_attn_indexes, ...): scale into range
         if str(key).endswith(("_layers", "_indexes")) and isinstance(value, list) and key not in per_layer:

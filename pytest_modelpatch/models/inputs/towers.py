@@ -15,6 +15,7 @@ import torch
 from transformers import PretrainedConfig
 
 from pytest_modelpatch.models.inputs.request import InputRequest
+from pytest_modelpatch.models.inputs.text import text_request_inputs
 
 GRID_SIDE = 4  # patches per side of each example image: divisible by every merge size seen
 GRID_NAMES = ("grid_thw", "image_grid_thw")
@@ -77,3 +78,50 @@ def _merge(config: PretrainedConfig) -> int:
         if isinstance(value, int):
             return value
     return 1
+
+
+def patch_sequence_inputs(request: InputRequest) -> dict[str, torch.Tensor] | None:
+    """NaFlex/NaViT towers: patch rows with their positions or grid sizes beside.
+
+    SigLIP 2 (``spatial_shapes``, ``pixel_attention_mask``): the second image is half as
+    tall and padded, so the mask and the position resize are exercised. Gemma 4
+    (``pixel_position_ids``): a grid two pooling kernels wide. MiniCPM-V
+    (``target_sizes``): all images' patches in one strip, as its packer lays them out.
+    """
+    config = request.config
+    vision = getattr(config, "vision_config", None) or config
+    if request.requires("spatial_shapes") or (request.takes("spatial_shapes") and request.takes("input_ids")):
+        inputs = _naflex(request, vision)
+    elif request.requires("pixel_position_ids"):
+        inputs = _positioned_patches(request, vision)
+    elif request.takes("target_sizes") and not request.takes("input_ids"):
+        inputs = _navit_strip(request, vision)
+    else:
+        return None
+    if request.takes("input_ids"):
+        inputs.update(text_request_inputs(request))
+    return inputs
+
+
+def _naflex(request: InputRequest, vision: PretrainedConfig) -> dict[str, torch.Tensor]:
+    batch, side = request.batch_size, GRID_SIDE
+    shapes = torch.tensor([[side, side] if row % 2 == 0 else [side // 2, side] for row in range(batch)])
+    lengths = shapes.prod(-1)
+    mask = (torch.arange(side * side)[None, :] < lengths[:, None]).long()
+    pixels = request.randn(batch, side * side, _channels(vision) * _patch(vision) ** 2) * mask[..., None]
+    return {"pixel_values": pixels, "pixel_attention_mask": mask, "spatial_shapes": shapes}
+
+
+def _positioned_patches(request: InputRequest, vision: PretrainedConfig) -> dict[str, torch.Tensor]:
+    side = 2 * int(getattr(vision, "pooling_kernel_size", None) or 1) or GRID_SIDE
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    positions = torch.stack([cols.flatten(), rows.flatten()], dim=-1)  # (x, y) per patch
+    # Gemma 4 patches are pixels in [0, 1] (it rescales them itself), always 3 channels
+    pixels = torch.rand(request.batch_size, side * side, 3 * _patch(vision) ** 2, generator=request.generator)
+    return {"pixel_values": pixels, "pixel_position_ids": positions.expand(request.batch_size, -1, -1).clone()}
+
+
+def _navit_strip(request: InputRequest, vision: PretrainedConfig) -> dict[str, torch.Tensor]:
+    patch, patches = _patch(vision), GRID_SIDE * GRID_SIDE
+    strip = request.randn(1, _channels(vision), patch, request.batch_size * patches * patch)
+    return {"pixel_values": strip, "target_sizes": torch.tensor([[GRID_SIDE, GRID_SIDE]] * request.batch_size)}
