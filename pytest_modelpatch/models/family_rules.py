@@ -26,8 +26,19 @@ def _tvp(level: dict[str, Any]) -> None:
         backbone["embedding_size"] = 32
 
 
+def _bros(level: dict[str, Any]) -> None:
+    # BrosConfig.__post_init__ derives its box-embedding sizes from hidden_size and the
+    # heads, but to_dict() saves the full model's values and from_dict() lets them win.
+    for key in ("dim_bbox_sinusoid_emb_2d", "dim_bbox_sinusoid_emb_1d", "dim_bbox_projection"):
+        level.pop(key, None)
+
+
 CONFIG_RULES: dict[str, ConfigRule] = {
-    "tvp": _tvp,  # frames too small for its ResNet + pooling, and a ResNet-50 backbone
+    "tvp": _tvp,
+    "bros": _bros,
+    # LiLT concatenates six layout embeddings of hidden_size // 6 back into hidden_size:
+    # the width must divide by 6 (and by 4 heads and the channel_shrink_ratio of 4).
+    "lilt": {"hidden_size": 48},  # frames too small for its ResNet + pooling, and a ResNet-50 backbone
 }
 
 def apply_config_rule(model_type: Any, level: dict[str, Any]) -> None:

@@ -120,6 +120,17 @@ def _shrink_video_sizes(out: dict[str, Any]) -> None:
             out[key] = max(step, TINY_FRAMES // step * step)
 
 
+def _fit_layout_embeddings(out: dict[str, Any]) -> None:
+    """LayoutLMv3 concatenates four corner and two size embeddings into the hidden size:
+    ``4 * coordinate_size + 2 * shape_size == hidden_size``; its page is the tiny image."""
+    width = out.get("hidden_size")
+    if _is_int(out.get("coordinate_size")) and _is_int(out.get("shape_size")) and _is_int(width):
+        out["coordinate_size"] = coordinate = width // 6
+        out["shape_size"] = (width - 4 * coordinate) // 2
+    if _is_int(out.get("input_size")) and _is_int(out.get("patch_size")):
+        out["input_size"] = min(out["input_size"], TINY_IMAGE)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -154,6 +165,7 @@ def _shrink_level(
         elif isinstance(value, (list, tuple)) and value and all(map(_is_int, value)):
             out[key] = _shrink_int_list(key, list(value))  # Swin V2 defaults are tuples
     _shrink_video_sizes(out)
+    _fit_layout_embeddings(out)
     _shrink_layers(level, out)
     if any(_is_int(out.get(k)) for k in EXPERT_KEYS):
         # some defaults leave top-k unset (DeepSeek-V2) and the router then crashes

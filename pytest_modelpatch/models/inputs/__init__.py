@@ -18,6 +18,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.models.families import model_class_for
 from pytest_modelpatch.models.inputs.audio import mel_features, waveform
+from pytest_modelpatch.models.inputs.layout import layout_inputs
 from pytest_modelpatch.models.inputs.request import InputRequest, forward_parameters, required
 from pytest_modelpatch.models.inputs.towers import grid_tower_inputs, patch_sequence_inputs
 from pytest_modelpatch.models.inputs.video import video_inputs
@@ -57,7 +58,9 @@ def token_model_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
 
 # Inputs whose shape the forward's own parameters name (grid metadata, videos, layout
 # boxes), tried in order before the main input's builder; each returns None if not its kind.
-SIGNATURE_BUILDERS: tuple[Builder, ...] = (grid_tower_inputs, patch_sequence_inputs, video_inputs)
+SIGNATURE_BUILDERS: tuple[Builder, ...] = (
+    grid_tower_inputs, patch_sequence_inputs, video_inputs, layout_inputs,
+)
 
 # main input name -> builder
 MAIN_INPUT_BUILDERS: dict[str, Builder] = {
