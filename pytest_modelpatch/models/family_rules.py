@@ -33,9 +33,24 @@ def _bros(level: dict[str, Any]) -> None:
         level.pop(key, None)
 
 
+def _align(level: dict[str, Any]) -> None:
+    # ALIGN compares text embeddings projected to projection_dim with the EfficientNet's
+    # pooled channels, round_filters(out_channels[-1]), unprojected: the two must agree.
+    # A narrower, shallower EfficientNet keeps the tower under the parameter budget.
+    vision = level.get("vision_config")
+    if not isinstance(vision, dict):
+        return
+    vision.update(width_coefficient=0.5, depth_coefficient=0.25)  # one block per stage
+    channels = vision["out_channels"][-1] * vision["width_coefficient"]
+    divisor = vision["depth_divisor"]
+    pooled = max(divisor, int(channels + divisor / 2) // divisor * divisor)
+    level["projection_dim"] = pooled + divisor if pooled < 0.9 * channels else pooled
+
+
 CONFIG_RULES: dict[str, ConfigRule] = {
     "tvp": _tvp,
     "bros": _bros,
+    "align": _align,
     # LiLT concatenates six layout embeddings of hidden_size // 6 back into hidden_size:
     # the width must divide by 6 (and by 4 heads and the channel_shrink_ratio of 4).
     "lilt": {"hidden_size": 48},  # frames too small for its ResNet + pooling, and a ResNet-50 backbone

@@ -28,6 +28,7 @@ from pytest_modelpatch.models.inputs.vision import (
     is_contrastive,
     pixel_inputs,
     pixel_values,
+    single_stream_inputs,
     takes_image_grid,
 )
 
@@ -59,7 +60,7 @@ def token_model_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
 # Inputs whose shape the forward's own parameters name (grid metadata, videos, layout
 # boxes), tried in order before the main input's builder; each returns None if not its kind.
 SIGNATURE_BUILDERS: tuple[Builder, ...] = (
-    grid_tower_inputs, patch_sequence_inputs, video_inputs, layout_inputs,
+    grid_tower_inputs, patch_sequence_inputs, video_inputs, layout_inputs, single_stream_inputs,
 )
 
 # main input name -> builder
