@@ -101,6 +101,8 @@ TOWER_SIZE_KEYS: dict[str, int] = {
     "pred_num_attention_heads": TINY_HEADS, "mit_num_attention_heads": TINY_HEADS,
     # NaFlex towers: a learned table of patch positions, resized to each image's grid
     "num_patches": (TINY_IMAGE // TINY_PATCH) ** 2, "position_embedding_size": TINY_POSITIONS,
+    # MGP-STR's subword heads predict over GPT-2's and BERT's vocabularies
+    "num_bpe_labels": TINY_VOCAB, "num_wordpiece_labels": TINY_VOCAB,
 }
 
 
@@ -178,6 +180,7 @@ def _shrink_level(
     out.update(plain)
     _derive_head_sizes(level, out, set(plain), implicit_rope.get(str(level.get("model_type", "")), {}))
     _fit_windows(out, set(plain))
+    _fit_stage_widths(out, set(plain))
     return out
 
 
@@ -191,6 +194,18 @@ def _fit_windows(out: dict[str, Any], fixed: set[str]) -> None:
         out["window_size"] = window = min(window, 2)
     if "patch_size" not in fixed:
         out["patch_size"] = max(1, min(out["patch_size"], image // (window * 2 ** (len(depths) - 1))))
+
+
+def _fit_stage_widths(out: dict[str, Any], fixed: set[str]) -> None:
+    """Swin-style stages double the width each time: start narrow enough that the last
+    stage is no wider than twice the tiny width, and say so in ``hidden_size`` (the last
+    stage's width, which encoder-decoders read)."""
+    depths, embed = out.get("depths"), out.get("embed_dim")
+    if not (isinstance(depths, list) and len(depths) >= 3 and _is_int(embed)) or "embed_dim" in fixed:
+        return
+    out["embed_dim"] = embed = min(embed, max(2 * TINY_HEADS, TINY_WIDTH // 2 ** (len(depths) - 2)))
+    if _is_int(out.get("hidden_size")) and "hidden_size" not in fixed:
+        out["hidden_size"] = embed * 2 ** (len(depths) - 1)
 
 
 def _shrink_int_list(key: str, values: list[int]) -> list[int]:
