@@ -11,27 +11,26 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_modelpatch.models.family_rules import apply_config_rule
+from pytest_modelpatch.models.tiny_sizes import (  # noqa: F401  (re-exported: tests and callers read them here)
+    TINY_WIDTH,
+    TINY_HEADS,
+    TINY_LAYERS,
+    TINY_INTERMEDIATE,
+    TINY_MOE_INTERMEDIATE,
+    TINY_VOCAB,
+    TINY_POSITIONS,
+    TINY_EXPERTS,
+    TINY_TOP_K,
+    TINY_SLIDING_WINDOW,
+    TINY_IMAGE,
+    TINY_PATCH,
+    TINY_LORA_RANK,
+)
+from pytest_modelpatch.models.tiny_vision import fit_layout_embeddings, fit_stage_widths, shrink_vision_sizes
 
 # ---------------------------------------------------------------------------
 # tiny configs
 # ---------------------------------------------------------------------------
-
-# Every size below is shared by all sub-configs, so cross-config equalities that
-# families rely on (a vision tower's ``out_hidden_size`` == the text ``hidden_size``,
-# a projector's ``projection_dim``) still hold after shrinking.
-TINY_WIDTH = 64
-TINY_HEADS = 4
-TINY_LAYERS = 2
-TINY_INTERMEDIATE = 128
-TINY_MOE_INTERMEDIATE = 64
-TINY_VOCAB = 256
-TINY_POSITIONS = 128
-TINY_EXPERTS = 4
-TINY_TOP_K = 2
-TINY_SLIDING_WINDOW = 4  # shorter than example inputs, so the sliding mask is exercised
-TINY_IMAGE = 32
-TINY_PATCH = 8
-TINY_LORA_RANK = 32
 
 LAYER_KEYS = (
     "num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
@@ -84,55 +83,6 @@ FIXED_SIZES: dict[str, int] = {
     "hidden_size_per_layer_input": 16,  # Gemma 3n/4 per-layer embeddings
     "num_queries": 8,  # DETR-style object queries: RT-DETR picks them among the few anchors of a tiny image
 }
-# Video models and the small heads beside a tower (VideoMAE's decoder, V-JEPA 2's
-# predictor, X-CLIP's cross-frame transformer, VideoPrism's factorized encoder): named
-# sizes the generic keys miss.
-TINY_FRAMES = 4  # a multiple of every temporal tubelet (2), so frames still group
-FRAME_KEYS = ("num_frames", "frames_per_clip", "frame_num")
-TOWER_SIZE_KEYS: dict[str, int] = {
-    "crop_size": TINY_IMAGE,  # V-JEPA 2's image size
-    "max_img_size": TINY_IMAGE,  # TVP: its frame padding (visual_prompt_size) must fit twice
-    "visual_prompt_size": TINY_IMAGE // 8,
-    "decoder_num_hidden_layers": TINY_LAYERS, "pred_num_hidden_layers": TINY_LAYERS,
-    "mit_num_hidden_layers": TINY_LAYERS, "num_spatial_layers": TINY_LAYERS,
-    "num_temporal_layers": TINY_LAYERS, "num_auxiliary_layers": TINY_LAYERS, "num_pooler_layers": TINY_LAYERS,
-    "pred_hidden_size": TINY_WIDTH, "mit_hidden_size": TINY_WIDTH, "pooler_output_size": TINY_WIDTH,
-    "decoder_intermediate_size": TINY_INTERMEDIATE, "mit_intermediate_size": TINY_INTERMEDIATE,
-    "pred_num_attention_heads": TINY_HEADS, "mit_num_attention_heads": TINY_HEADS,
-    # NaFlex towers: a learned table of patch positions, resized to each image's grid
-    "num_patches": (TINY_IMAGE // TINY_PATCH) ** 2, "position_embedding_size": TINY_POSITIONS,
-    # MGP-STR's subword heads predict over GPT-2's and BERT's vocabularies
-    "num_bpe_labels": TINY_VOCAB, "num_wordpiece_labels": TINY_VOCAB,
-}
-
-
-def _shrink_video_sizes(out: dict[str, Any]) -> None:
-    """Frames, tubelets and the heads beside a vision tower, kept consistent with the tiny image."""
-    for key, tiny in TOWER_SIZE_KEYS.items():
-        if _is_int(out.get(key)) and out[key] > tiny:
-            out[key] = tiny
-    tubelet = out.get("tubelet_size")
-    if isinstance(tubelet, list) and len(tubelet) == 3 and all(map(_is_int, tubelet)):
-        # (time, height, width): the spatial part is a patch of the tiny image
-        out["tubelet_size"] = [min(tubelet[0], 2), *(min(v, TINY_PATCH) for v in tubelet[1:])]
-    temporal = out["tubelet_size"][0] if isinstance(out.get("tubelet_size"), list) else out.get("tubelet_size")
-    for key in FRAME_KEYS:
-        if _is_int(out.get(key)) and out[key] > TINY_FRAMES:
-            step = temporal if _is_int(temporal) and temporal > 0 else 1
-            out[key] = max(step, TINY_FRAMES // step * step)
-
-
-def _fit_layout_embeddings(out: dict[str, Any]) -> None:
-    """LayoutLMv3 concatenates four corner and two size embeddings into the hidden size:
-    ``4 * coordinate_size + 2 * shape_size == hidden_size``; its page is the tiny image."""
-    width = out.get("hidden_size")
-    if _is_int(out.get("coordinate_size")) and _is_int(out.get("shape_size")) and _is_int(width):
-        out["coordinate_size"] = coordinate = width // 6
-        out["shape_size"] = (width - 4 * coordinate) // 2
-    if _is_int(out.get("input_size")) and _is_int(out.get("patch_size")):
-        out["input_size"] = min(out["input_size"], TINY_IMAGE)
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -166,8 +116,8 @@ def _shrink_level(
             out[key] = _shrink_int(key, value)
         elif isinstance(value, (list, tuple)) and value and all(map(_is_int, value)):
             out[key] = _shrink_int_list(key, list(value))  # Swin V2 defaults are tuples
-    _shrink_video_sizes(out)
-    _fit_layout_embeddings(out)
+    shrink_vision_sizes(out)
+    fit_layout_embeddings(out)
     _shrink_layers(level, out)
     if any(_is_int(out.get(k)) for k in EXPERT_KEYS):
         # some defaults leave top-k unset (DeepSeek-V2) and the router then crashes
@@ -180,7 +130,7 @@ def _shrink_level(
     out.update(plain)
     _derive_head_sizes(level, out, set(plain), implicit_rope.get(str(level.get("model_type", "")), {}))
     _fit_windows(out, set(plain))
-    _fit_stage_widths(out, set(plain))
+    fit_stage_widths(out, set(plain))
     return out
 
 
@@ -194,18 +144,6 @@ def _fit_windows(out: dict[str, Any], fixed: set[str]) -> None:
         out["window_size"] = window = min(window, 2)
     if "patch_size" not in fixed:
         out["patch_size"] = max(1, min(out["patch_size"], image // (window * 2 ** (len(depths) - 1))))
-
-
-def _fit_stage_widths(out: dict[str, Any], fixed: set[str]) -> None:
-    """Swin-style stages double the width each time: start narrow enough that the last
-    stage is no wider than twice the tiny width, and say so in ``hidden_size`` (the last
-    stage's width, which encoder-decoders read)."""
-    depths, embed = out.get("depths"), out.get("embed_dim")
-    if not (isinstance(depths, list) and len(depths) >= 3 and _is_int(embed)) or "embed_dim" in fixed:
-        return
-    out["embed_dim"] = embed = min(embed, max(2 * TINY_HEADS, TINY_WIDTH // 2 ** (len(depths) - 2)))
-    if _is_int(out.get("hidden_size")) and "hidden_size" not in fixed:
-        out["hidden_size"] = embed * 2 ** (len(depths) - 1)
 
 
 def _shrink_int_list(key: str, values: list[int]) -> list[int]:

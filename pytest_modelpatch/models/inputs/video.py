@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from pytest_modelpatch.models.inputs.request import InputRequest
 from pytest_modelpatch.models.inputs.text import text_companions, text_request_inputs
-from pytest_modelpatch.models.tiny_configs import FRAME_KEYS
+from pytest_modelpatch.models.tiny_vision import FRAME_KEYS
 
 VIDEO_NAMES = ("pixel_values_videos", "pixel_values")
 # TVP (transformers 5.23) views its column position embeddings as (batch, 1, width, dim):
