@@ -64,7 +64,9 @@ def fit_stage_widths(out: dict[str, Any], fixed: set[str]) -> None:
     stage is no wider than twice the tiny width, and say so in ``hidden_size`` (the last
     stage's width, which encoder-decoders read)."""
     depths, embed = out.get("depths"), out.get("embed_dim")
-    if not (isinstance(depths, list) and len(depths) >= 3 and _is_int(embed)) or "embed_dim" in fixed:
+    # hierarchical backbones have three or four stages, each halving the grid; Swin2SR's
+    # six residual groups keep one width and are left alone
+    if not (isinstance(depths, list) and 3 <= len(depths) <= 4 and _is_int(embed)) or "embed_dim" in fixed:
         return
     out["embed_dim"] = embed = min(embed, max(2 * TINY_HEADS, TINY_WIDTH // 2 ** (len(depths) - 2)))
     if _is_int(out.get("hidden_size")) and "hidden_size" not in fixed:

@@ -145,3 +145,8 @@ def test_swin_stages_double_from_a_narrow_start_and_hidden_size_names_the_last(m
     assert all(config.embed_dim * 2**i % h == 0 for i, h in enumerate(config.num_heads))
     model = seeded_model(config)
     assert sum(p.numel() for p in model.parameters()) < PARAMETER_BUDGET
+
+
+def test_stages_that_keep_one_width_are_left_at_the_tiny_width() -> None:
+    config = tiny_config("swin2sr")  # its stages do not downsample, so they never double
+    assert config.embed_dim == TINY_WIDTH

@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 
 from pytest_modelpatch.models.inputs.request import InputRequest
 from pytest_modelpatch.models.inputs.text import text_request_inputs
+from pytest_modelpatch.models.inputs.vision import is_contrastive
 
 GRID_SIDE = 4  # patches per side of each example image: divisible by every merge size seen
 GRID_NAMES = ("grid_thw", "image_grid_thw")
@@ -90,7 +91,9 @@ def patch_sequence_inputs(request: InputRequest) -> dict[str, torch.Tensor] | No
     """
     config = request.config
     vision = getattr(config, "vision_config", None) or config
-    if request.requires("spatial_shapes") or (request.takes("spatial_shapes") and request.takes("input_ids")):
+    # a VLM built on a NaFlex tower (LFM2-VL) needs image placeholder tokens too: not here
+    contrastive = request.takes("spatial_shapes") and is_contrastive(config, request.params)
+    if request.requires("spatial_shapes") or contrastive:
         inputs = _naflex(request, vision)
     elif request.requires("pixel_position_ids"):
         inputs = _positioned_patches(request, vision)
