@@ -1,8 +1,10 @@
 """Deterministic example inputs for one forward of any tiny model, built from its config.
 
 ``example_inputs`` picks a builder by the model class's main input (``input_ids``,
-``pixel_values``, ``input_features``, ...). Builders live with their modality
-(``text.py``, ``vision.py``, ``audio.py``) and take an ``InputRequest``: the config, the
+``pixel_values``, ``input_features``, ...), after the builders for inputs the forward's
+own parameters name (``SIGNATURE_BUILDERS``: grid metadata, videos, layout boxes).
+Builders live with their modality (``text.py``, ``vision.py``, ``audio.py``,
+``towers.py``, ``video.py``, ``layout.py``) and take an ``InputRequest``: the config, the
 class, its forward's parameters, the sizes and a seeded generator. A builder returns
 ``None`` when the config is not of the shape it knows, and the caller is told to pass
 inputs itself.
@@ -92,6 +94,9 @@ def example_inputs(
     audio models; one 4x4-patch image per row, between vision start/end tokens, for
     Qwen-VL-style models (``pixel_values`` + ``image_grid_thw``), so a patch of the
     vision tower (e.g. ``fusion_config={"patch_embeddings": True}``) is exercised.
+    Vision towers run alone get what their processor emits (packed patches with
+    ``grid_thw``, NaFlex patch rows with ``spatial_shapes``); video models get
+    ``(batch, frames, C, H, W)`` clips; document models a valid ``bbox`` per token.
     Other models with image placeholder tokens get text-only inputs.
 
     Example: ``model(**example_inputs(model.config))``.
