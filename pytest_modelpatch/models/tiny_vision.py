@@ -27,6 +27,8 @@ TOWER_SIZE_KEYS: dict[str, int] = {
     "pred_num_attention_heads": TINY_HEADS, "mit_num_attention_heads": TINY_HEADS,
     # NaFlex towers: a learned table of patch positions, resized to each image's grid
     "num_patches": (TINY_IMAGE // TINY_PATCH) ** 2, "position_embedding_size": TINY_POSITIONS,
+    # HunYuan-VL: a learned (max_image_size / patch)**2 position grid, interpolated per image
+    "max_image_size": 2 * TINY_IMAGE,
     # MGP-STR's subword heads predict over GPT-2's and BERT's vocabularies
     "num_bpe_labels": TINY_VOCAB, "num_wordpiece_labels": TINY_VOCAB,
 }

@@ -150,3 +150,10 @@ def test_swin_stages_double_from_a_narrow_start_and_hidden_size_names_the_last(m
 def test_stages_that_keep_one_width_are_left_at_the_tiny_width() -> None:
     config = tiny_config("swin2sr")  # its stages do not downsample, so they never double
     assert config.embed_dim == TINY_WIDTH
+
+
+@pytest.mark.parametrize("model_type", ["hunyuan_vl_vision", "gemma4_vision"])
+def test_learned_position_grids_are_sized_for_the_tiny_image_not_the_full_one(model_type: str) -> None:
+    model = seeded_model(tiny_config(model_type))
+    positions = [p.numel() for name, p in model.named_parameters() if "position_embedding" in name]
+    assert positions and max(positions) <= 2 * 128 * TINY_WIDTH  # was 65k positions x 64 (HunYuan-VL), 2 x 10240 x 64 (Gemma 4)
