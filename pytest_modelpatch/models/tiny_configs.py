@@ -12,27 +12,26 @@ from typing import Any
 
 from pytest_modelpatch.models.family_rules import apply_config_rule
 from pytest_modelpatch.models.tiny_audio_configs import shrink_audio_level
+from pytest_modelpatch.models.tiny_sizes import (  # noqa: F401  (re-exported: tests and callers read them here)
+    TINY_WIDTH,
+    TINY_HEADS,
+    TINY_LAYERS,
+    TINY_INTERMEDIATE,
+    TINY_MOE_INTERMEDIATE,
+    TINY_VOCAB,
+    TINY_POSITIONS,
+    TINY_EXPERTS,
+    TINY_TOP_K,
+    TINY_SLIDING_WINDOW,
+    TINY_IMAGE,
+    TINY_PATCH,
+    TINY_LORA_RANK,
+)
+from pytest_modelpatch.models.tiny_vision import fit_layout_embeddings, fit_stage_widths, shrink_vision_sizes
 
 # ---------------------------------------------------------------------------
 # tiny configs
 # ---------------------------------------------------------------------------
-
-# Every size below is shared by all sub-configs, so cross-config equalities that
-# families rely on (a vision tower's ``out_hidden_size`` == the text ``hidden_size``,
-# a projector's ``projection_dim``) still hold after shrinking.
-TINY_WIDTH = 64
-TINY_HEADS = 4
-TINY_LAYERS = 2
-TINY_INTERMEDIATE = 128
-TINY_MOE_INTERMEDIATE = 64
-TINY_VOCAB = 256
-TINY_POSITIONS = 128
-TINY_EXPERTS = 4
-TINY_TOP_K = 2
-TINY_SLIDING_WINDOW = 4  # shorter than example inputs, so the sliding mask is exercised
-TINY_IMAGE = 32
-TINY_PATCH = 8
-TINY_LORA_RANK = 32
 
 LAYER_KEYS = (
     "num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
@@ -119,6 +118,8 @@ def _shrink_level(
             out[key] = _shrink_int(key, value)
         elif isinstance(value, (list, tuple)) and value and all(map(_is_int, value)):
             out[key] = _shrink_int_list(key, list(value))  # Swin V2 defaults are tuples
+    shrink_vision_sizes(out)
+    fit_layout_embeddings(out)
     _shrink_layers(level, out)
     _shrink_uncounted_layer_list(level, out)
     shrink_audio_level(level, out)
@@ -136,6 +137,7 @@ def _shrink_level(
     _follow_channels(level, out, set(plain))
     _derive_head_sizes(level, out, set(plain), implicit_rope.get(str(level.get("model_type", "")), {}))
     _fit_windows(out, set(plain))
+    fit_stage_widths(out, set(plain))
     return out
 
 
@@ -328,6 +330,8 @@ def _shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
             out[key] = min(value, n)
         elif _is_int(value) and str(key).endswith("_layer_offset"):
             out[key] = min(value, n - 1)
+        elif _is_int(value) and str(key).endswith(("_layer_id", "_layer_idx")) and 0 <= value < old:
+            out[key] = value * n // old  # MiniCPM-V's merger insert point: still inside the stack
     for key, value in before.items():
         # lists of layer indices (mlp_only_layers, global_attn_indexes, ...): scale into range
         if str(key).endswith(("_layers", "_indexes")) and isinstance(value, list) and key not in per_layer:

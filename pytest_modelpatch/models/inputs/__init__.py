@@ -1,8 +1,10 @@
 """Deterministic example inputs for one forward of any tiny model, built from its config.
 
 ``example_inputs`` picks a builder by the model class's main input (``input_ids``,
-``pixel_values``, ``input_features``, ...). Builders live with their modality
-(``text.py``, ``vision.py``, ``audio.py``) and take an ``InputRequest``: the config, the
+``pixel_values``, ``input_features``, ...), after the builders for inputs the forward's
+own parameters name (``SIGNATURE_BUILDERS``: grid metadata, videos, layout boxes).
+Builders live with their modality (``text.py``, ``vision.py``, ``audio.py``,
+``towers.py``, ``video.py``, ``layout.py``) and take an ``InputRequest``: the config, the
 class, its forward's parameters, the sizes and a seeded generator. A builder returns
 ``None`` when the config is not of the shape it knows, and the caller is told to pass
 inputs itself.
@@ -19,8 +21,11 @@ from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.models.families import model_class_for
 from pytest_modelpatch.models.inputs.audio import mel_features, waveform
 from pytest_modelpatch.models.inputs.audio_families import FAMILY_INPUT_BUILDERS
+from pytest_modelpatch.models.inputs.layout import layout_inputs
 from pytest_modelpatch.models.inputs.request import InputRequest, forward_parameters, required
 from pytest_modelpatch.models.inputs.series import series_inputs
+from pytest_modelpatch.models.inputs.towers import grid_tower_inputs, patch_sequence_inputs
+from pytest_modelpatch.models.inputs.video import video_inputs
 from pytest_modelpatch.models.inputs.text import ordinary_token_ids, text_companions, text_inputs, text_request_inputs
 from pytest_modelpatch.models.inputs.trajectories import trajectory_inputs
 from pytest_modelpatch.models.inputs.vision import (
@@ -28,6 +33,7 @@ from pytest_modelpatch.models.inputs.vision import (
     is_contrastive,
     pixel_inputs,
     pixel_values,
+    single_stream_inputs,
     takes_image_grid,
 )
 
@@ -60,6 +66,11 @@ def generic_token_inputs(request: InputRequest) -> dict[str, torch.Tensor] | Non
     """Perceiver's ``inputs`` is any preprocessed modality; its masked-LM head also takes ``input_ids``."""
     return text_request_inputs(request) if request.takes("input_ids") else None
 
+# Inputs whose shape the forward's own parameters name (grid metadata, videos, layout
+# boxes), tried in order before the main input's builder; each returns None if not its kind.
+SIGNATURE_BUILDERS: tuple[Builder, ...] = (
+    grid_tower_inputs, patch_sequence_inputs, video_inputs, layout_inputs, single_stream_inputs,
+)
 
 # main input name -> builder
 MAIN_INPUT_BUILDERS: dict[str, Builder] = {
@@ -94,6 +105,9 @@ def example_inputs(
     audio models; one 4x4-patch image per row, between vision start/end tokens, for
     Qwen-VL-style models (``pixel_values`` + ``image_grid_thw``), so a patch of the
     vision tower (e.g. ``fusion_config={"patch_embeddings": True}``) is exercised.
+    Vision towers run alone get what their processor emits (packed patches with
+    ``grid_thw``, NaFlex patch rows with ``spatial_shapes``); video models get
+    ``(batch, frames, C, H, W)`` clips; document models a valid ``bbox`` per token.
     Other models with image placeholder tokens get text-only inputs.
 
     Example: ``model(**example_inputs(model.config))``.
@@ -104,11 +118,19 @@ def example_inputs(
     main = getattr(cls, "main_input_name", "input_ids")
     if isinstance(main, (list, tuple)):
         main = main[0]  # OneFormer: ["pixel_values", "task_inputs"]
-    if main not in request.params and "input_ids" in request.params:
-        main = "input_ids"
-    # a family's own builder first (inputs no modality rule derives), then the main input's
-    builder = FAMILY_INPUT_BUILDERS.get(config.model_type) or MAIN_INPUT_BUILDERS.get(main)
-    inputs = builder(request) if builder is not None else None
+    if main not in request.params:
+        # a tower's main_input_name is often inherited ("input_ids"): trust its forward
+        takes = [n for n in ("input_ids", *MAIN_INPUT_BUILDERS) if n in request.params]
+        main = takes[0] if takes else main
+    # a family's own builder first (inputs no modality rule derives), then the shapes the
+    # forward's parameters name, then the main input's
+    family = FAMILY_INPUT_BUILDERS.get(config.model_type)
+    inputs = family(request) if family is not None else None
+    if inputs is None:
+        inputs = next((found for build in SIGNATURE_BUILDERS if (found := build(request)) is not None), None)
+    builder = MAIN_INPUT_BUILDERS.get(main)
+    if inputs is None and builder is not None:
+        inputs = builder(request)
     if inputs is None:
         raise ModelPatchError(f"example_inputs cannot build {main!r} for {cls.__name__}: pass inputs= explicitly")
     return {name: tensor.to(device) for name, tensor in inputs.items()}

@@ -8,7 +8,7 @@ import torch
 from transformers import PretrainedConfig
 
 from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_request_inputs
+from pytest_modelpatch.models.inputs.text import text_companions, text_request_inputs
 
 _GRID = (1, 4, 4)  # (frames, patch rows, patch columns) of the example image
 
@@ -110,3 +110,22 @@ def pixel_values(config: PretrainedConfig, batch_size: int, generator: torch.Gen
     height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
     channels = getattr(vision, "num_channels", 3)
     return torch.randn(batch_size, channels, height, width, generator=generator)
+
+
+def single_stream_inputs(request: InputRequest) -> dict[str, torch.Tensor] | None:
+    """ViLT-style: text and image patches in one transformer, sized by the model's own config.
+
+    No vision sub-config and no placeholder tokens, so neither the contrastive nor the
+    VLM path applies; without pixels the forward refuses to run.
+    """
+    config = request.config
+    single = (
+        request.takes("input_ids") and request.takes("pixel_values") and request.takes("pixel_mask")
+        and getattr(config, "vision_config", None) is None and isinstance(getattr(config, "image_size", None), int)
+    )
+    if not single:
+        return None
+    inputs = text_request_inputs(request)
+    inputs.update(text_companions(config, request.model_class, inputs["input_ids"]))
+    inputs["pixel_values"] = pixel_values(config, request.batch_size, request.generator)
+    return inputs
