@@ -9,6 +9,7 @@ smaller vocabulary. Sub-configs (text, vision, audio) are shrunk the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -23,6 +24,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_M
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.tiny_configs import shrink_config_dict
+from pytest_modelpatch.models.tiny_consistency import DERIVE_MARKERS
 
 
 def available_model_types() -> list[str]:
@@ -46,7 +48,8 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
         raise PatchUsageError(unknown_model_type_message(model_type))
     default = AutoConfig.for_model(model_type)
     tree = default.to_dict()
-    shrunk = shrink_config_dict(tree, overrides, {t: implicit_rope_defaults(t) for t in _model_types(tree)})
+    implicit = {t: implicit_rope_defaults(t) for t in _model_types(tree)}
+    shrunk = shrink_config_dict(tree, overrides, implicit, derived_defaults(default))
     try:
         return type(default).from_dict(shrunk)
     except Exception as exc:  # strict-dataclass validation errors are not ValueErrors
@@ -57,6 +60,29 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
             f"tiny_config({model_type!r}) with overrides {overrides} is not a valid {type(default).__name__}: "
             f"{' '.join(first[:2])}. Change the overrides so the sizes agree."
         ) from exc
+
+
+def derived_defaults(config: PretrainedConfig) -> dict[str, dict[str, Any]]:
+    """Per model type in ``config``'s tree: int fields declared ``None``/``"auto"`` that
+    ``__post_init__`` derived from other sizes (Bamba's ``mamba_d_head``), with that default."""
+    found: dict[str, dict[str, Any]] = {}
+    for level in _config_levels(config):
+        fields = dataclasses.fields(type(level)) if dataclasses.is_dataclass(level) else ()
+        keys = {
+            f.name: f.default for f in fields
+            if f.default in DERIVE_MARKERS and isinstance(getattr(level, f.name, None), int)
+            and not isinstance(getattr(level, f.name), bool)
+        }
+        found.setdefault(level.model_type, {}).update(keys)
+    return found
+
+
+def _config_levels(config: PretrainedConfig) -> list[PretrainedConfig]:
+    levels = [config]
+    for value in vars(config).values():
+        if isinstance(value, PretrainedConfig):
+            levels += _config_levels(value)
+    return levels
 
 
 # `self.mrope_section = config.rope_parameters.get("mrope_section", [16, 24, 24])`

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_modelpatch.models.family_rules import apply_config_rule
+from pytest_modelpatch.models.tiny_consistency import fit_feature_layers, rederive_defaults
 
 # ---------------------------------------------------------------------------
 # tiny configs
@@ -39,7 +40,7 @@ LAYER_KEYS = (
 )
 HEAD_KEYS = (
     "num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
-     "decoder_attention_heads", "decoder_num_attention_heads",
+     "decoder_attention_heads", "decoder_num_attention_heads", "mamba_n_heads",
 )
 KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
 WIDTH_KEYS = (
@@ -93,26 +94,35 @@ def _is_config_dict(key: Any, value: Any) -> bool:
 
 
 def shrink_config_dict(
-    config: dict[str, Any], overrides: dict[str, Any], implicit_rope: dict[str, dict[str, Any]] | None = None
+    config: dict[str, Any],
+    overrides: dict[str, Any],
+    implicit_rope: dict[str, dict[str, Any]] | None = None,
+    derived: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Shrink a ``to_dict()`` config tree; token ids are moved into the tiny vocabulary.
 
     ``implicit_rope``: per model type, rope settings the modeling code falls back to
     when the config lacks them (``rope_parameters.get("mrope_section", [16, 24, 24])``),
     sized for the full model; they are written into the config and shrunk with it.
+    ``derived``: per model type, keys the config class derives when given their declared
+    default (``None``/``"auto"``), with that default (``tiny_consistency.rederive_defaults``).
     """
-    shrunk = _shrink_level(config, overrides, implicit_rope or {})
+    shrunk = _shrink_level(config, overrides, implicit_rope or {}, derived or {})
+    fit_feature_layers(shrunk)
     return _remap_token_ids(shrunk, _large_token_ids(shrunk))
 
 
 def _shrink_level(
-    level: dict[str, Any], overrides: dict[str, Any], implicit_rope: dict[str, dict[str, Any]]
+    level: dict[str, Any],
+    overrides: dict[str, Any],
+    implicit_rope: dict[str, dict[str, Any]],
+    derived: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
     out = dict(level)
     for key, value in level.items():
         if _is_config_dict(key, value):
             sub = overrides.get(key)
-            out[key] = _shrink_level(value, sub if isinstance(sub, dict) else {}, implicit_rope)
+            out[key] = _shrink_level(value, sub if isinstance(sub, dict) else {}, implicit_rope, derived)
         elif _is_int(value):
             out[key] = _shrink_int(key, value)
         elif isinstance(value, (list, tuple)) and value and all(map(_is_int, value)):
@@ -126,6 +136,7 @@ def _shrink_level(
     apply_config_rule(level.get("model_type"), out)  # per-family rules: after the generic ones, before overrides
     plain = {k: v for k, v in overrides.items() if not (isinstance(v, dict) and _is_config_dict(k, out.get(k)))}
     _resize_per_layer_lists(out, plain)
+    rederive_defaults(level, out, derived.get(str(level.get("model_type", "")), {}), set(plain))
     out.update(plain)
     _derive_head_sizes(level, out, set(plain), implicit_rope.get(str(level.get("model_type", "")), {}))
     _fit_windows(out, set(plain))
@@ -267,14 +278,17 @@ def _resize_per_layer_lists(shrunk: dict[str, Any], overrides: dict[str, Any]) -
 def _layers_to_keep(per_layer: dict[str, list[Any]], old: int) -> list[int]:
     """Indices of the layers to keep: the first of each kind, then the earliest others."""
     keep: list[int] = []
-    for values in per_layer.values():
+    # layer_types decides first; other kind lists (Kimi's mlp_layer_types) add their kinds
+    ordered = sorted(per_layer, key=lambda k: k != "layer_types")
+    for position, key in enumerate(ordered):
+        if position and not str(key).endswith(("layer_types", "block_type", "block_types")):
+            continue
         seen: list[Any] = []
-        for index, value in enumerate(values):
+        for index, value in enumerate(per_layer[key]):
             if value not in seen and len(keep) < 4:
                 seen.append(value)
                 if index not in keep:
                     keep.append(index)
-        break  # the first per-layer list (layer_types) decides
     for index in range(old):
         if len(keep) >= TINY_LAYERS:
             break
