@@ -12,9 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pytest_modelpatch.models.family_rules_text import TEXT_CONFIG_RULES
+
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
 
-CONFIG_RULES: dict[str, ConfigRule] = {}
+# one table per modality, each in its own module
+CONFIG_RULES: dict[str, ConfigRule] = {**TEXT_CONFIG_RULES}
 
 
 def apply_config_rule(model_type: Any, level: dict[str, Any]) -> None:

@@ -1,0 +1,97 @@
+"""Config rules for text decoders, hybrid/recurrent decoders and composite models (see ``family_rules``).
+
+Each rule says why generic shrinking cannot derive it; most are defaults the config class
+leaves ``None`` that every released checkpoint sets, or hybrid schedules whose shrunk form
+must still hold each kind of layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_CODEBOOK = 32  # VQ image tokenizers: tiny codebooks keep the image tokens inside the tiny vocabulary
+_DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def _rope_per_layer_type(level: dict[str, Any]) -> None:
+    # Cohere Compass' default rope_parameters is {} though its rotary reads one entry per layer type.
+    kinds = set(level.get("layer_types") or ["full_attention"])
+    rope = level.get("rope_parameters") or {}
+    level["rope_parameters"] = {kind: dict(rope.get(kind) or _DEFAULT_ROPE) for kind in kinds}
+
+
+def _hunyuan_vl_mrope(level: dict[str, Any]) -> None:
+    # HunYuan-VL rotates with >= 3 multimodal axes summing to head_dim // 2; the default config has none.
+    half = max(4, int(level.get("head_dim") or 16) // 2)
+    level["rope_parameters"] = {**(level.get("rope_parameters") or _DEFAULT_ROPE), "mrope_section": [half // 4] * 4}
+
+
+def _dbrx_rope(level: dict[str, Any]) -> None:
+    # DbrxAttention reads attn_config.rope_theta, which the attention sub-config no longer declares (5.x).
+    if isinstance(level.get("attn_config"), dict):
+        level["attn_config"].setdefault("rope_theta", (level.get("rope_parameters") or _DEFAULT_ROPE)["rope_theta"])
+
+
+def _chameleon_vocabulary(level: dict[str, Any]) -> None:
+    # The VQ-image-token <-> BPE map ships with the checkpoint's tokenizer (config default None);
+    # build one over the tiny codebook, at the top of the tiny vocabulary.
+    vocab = int(level["vocab_size"])
+    image = level.get("image_token_id") or vocab - _CODEBOOK - 1
+    level["image_token_id"] = image
+    digits = {str(i): chr(ord("A") + i) for i in range(10)}
+    codes = {f"IMGIMG{''.join(digits[c] for c in str(i))}Z": vocab - _CODEBOOK + i for i in range(_CODEBOOK)}
+    level["vocabulary_map"] = {"<image>": image, **codes}
+
+
+def _emu3_vocabulary(level: dict[str, Any]) -> None:
+    # As Chameleon: Emu3's image-token map ships with the tokenizer; <|extra_200|> ends an image row.
+    vocab = int(level["text_config"]["vocab_size"])
+    image = level.get("image_token_id") or vocab - _CODEBOOK - 1
+    level["image_token_id"] = image
+    codes = {f"<|visual token{i:06d}|>": vocab - _CODEBOOK + i for i in range(_CODEBOOK)}
+    level["vocabulary_map"] = {"<image>": image, "<|extra_200|>": vocab - _CODEBOOK - 2, **codes}
+
+
+# A VQ-GAN image tokenizer at 32x32: two resolution levels, narrow channels, a tiny codebook.
+_TINY_VQGAN = {
+    "base_channels": 8, "channel_multiplier": [1, 2], "num_res_blocks": 1, "latent_channels": 8,
+    "resolution": 32, "attn_resolutions": [],
+}  # fmt: skip
+
+TEXT_CONFIG_RULES: dict[str, Any] = {
+    # Default is all-Mamba; real Bamba checkpoints interleave attention, and an all-Mamba cache
+    # cannot answer the mask's get_seq_length (5.23).
+    "bamba": {"attn_layer_indices": [1]},
+    # Same: the default schedule has no attention layer at all.
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "cohere_compass_text": _rope_per_layer_type,
+    "hunyuan_vl_text": _hunyuan_vl_mrope,
+    "dbrx": _dbrx_rope,
+    # Expert counts default to None (every checkpoint sets them).
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "diffusion_gemma_text": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 64},
+    # ESM's vocab_size defaults to None; ESM-2 has 33 tokens.
+    "esm": {"vocab_size": 33},
+    # Per-layer schedules that default to None: one layer of each kind.
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"]},
+    # "indexed_attention" layers need the QSA indexer, whose sizes default to None.
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+    },
+    # Sliding layers but no sliding_window in the default text config.
+    "step3p5": {"sliding_window": 4},  # tiny_configs.TINY_SLIDING_WINDOW
+    # T5Gemma2's MLP reads dropout_rate, which the text config does not declare.
+    "t5gemma2_text": {"dropout_rate": 0.0},
+    "chameleon": _chameleon_vocabulary,
+    "chameleon_vqgan": {**_TINY_VQGAN, "num_embeddings": _CODEBOOK},
+    "emu3": _emu3_vocabulary,
+    "emu3_vqgan": {**_TINY_VQGAN, "codebook_size": _CODEBOOK, "channel_multiplier": [1, 2], "attn_resolutions": []},
+    # Axial position embeddings: their dims must sum to hidden_size, the shape covers the positions;
+    # chunk lengths must divide the example sequence.
+    "reformer": {
+        "axial_pos_embds_dim": [16, 48], "axial_pos_shape": [8, 16], "local_attn_chunk_length": 4,
+        "lsh_attn_chunk_length": 4, "num_buckets": 2,
+    },
+}  # fmt: skip
