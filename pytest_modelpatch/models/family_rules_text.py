@@ -28,8 +28,10 @@ def _hunyuan_vl_mrope(level: dict[str, Any]) -> None:
 
 def _dbrx_rope(level: dict[str, Any]) -> None:
     # DbrxAttention reads attn_config.rope_theta, which the attention sub-config no longer declares (5.x).
+    # clip_qkv: the attention clamps with it unconditionally; DBRX checkpoints use 8.
     if isinstance(level.get("attn_config"), dict):
         level["attn_config"].setdefault("rope_theta", (level.get("rope_parameters") or _DEFAULT_ROPE)["rope_theta"])
+        level["attn_config"]["clip_qkv"] = level["attn_config"].get("clip_qkv") or 8.0
 
 
 def _chameleon_vocabulary(level: dict[str, Any]) -> None:
@@ -52,9 +54,18 @@ def _emu3_vocabulary(level: dict[str, Any]) -> None:
     level["vocabulary_map"] = {"<image>": image, "<|extra_200|>": vocab - _CODEBOOK - 2, **codes}
 
 
-# A VQ-GAN image tokenizer at 32x32: two resolution levels, narrow channels, a tiny codebook.
+def _zamba2_rederive(level: dict[str, Any]) -> None:
+    # __post_init__ derives these from hidden_size and the block schedule, then to_dict's
+    # full-size copies, passed back as kwargs, overwrite them: drop them so they are derived again.
+    for key in ("attention_hidden_size", "attention_head_dim", "mamba_headdim", "kv_channels", "num_query_groups",
+                "hybrid_layer_ids"):  # fmt: skip
+        level.pop(key, None)
+
+
+# A VQ-GAN image tokenizer at 32x32: two resolution levels, narrow channels (GroupNorm has 32
+# groups), a tiny codebook.
 _TINY_VQGAN = {
-    "base_channels": 8, "channel_multiplier": [1, 2], "num_res_blocks": 1, "latent_channels": 8,
+    "base_channels": 32, "channel_multiplier": [1, 2], "num_res_blocks": 1, "latent_channels": 8,
     "resolution": 32, "attn_resolutions": [],
 }  # fmt: skip
 
@@ -70,8 +81,8 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
     # Expert counts default to None (every checkpoint sets them).
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
     "diffusion_gemma_text": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 64},
-    # ESM's vocab_size defaults to None; ESM-2 has 33 tokens.
-    "esm": {"vocab_size": 33},
+    # ESM's vocab_size and pad id default to None; ESM-2 has 33 tokens, <pad> = 1, <mask> = 32.
+    "esm": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},
     # Per-layer schedules that default to None: one layer of each kind.
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"]},
@@ -84,6 +95,12 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
     "step3p5": {"sliding_window": 4},  # tiny_configs.TINY_SLIDING_WINDOW
     # T5Gemma2's MLP reads dropout_rate, which the text config does not declare.
     "t5gemma2_text": {"dropout_rate": 0.0},
+    # Zamba ties the shared transformer of the first hybrid layer to the others: it needs two.
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    "zamba2": _zamba2_rederive,
+    # qk_dim rounds hidden_size * qk_dim_factor up to a multiple of 64 for the cache but not for
+    # the layer; at hidden_size 64 only a factor of 1 keeps the two equal.
+    "xlstm": {"qk_dim_factor": 1.0},
     "chameleon": _chameleon_vocabulary,
     "chameleon_vqgan": {**_TINY_VQGAN, "num_embeddings": _CODEBOOK},
     "emu3": _emu3_vocabulary,

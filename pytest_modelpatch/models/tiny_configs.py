@@ -79,6 +79,7 @@ FIXED_SIZES: dict[str, int] = {
     "index_head_dim": 16,
     "index_n_heads": 2,
     "n_group": 1,
+    "num_expert_group": 1,  # Bailing's name for n_group
     "topk_group": 1,
     "n_groups": 1,  # Mamba2 state groups: must divide the (tiny) head count
     "emb_dim": TINY_WIDTH,  # XLM

@@ -16,15 +16,14 @@ DERIVE_MARKERS: tuple[Any, ...] = (None, "auto")
 
 
 def rederive_defaults(before: dict[str, Any], out: dict[str, Any], derived: dict[str, Any], fixed: set[str]) -> None:
-    """Reset values derived from full-size fields that shrinking left as they were.
+    """Reset sizes the config class derives itself, so it derives them from the shrunk sizes.
 
-    ``derived`` maps a key to its declared default (``None`` or ``"auto"``); a key that
-    shrinking already changed, or that the user overrode, is kept.
+    ``derived`` maps a key to its declared default (``None`` or ``"auto"``). Shrinking one of
+    them on its own would break the relation (Zamba's ``attention_hidden_size`` is twice
+    ``hidden_size``); a key the user overrode is kept.
     """
     for key, default in derived.items():
-        if key in fixed or key not in out:
-            continue
-        if out[key] == before.get(key) and _is_int(out[key]):
+        if key not in fixed and _is_int(out.get(key)) and _is_int(before.get(key)):
             out[key] = default
 
 
