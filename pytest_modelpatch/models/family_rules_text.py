@@ -101,6 +101,12 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
     # qk_dim rounds hidden_size * qk_dim_factor up to a multiple of 64 for the cache but not for
     # the layer; at hidden_size 64 only a factor of 1 keeps the two equal.
     "xlstm": {"qk_dim_factor": 1.0},
+    # The last num_kv_shared_layers layers reuse the cache of an earlier layer of their type:
+    # four layers, the last two sharing, keep one producer of each type.
+    "gemma3n_text": {
+        "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
+        "intermediate_size": [128] * 4, "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+    },
     "chameleon": _chameleon_vocabulary,
     "chameleon_vqgan": {**_TINY_VQGAN, "num_embeddings": _CODEBOOK},
     "emu3": _emu3_vocabulary,

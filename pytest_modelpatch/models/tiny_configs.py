@@ -48,17 +48,22 @@ WIDTH_KEYS = (
      "projection_dim", "out_hidden_size", "text_hidden_size", "encoder_hidden_size", "decoder_hidden_size",
      "output_hidden_size", "projector_hidden_size", "embedding_size", "vision_output_dim",
     "attention_hidden_size", "embedding_dim", "lru_width", "projection_size",
+    "adapter_in_dim", "adapter_out_dim", "adapter_input_size",  # projectors between towers (Dots3)
+    "projector_input_dim", "projector_output_dim", "image_token_embed_dim",
+    "entity_emb_size", "pronunciation_embed_dim", "shape_embed_dim",  # LUKE, RoCBert side embeddings
 )
 # distilbert's ``hidden_dim`` is its feed-forward size
 FFN_KEYS = (
     "intermediate_size", "ffn_dim", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "hidden_dim",
      "mlp_dim", "ffn_hidden_size", "intermediate_dim",
+    "d_inner", "intermediate_size_mlp", "projection_intermediate_size", "alignment_intermediate_size",
 )
 MOE_FFN_KEYS = (
     "moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
      "shared_intermediate_size", "moe_ffn_hidden_size",
+    "expert_ffn_hidden_size", "moe_hidden_size", "shared_experts_intermediate_size",
 )
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k", "moe_k")
 SHARED_EXPERT_KEYS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 POSITION_KEYS = (
@@ -164,6 +169,8 @@ def _shrink_int_list(key: str, values: list[int]) -> list[int]:
         return [TINY_HEADS] * len(values)  # every stage width (64 * 2**i) divides by it
     if key == "depths":
         return [min(v, TINY_LAYERS) for v in values]
+    if key in FFN_KEYS or key in MOE_FFN_KEYS:
+        return [_shrink_int(key, v) for v in values]  # per-layer feed-forward sizes (Gemma 3n)
     return values
 
 
@@ -184,7 +191,8 @@ def _shrink_int(key: str, value: int) -> int:
         return min(value, 1)
     if key in POSITION_KEYS:
         return min(value, TINY_POSITIONS)
-    if key in ("vocab_size", "n_words", "vocab_size_per_layer_input"):
+    # side vocabularies too: FSMT's src/tgt, LUKE's entities, RoCBert's shapes and pronunciations
+    if key in ("vocab_size", "n_words", "vocab_size_per_layer_input") or key.endswith("_vocab_size"):
         return min(value, TINY_VOCAB)
     if key in ("sliding_window", "attention_window_size") and value > 0:
         return min(value, TINY_SLIDING_WINDOW)
@@ -261,8 +269,19 @@ def _keep_layer_entries(per_layer: dict[str, Any], keep: list[int]) -> dict[str,
     kept: dict[str, Any] = {}
     for key, value in per_layer.items():
         if str(key).isdigit() and int(key) in keep:
-            kept[str(keep.index(int(key)))] = value
+            kept[str(keep.index(int(key)))] = _shrink_layer_entry(value) if isinstance(value, dict) else value
     return kept
+
+
+def _shrink_layer_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """One layer's overrides (Dots3's wider indexed layers) shrunk like the config; kv heads
+    that equalled the heads still do."""
+    out = {k: _shrink_int(k, v) if _is_int(v) else v for k, v in entry.items()}
+    heads = next((k for k in HEAD_KEYS if _is_int(entry.get(k))), None)
+    for kv in KV_HEAD_KEYS:
+        if heads is not None and _is_int(entry.get(kv)) and entry[kv] >= entry[heads]:
+            out[kv] = out[heads]
+    return out
 
 
 def _resize_per_layer_lists(shrunk: dict[str, Any], overrides: dict[str, Any]) -> None:
