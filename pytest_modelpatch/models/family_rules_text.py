@@ -62,6 +62,27 @@ def _zamba2_rederive(level: dict[str, Any]) -> None:
         level.pop(key, None)
 
 
+def _image_placeholder(level: dict[str, Any]) -> None:
+    # BLIP-2-style models splice the Q-Former output at image_token_index placeholders; the
+    # default is None (legacy prepend path, broken in 5.x) while checkpoints add a token.
+    vocab = int(level["text_config"]["vocab_size"])
+    taken = {v for v in _token_ids(level)}
+    keys = ("video_token_index", "video_token_id", "image_token_index", "image_token_id")
+    key = next(k for k in keys if k in level)
+    if level.get(key) is None:
+        level[key] = max(i for i in range(vocab) if i not in taken)
+
+
+def _token_ids(tree: dict[str, Any]) -> list[int]:
+    found: list[int] = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            found += _token_ids(value)
+        elif str(key).endswith(("_token_id", "_token_index")) and isinstance(value, int):
+            found.append(value)
+    return found
+
+
 # A VQ-GAN image tokenizer at 32x32: two resolution levels, narrow channels (GroupNorm has 32
 # groups), a tiny codebook.
 _TINY_VQGAN = {
@@ -107,6 +128,9 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
         "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
         "intermediate_size": [128] * 4, "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
     },
+    "blip-2": _image_placeholder,
+    "instructblip": _image_placeholder,
+    "instructblipvideo": _image_placeholder,
     "chameleon": _chameleon_vocabulary,
     "chameleon_vqgan": {**_TINY_VQGAN, "num_embeddings": _CODEBOOK},
     "emu3": _emu3_vocabulary,

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.models.families import model_class_for
 from pytest_modelpatch.models.inputs.audio import mel_features, waveform
+from pytest_modelpatch.models.inputs.composite import composite_builder
 from pytest_modelpatch.models.inputs.request import InputRequest, forward_parameters, required
 from pytest_modelpatch.models.inputs.text import ordinary_token_ids, text_companions, text_inputs, text_request_inputs
 from pytest_modelpatch.models.inputs.vision import (
@@ -94,7 +95,7 @@ def example_inputs(
         main = main[0]  # OneFormer: ["pixel_values", "task_inputs"]
     if main not in request.params and "input_ids" in request.params:
         main = "input_ids"
-    builder = MAIN_INPUT_BUILDERS.get(main)
+    builder = composite_builder(request) or MAIN_INPUT_BUILDERS.get(main)
     inputs = builder(request) if builder is not None else None
     if inputs is None:
         raise ModelPatchError(f"example_inputs cannot build {main!r} for {cls.__name__}: pass inputs= explicitly")

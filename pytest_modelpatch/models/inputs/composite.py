@@ -1,0 +1,98 @@
+"""Inputs for composite text models: image placeholders a Q-Former fills, side inputs a forward requires.
+
+``composite_builder`` picks a builder before the main-input dispatch when the model is one
+of these shapes: BLIP-2-style (``num_query_tokens`` placeholders spliced into the text and
+filled from the image), or a text model whose forward needs more than ids (LXMERT's region
+features, X-MOD's language ids). It returns ``None`` for every other model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pytest_modelpatch.models.inputs.request import InputRequest
+from pytest_modelpatch.models.inputs.text import text_request_inputs
+from pytest_modelpatch.models.inputs.vision import pixel_values
+
+Builder = Callable[[InputRequest], "dict[str, torch.Tensor]"]
+
+VIDEO_FRAMES = 2
+
+
+def composite_builder(request: InputRequest) -> Builder | None:
+    """The builder for ``request`` when its model is one of this module's shapes."""
+    for applies, builder in COMPOSITE_BUILDERS:
+        if applies(request):
+            return builder
+    return None
+
+
+def _takes_query_tokens(request: InputRequest) -> bool:
+    return (
+        isinstance(getattr(request.config, "num_query_tokens", None), int)
+        and {"pixel_values", "input_ids"} <= request.params
+    )
+
+
+def query_token_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """BLIP-2 / InstructBLIP(-Video): one image (or clip) per row whose Q-Former output fills
+    ``num_query_tokens`` placeholders (per frame) at the start of the text."""
+    config, batch = request.config, request.batch_size
+    video = getattr(config, "video_token_id", None) is not None and "video" in config.model_type
+    frames = VIDEO_FRAMES if video else 1
+    placeholder = config.video_token_id if video else getattr(config, "image_token_id", None)
+    inputs = text_request_inputs(request)
+    if placeholder is not None:
+        tokens = torch.full((batch, config.num_query_tokens * frames), placeholder, dtype=torch.long)
+        inputs["input_ids"] = torch.cat([tokens, inputs["input_ids"]], dim=1)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    images = pixel_values(config, batch * frames, request.generator)
+    inputs["pixel_values"] = images.reshape(batch, frames, *images.shape[1:]) if video else images
+    if request.takes("qformer_input_ids"):
+        vocab = config.qformer_config.vocab_size
+        qformer = torch.randint(vocab, (batch, request.seq_len), generator=request.generator)
+        inputs |= {"qformer_input_ids": qformer, "qformer_attention_mask": torch.ones_like(qformer)}
+    if config.is_encoder_decoder or request.takes("decoder_input_ids") and request.requires("decoder_input_ids"):
+        inputs["decoder_input_ids"] = text_request_inputs(request)["input_ids"]
+    return inputs
+
+
+def _takes_region_features(request: InputRequest) -> bool:
+    return {"visual_feats", "visual_pos"} <= request.params and hasattr(request.config, "visual_feat_dim")
+
+
+def region_feature_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """LXMERT-style: text plus detector region features and their boxes (x1, y1, x2, y2 in [0, 1])."""
+    config, batch = request.config, request.batch_size
+    inputs = text_request_inputs(request)
+    if request.takes("token_type_ids"):
+        inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+    regions = 4
+    corners = torch.rand(batch, regions, 2, 2, generator=request.generator).sort(dim=2).values
+    inputs["visual_feats"] = request.randn(batch, regions, config.visual_feat_dim)
+    inputs["visual_pos"] = corners.transpose(2, 3).reshape(batch, regions, 4)[..., : config.visual_pos_dim]
+    return inputs
+
+
+def _takes_language_ids(request: InputRequest) -> bool:
+    return "lang_ids" in request.params and bool(getattr(request.config, "languages", None))
+
+
+def language_adapter_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """X-MOD: each row names its language, picking the adapter (the forward refuses to guess)."""
+    inputs = text_request_inputs(request)
+    if request.takes("token_type_ids") and getattr(request.config, "type_vocab_size", 0):
+        inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+    languages = len(request.config.languages)
+    rows = torch.arange(request.batch_size) % languages  # different adapters in one batch
+    inputs["lang_ids"] = rows
+    return inputs
+
+
+COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
+    (_takes_query_tokens, query_token_inputs),
+    (_takes_region_features, region_feature_inputs),
+    (_takes_language_ids, language_adapter_inputs),
+]
