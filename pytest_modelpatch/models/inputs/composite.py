@@ -3,7 +3,8 @@
 ``composite_builder`` picks a builder before the main-input dispatch when the model is one
 of these shapes: BLIP-2-style (``num_query_tokens`` placeholders spliced into the text and
 filled from the image), or a text model whose forward needs more than ids (LXMERT's region
-features, X-MOD's language ids). It returns ``None`` for every other model.
+features, X-MOD's language ids, Kosmos-2's image positions, IDEFICS' per-image cross-attention,
+CANINE's code points). It returns ``None`` for every other model.
 """
 
 from __future__ import annotations
@@ -91,8 +92,76 @@ def language_adapter_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     return inputs
 
 
+def _takes_image_position_mask(request: InputRequest) -> bool:
+    return "image_embeds_position_mask" in request.params and hasattr(request.config, "latent_query_num")
+
+
+def image_position_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """Kosmos-2: after two text tokens, ``latent_query_num`` positions the image features replace."""
+    config, batch = request.config, request.batch_size
+    inputs = text_request_inputs(request)
+    ids, slots = inputs["input_ids"], config.latent_query_num
+    filler = ids[:, :1].expand(batch, slots)  # any ordinary id: the image embeds overwrite these positions
+    inputs["input_ids"] = torch.cat([ids[:, :2], filler, ids[:, 2:]], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    mask = torch.zeros_like(inputs["input_ids"])
+    mask[:, 2 : 2 + slots] = 1
+    inputs["image_embeds_position_mask"] = mask
+    inputs["pixel_values"] = pixel_values(config, batch, request.generator)
+    return inputs
+
+
+def _takes_image_cross_attention(request: InputRequest) -> bool:
+    return {"pixel_values", "image_attention_mask", "input_ids"} <= request.params and hasattr(
+        request.config, "vision_config"
+    )
+
+
+def image_cross_attention_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """IDEFICS (Flamingo-style): images per row, ``(batch, images, C, H, W)``, that every text
+    token attends to through the gated cross-attention layers."""
+    config, batch, images = request.config, request.batch_size, 2
+    inputs = text_request_inputs(request)
+    pixels = pixel_values(config, batch * images, request.generator)
+    inputs["pixel_values"] = pixels.reshape(batch, images, *pixels.shape[1:])
+    inputs["image_attention_mask"] = torch.ones(batch, request.seq_len, images, dtype=torch.long)
+    return inputs
+
+
+def _takes_query_embeds(request: InputRequest) -> bool:
+    return request.requires("query_embeds")
+
+
+def query_embed_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """A bare Q-Former: learned-query embeddings that cross-attend to image features."""
+    config, batch = request.config, request.batch_size
+    inputs = {"query_embeds": request.randn(batch, request.seq_len, config.hidden_size)}
+    width = getattr(config, "encoder_hidden_size", None)
+    if width and request.takes("encoder_hidden_states"):
+        inputs["encoder_hidden_states"] = request.randn(batch, 2 * request.seq_len, width)
+    return inputs
+
+
+def _takes_codepoints(request: InputRequest) -> bool:
+    config = request.config
+    return "input_ids" in request.params and hasattr(config, "num_hash_buckets") and not getattr(config, "vocab_size", 0)
+
+
+def codepoint_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """CANINE reads Unicode code points (hashed into buckets), not ids of a vocabulary: printable ASCII."""
+    ids = torch.randint(32, 127, (request.batch_size, request.seq_len), generator=request.generator)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if request.takes("token_type_ids"):
+        inputs["token_type_ids"] = torch.zeros_like(ids)
+    return inputs
+
+
 COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_query_tokens, query_token_inputs),
     (_takes_region_features, region_feature_inputs),
     (_takes_language_ids, language_adapter_inputs),
+    (_takes_image_position_mask, image_position_inputs),
+    (_takes_image_cross_attention, image_cross_attention_inputs),
+    (_takes_query_embeds, query_embed_inputs),
+    (_takes_codepoints, codepoint_inputs),
 ]
