@@ -131,6 +131,10 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
     "blip-2": _image_placeholder,
     "instructblip": _image_placeholder,
     "instructblipvideo": _image_placeholder,
+    # The thinker's rope index reads vision start/end ids that only the whole-omni config declares;
+    # released thinker configs carry them (Qwen2 ids, moved into the tiny vocabulary with the rest).
+    "qwen2_5_omni_thinker": {"vision_start_token_id": 151652, "vision_end_token_id": 151653},
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652, "vision_end_token_id": 151653},
     "chameleon": _chameleon_vocabulary,
     "chameleon_vqgan": {**_TINY_VQGAN, "num_embeddings": _CODEBOOK},
     "emu3": _emu3_vocabulary,
