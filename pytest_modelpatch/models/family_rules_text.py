@@ -83,6 +83,13 @@ def _token_ids(tree: dict[str, Any]) -> list[int]:
     return found
 
 
+def _deepseek_vl_hybrid(level: dict[str, Any]) -> None:
+    # The SAM high-res branch's projection convs widen output_channels 2x and 4x; 256 (SAM's
+    # neck) alone makes a 6M-parameter projector.
+    if isinstance(level.get("high_res_vision_config"), dict):
+        level["high_res_vision_config"]["output_channels"] = 32
+
+
 # A VQ-GAN image tokenizer at 32x32: two resolution levels, narrow channels (GroupNorm has 32
 # groups), a tiny codebook.
 _TINY_VQGAN = {
@@ -135,9 +142,23 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
     # released thinker configs carry them (Qwen2 ids, moved into the tiny vocabulary with the rest).
     "qwen2_5_omni_thinker": {"vision_start_token_id": 151652, "vision_end_token_id": 151653},
     "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652, "vision_end_token_id": 151653},
+    # SAM-style high-resolution encoders: a neck of output_channels, then two stride-2 convs widening
+    # to downsample_channels; the last must be the next encoder's width (tiny: 64).
+    "deepseek_ocr2_sam_vision_model": {"output_channels": 32, "downsample_channels": [64, 64]},
+    "unlimited_ocr_sam_vision_model": {"output_channels": 32, "downsample_channels": [64, 64]},
+    "deepseek_vl_hybrid": _deepseek_vl_hybrid,
+    # DaViT stages: widths per stage (each divisible by its heads and channel groups); a list the
+    # width rule does not shrink.
+    "florence_vision": {"embed_dim": [16, 32, 48, 64]},
+    # Per-stage audio widths (a list) and Conformer sizes under names of their own; 24 blocks.
+    "muse_spark_audio": {"hidden_sizes": [16, 32, 48, 64]},
+    "phi4_multimodal_audio": {
+        "num_blocks": 2, "ext_pw_out_channel": 64, "depthwise_separable_out_channel": 64, "nemo_conv_channels": 64,
+    },
     "chameleon": _chameleon_vocabulary,
     "chameleon_vqgan": {**_TINY_VQGAN, "num_embeddings": _CODEBOOK},
     "emu3": _emu3_vocabulary,
+    "janus_vqgan": {**_TINY_VQGAN, "num_embeddings": _CODEBOOK},
     "emu3_vqgan": {**_TINY_VQGAN, "codebook_size": _CODEBOOK, "channel_multiplier": [1, 2], "attn_resolutions": []},
     # Axial position embeddings: their dims must sum to hidden_size, the shape covers the positions;
     # chunk lengths must divide the example sequence.

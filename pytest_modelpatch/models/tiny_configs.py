@@ -49,6 +49,7 @@ WIDTH_KEYS = (
      "output_hidden_size", "projector_hidden_size", "embedding_size", "vision_output_dim",
     "attention_hidden_size", "embedding_dim", "lru_width", "projection_size",
     "adapter_in_dim", "adapter_out_dim", "adapter_input_size",  # projectors between towers (Dots3)
+    "downsample_hidden_size",  # Qwen-Omni / Dots3 audio conv stem channels
     "projector_input_dim", "projector_output_dim", "image_token_embed_dim",
     "entity_emb_size", "pronunciation_embed_dim", "shape_embed_dim",  # LUKE, RoCBert side embeddings
 )
