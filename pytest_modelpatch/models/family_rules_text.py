@@ -155,6 +155,12 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
     "phi4_multimodal_audio": {
         "num_blocks": 2, "ext_pw_out_channel": 64, "depthwise_separable_out_channel": 64, "nemo_conv_channels": 64,
     },
+    # Deep-stack projector: (vision layer, LLM layer) pairs (default None) and four spatial groups
+    # (default LLM layers 12..21), indices into the tiny 2-layer towers; the Q-Former's window
+    # rate defaults to None, which the projector cannot split.
+    "granite4_vision": {
+        "deepstack_layer_map": [[0, 0], [1, 1]], "spatial_target_layers": [0, 1, 0, 1], "downsample_rate": "1/2",
+    },
     "chameleon": _chameleon_vocabulary,
     "chameleon_vqgan": {**_TINY_VQGAN, "num_embeddings": _CODEBOOK},
     "emu3": _emu3_vocabulary,
