@@ -161,6 +161,11 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
     "granite4_vision": {
         "deepstack_layer_map": [[0, 0], [1, 1]], "spatial_target_layers": [0, 1, 0, 1], "downsample_rate": "1/2",
     },
+    # BLT: the forward builds its cache from the top config, which has no layer count (5.23), so
+    # run without one; the n-gram hash tables (500k rows) and the global width have names of their own.
+    "blt": {"use_cache": False, "encoder_hash_byte_group_vocab": 512, "local_attention_window_len": 4},
+    "blt_local_encoder": {"hidden_size_global": 64},
+    "blt_local_decoder": {"hidden_size_global": 64},
     "chameleon": _chameleon_vocabulary,
     "chameleon_vqgan": {**_TINY_VQGAN, "num_embeddings": _CODEBOOK},
     "emu3": _emu3_vocabulary,
