@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pytest_modelpatch.models.tiny_consistency import TOKEN_ID_SUFFIXES
+
 _CODEBOOK = 32  # VQ image tokenizers: tiny codebooks keep the image tokens inside the tiny vocabulary
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
@@ -78,7 +80,7 @@ def _token_ids(tree: dict[str, Any]) -> list[int]:
     for key, value in tree.items():
         if isinstance(value, dict):
             found += _token_ids(value)
-        elif str(key).endswith(("_token_id", "_token_index")) and isinstance(value, int):
+        elif str(key).endswith(TOKEN_ID_SUFFIXES) and isinstance(value, int):
             found.append(value)
     return found
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_modelpatch.models.family_rules import apply_config_rule
-from pytest_modelpatch.models.tiny_consistency import fit_feature_layers, rederive_defaults
+from pytest_modelpatch.models.tiny_consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
 
 # ---------------------------------------------------------------------------
 # tiny configs
@@ -415,7 +415,7 @@ def _remap_token_ids(tree: dict[str, Any], mapping: dict[int, int]) -> dict[str,
     for key, value in tree.items():
         if isinstance(value, dict):
             out[key] = _remap_token_ids(value, mapping)
-        elif isinstance(key, str) and key.endswith(("_token_id", "_token_index", "_token_ids")) and mapping:
+        elif isinstance(key, str) and key.endswith(TOKEN_ID_SUFFIXES) and mapping:
             out[key] = [mapping.get(v, v) for v in value] if isinstance(value, list) else mapping.get(value, value)
         else:
             out[key] = value
@@ -428,7 +428,7 @@ def special_token_ids(tree: Any) -> set[int]:
         for key, value in tree.items():
             if isinstance(value, dict):
                 found |= special_token_ids(value)
-            elif isinstance(key, str) and key.endswith(("_token_id", "_token_index", "_token_ids")):
+            elif isinstance(key, str) and key.endswith(TOKEN_ID_SUFFIXES):
                 values = value if isinstance(value, list) else [value]
                 found |= {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
     return found

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# Config keys that hold special token ids; Molmo2 names its image placeholder image_patch_id.
+TOKEN_ID_SUFFIXES = ("_token_id", "_token_index", "_token_ids", "_patch_id")
+
 # Declared defaults that mean "derive from the other sizes" (dataclass field defaults).
 DERIVE_MARKERS: tuple[Any, ...] = (None, "auto")
 

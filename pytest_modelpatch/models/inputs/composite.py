@@ -156,6 +156,28 @@ def codepoint_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     return inputs
 
 
+def _takes_pooled_patches(request: InputRequest) -> bool:
+    return {"pixel_values", "image_token_pooling", "image_grids"} <= request.params
+
+
+def pooled_patch_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """Molmo2: one crop per row as flattened patches; each image token pools a 2x2 block of them."""
+    config, batch = request.config, request.batch_size
+    vision = config.vision_config
+    side = int(vision.num_position_embeddings**0.5)  # patches per crop side
+    patches, volume = side * side, vision.num_channels * vision.patch_size**2
+    grid = torch.arange(patches).reshape(side // 2, 2, side // 2, 2).permute(0, 2, 1, 3).reshape(-1, 4)
+    tokens = grid.shape[0]
+    inputs = text_request_inputs(request)
+    placeholders = torch.full((batch, tokens), config.image_token_id, dtype=torch.long)
+    inputs["input_ids"] = torch.cat([inputs["input_ids"][:, :2], placeholders, inputs["input_ids"][:, 2:]], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    inputs["pixel_values"] = request.randn(batch, patches, volume)
+    inputs["image_token_pooling"] = torch.cat([grid + row * patches for row in range(batch)])
+    inputs["image_grids"] = torch.tensor([[side // 2, side // 2, 0, 0]] * batch)
+    return inputs
+
+
 COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_query_tokens, query_token_inputs),
     (_takes_region_features, region_feature_inputs),
@@ -164,4 +186,5 @@ COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_image_cross_attention, image_cross_attention_inputs),
     (_takes_query_embeds, query_embed_inputs),
     (_takes_codepoints, codepoint_inputs),
+    (_takes_pooled_patches, pooled_patch_inputs),
 ]
