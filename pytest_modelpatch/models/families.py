@@ -159,9 +159,8 @@ def model_class_for(config: PretrainedConfig, task: str | None = None) -> type[P
     if task is not None and task not in TASK_MAPPINGS:
         raise PatchUsageError(f"unknown task {task!r}: use one of {', '.join(TASK_MAPPINGS)}")
     for name in (task,) if task else DEFAULT_TASK_ORDER:
-        mapping = getattr(modeling_auto, TASK_MAPPINGS[name])
-        if type(config) in mapping:
-            cls = mapping[type(config)]
+        cls = _mapped_class(getattr(modeling_auto, TASK_MAPPINGS[name]), type(config))
+        if cls is not None:
             # some composite configs map to a text-only head (Qwen3.5 -> Qwen3_5ForCausalLM
             # takes the text sub-config); skip to a class that takes this config
             if task or cls.config_class not in type(config).sub_configs.values():
@@ -171,3 +170,12 @@ def model_class_for(config: PretrainedConfig, task: str | None = None) -> type[P
         f"{type(config).__name__} (model type {config.model_type!r}) has no {tried} model class; "
         "pass model_class= explicitly"
     )
+
+
+def _mapped_class(mapping: Any, config_class: type[PretrainedConfig]) -> type[PreTrainedModel] | None:
+    # ``in`` on a lazy auto mapping goes by the config class's name and misses some registered
+    # families (Evolla, 5.23) that a lookup finds.
+    try:
+        return mapping[config_class]
+    except KeyError:
+        return None

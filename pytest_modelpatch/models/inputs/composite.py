@@ -178,6 +178,20 @@ def pooled_patch_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     return inputs
 
 
+def _takes_protein(request: InputRequest) -> bool:
+    return {"input_ids", "protein_input_ids"} <= request.params and hasattr(request.config, "protein_encoder_config")
+
+
+def protein_text_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """Evolla: a question in text beside a protein sequence its SaProt encoder reads (ids past the
+    encoder's special tokens <cls> <pad> <eos> <unk>)."""
+    protein = request.config.protein_encoder_config
+    inputs = text_request_inputs(request)
+    ids = torch.randint(4, protein.vocab_size, (request.batch_size, 2 * request.seq_len), generator=request.generator)
+    inputs |= {"protein_input_ids": ids, "protein_attention_mask": torch.ones_like(ids)}
+    return inputs
+
+
 COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_query_tokens, query_token_inputs),
     (_takes_region_features, region_feature_inputs),
@@ -187,4 +201,5 @@ COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_query_embeds, query_embed_inputs),
     (_takes_codepoints, codepoint_inputs),
     (_takes_pooled_patches, pooled_patch_inputs),
+    (_takes_protein, protein_text_inputs),
 ]
