@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_request_inputs
+from pytest_modelpatch.models.inputs.text import text_inputs, text_request_inputs
 from pytest_modelpatch.models.inputs.vision import pixel_values
 
 Builder = Callable[[InputRequest], "dict[str, torch.Tensor]"]
@@ -192,6 +192,46 @@ def protein_text_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     return inputs
 
 
+def _takes_action_embeds(request: InputRequest) -> bool:
+    return request.requires("action_embeds") and hasattr(request.config, "vlm_config")
+
+
+def action_prefix_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """PI0: a PaliGemma prefix (image placeholders first, then the instruction) and the noisy
+    state + action embeddings the action expert denoises against it."""
+    config, batch = request.config, request.batch_size
+    vlm = config.vlm_config
+    vision = vlm.vision_config
+    patches = (vision.image_size // vision.patch_size) ** 2
+    inputs = text_inputs(vlm, batch, request.seq_len, request.generator)
+    placeholders = torch.full((batch, patches), vlm.image_token_id, dtype=torch.long)
+    inputs["input_ids"] = torch.cat([placeholders, inputs["input_ids"]], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    # one camera per row: (batch, cameras, C, H, W), and which camera slots hold an image
+    inputs["pixel_values"] = pixel_values(vlm, batch, request.generator)[:, None]
+    inputs["pixel_attention_mask"] = torch.ones(batch, 1, dtype=torch.bool)
+    steps = 1 + request.seq_len // 2  # the state token, then a short action chunk
+    inputs["action_embeds"] = request.randn(batch, steps, config.dit_config.hidden_size)
+    return inputs
+
+
+def _takes_draft_context(request: InputRequest) -> bool:
+    return request.requires("noise_embeds") and request.requires("context_hidden_states")
+
+
+def draft_block_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """A block-diffusion draft model (Muse Glimmer assistant): one block of noisy embeddings, and
+    the target model's hidden states at ``target_layer_ids`` for the accepted context."""
+    config, batch = request.config, request.batch_size
+    width = config.hidden_size
+    return {
+        "noise_embeds": request.randn(batch, config.block_size, width),
+        "context_hidden_states": request.randn(batch, request.seq_len, width * len(config.target_layer_ids)),
+        # keys and values span the context and the block: without a cache only the mask says so
+        "attention_mask": torch.ones(batch, request.seq_len + config.block_size, dtype=torch.long),
+    }
+
+
 COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_query_tokens, query_token_inputs),
     (_takes_region_features, region_feature_inputs),
@@ -202,4 +242,6 @@ COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_codepoints, codepoint_inputs),
     (_takes_pooled_patches, pooled_patch_inputs),
     (_takes_protein, protein_text_inputs),
+    (_takes_action_embeds, action_prefix_inputs),
+    (_takes_draft_context, draft_block_inputs),
 ]
