@@ -82,6 +82,8 @@ FIXED_SIZES: dict[str, int] = {
     "linear_num_value_heads": 4,
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
+    "linear_num_heads": TINY_HEADS,  # Kimi delta attention: its CPU fallback is O(heads * dim * 64^2)
+    "linear_head_dim": 16,
     "index_head_dim": 16,
     "index_n_heads": 2,
     "n_group": 1,
