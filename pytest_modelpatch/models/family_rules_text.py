@@ -1,7 +1,7 @@
 """Config rules for text decoders, hybrid/recurrent decoders and composite models (see ``family_rules``).
 
 Each rule says why generic shrinking cannot derive it; most are defaults the config class
-leaves ``None`` that every released checkpoint sets, or hybrid schedules whose shrunk form
+leaves ``None`` that released checkpoints set, or hybrid schedules whose shrunk form
 must still hold each kind of layer.
 """
 
@@ -108,7 +108,7 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
     "cohere_compass_text": _rope_per_layer_type,
     "hunyuan_vl_text": _hunyuan_vl_mrope,
     "dbrx": _dbrx_rope,
-    # Expert counts default to None (every checkpoint sets them).
+    # Expert counts default to None (released checkpoints set them).
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
     "diffusion_gemma_text": {"num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 64},
     # ESM's vocab_size and pad id default to None; ESM-2 has 33 tokens, <pad> = 1, <mask> = 32.
@@ -172,7 +172,7 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
     "chameleon_vqgan": {**_TINY_VQGAN, "num_embeddings": _CODEBOOK},
     "emu3": _emu3_vocabulary,
     "janus_vqgan": {**_TINY_VQGAN, "num_embeddings": _CODEBOOK},
-    "emu3_vqgan": {**_TINY_VQGAN, "codebook_size": _CODEBOOK, "channel_multiplier": [1, 2], "attn_resolutions": []},
+    "emu3_vqgan": {**_TINY_VQGAN, "codebook_size": _CODEBOOK},
     # Axial position embeddings: their dims must sum to hidden_size, the shape covers the positions;
     # chunk lengths must divide the example sequence.
     "reformer": {
