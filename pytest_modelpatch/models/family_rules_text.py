@@ -137,6 +137,8 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
         "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
         "intermediate_size": [128] * 4, "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
     },
+    # 64 image positions made the example sequence 72 tokens long: 8 latent queries exercise the same path.
+    "kosmos-2": {"latent_query_num": 8},
     "blip-2": _image_placeholder,
     "instructblip": _image_placeholder,
     "instructblipvideo": _image_placeholder,
