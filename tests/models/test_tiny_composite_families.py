@@ -155,3 +155,15 @@ def test_composite_forwards_get_the_side_inputs_they_need(model_type: str, side_
 def test_canine_reads_printable_code_points() -> None:
     ids = example_inputs(tiny_config("canine"))["input_ids"]
     assert 32 <= int(ids.min()) and int(ids.max()) < 127
+
+
+@pytest.mark.parametrize("model_type", ["cohere2_vision", "janus", "blip-2", "molmo2", "kosmos-2", "idefics", "pi0"])
+def test_the_image_reaches_the_compared_outputs(model_type: str) -> None:
+    # inputs are meaningful only if the vision tower is in the forward: another image, other outputs
+    config = tiny_config(model_type)
+    model = seeded_model(config, model_class=model_class_for(config))
+    inputs = example_inputs(config, model_class=type(model))
+    other = {**inputs, "pixel_values": torch.randn_like(inputs["pixel_values"])}
+    with torch.no_grad():
+        first, second = model(**inputs)[0], model(**other)[0]
+    assert not torch.allclose(first, second)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from transformers import PretrainedConfig
 
 from pytest_modelpatch.models.inputs.request import InputRequest
 from pytest_modelpatch.models.inputs.text import text_inputs, text_request_inputs
@@ -232,6 +233,35 @@ def draft_block_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     }
 
 
+def _patch_grid(config: PretrainedConfig) -> int:
+    vision = config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2
+
+
+# LLaVA-style models whose image-feature count per image no config key states: model type ->
+# placeholders per image, from the (shrunk) config.
+IMAGE_TOKENS_PER_IMAGE: dict[str, Callable[[PretrainedConfig], int]] = {
+    "cohere2_vision": lambda c: _patch_grid(c) // c.downsample_factor**2,  # pixel-shuffle projector
+    "janus": _patch_grid,  # SigLIP patches, one token each
+}
+
+
+def _takes_spliced_image(request: InputRequest) -> bool:
+    return request.config.model_type in IMAGE_TOKENS_PER_IMAGE and "pixel_values" in request.params
+
+
+def spliced_image_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """One image per row whose features replace as many image placeholders after two text tokens."""
+    config, batch = request.config, request.batch_size
+    count = IMAGE_TOKENS_PER_IMAGE[config.model_type](config)
+    inputs = text_request_inputs(request)
+    placeholders = torch.full((batch, count), config.image_token_id, dtype=torch.long)
+    inputs["input_ids"] = torch.cat([inputs["input_ids"][:, :2], placeholders, inputs["input_ids"][:, 2:]], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    inputs["pixel_values"] = pixel_values(config, batch, request.generator)
+    return inputs
+
+
 COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_query_tokens, query_token_inputs),
     (_takes_region_features, region_feature_inputs),
@@ -244,4 +274,5 @@ COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_protein, protein_text_inputs),
     (_takes_action_embeds, action_prefix_inputs),
     (_takes_draft_context, draft_block_inputs),
+    (_takes_spliced_image, spliced_image_inputs),
 ]
