@@ -317,7 +317,8 @@ def auto_class_for(cls: type[PreTrainedModel]) -> Any:
     # the most general Auto class first that maps this config to exactly this class
     for auto in sorted(candidates, key=lambda a: (a.__name__ != "AutoModel", a.__name__)):
         try:
-            if auto._model_mapping[config_class] is cls:
+            # ``in`` too: from_pretrained checks membership, which misses some families a lookup finds (Evolla)
+            if auto._model_mapping[config_class] is cls and config_class in auto._model_mapping:
                 return auto
         except (KeyError, TypeError, ValueError):
             continue

@@ -9,6 +9,7 @@ smaller vocabulary. Sub-configs (text, vision, audio) are shrunk the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -24,6 +25,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_M
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.tiny_configs import shrink_config_dict
 from pytest_modelpatch.models.validator_fit import MAX_FITS, fit_validator_message
+from pytest_modelpatch.models.tiny_consistency import DERIVE_MARKERS
 
 
 def available_model_types() -> list[str]:
@@ -47,7 +49,8 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
         raise PatchUsageError(unknown_model_type_message(model_type))
     default = AutoConfig.for_model(model_type)
     tree = default.to_dict()
-    shrunk = shrink_config_dict(tree, overrides, {t: implicit_rope_defaults(t) for t in _model_types(tree)})
+    implicit = {t: implicit_rope_defaults(t) for t in _model_types(tree)}
+    shrunk = shrink_config_dict(tree, overrides, implicit, derived_defaults(default))
     try:
         return _validated(type(default), shrunk, overrides)
     except Exception as exc:  # strict-dataclass validation errors are not ValueErrors
@@ -69,6 +72,29 @@ def _validated(config_class: type[PretrainedConfig], tree: dict[str, Any], overr
             if not fit_validator_message(tree, str(exc), overrides):
                 raise
     return config_class.from_dict(tree)
+
+
+def derived_defaults(config: PretrainedConfig) -> dict[str, dict[str, Any]]:
+    """Per model type in ``config``'s tree: int fields declared ``None``/``"auto"`` that
+    ``__post_init__`` derived from other sizes (Bamba's ``mamba_d_head``), with that default."""
+    found: dict[str, dict[str, Any]] = {}
+    for level in _config_levels(config):
+        fields = dataclasses.fields(type(level)) if dataclasses.is_dataclass(level) else ()
+        keys = {
+            f.name: f.default for f in fields
+            if f.default in DERIVE_MARKERS and isinstance(getattr(level, f.name, None), int)
+            and not isinstance(getattr(level, f.name), bool)
+        }
+        found.setdefault(level.model_type, {}).update(keys)
+    return found
+
+
+def _config_levels(config: PretrainedConfig) -> list[PretrainedConfig]:
+    levels = [config]
+    for value in vars(config).values():
+        if isinstance(value, PretrainedConfig):
+            levels += _config_levels(value)
+    return levels
 
 
 # `self.mrope_section = config.rope_parameters.get("mrope_section", [16, 24, 24])`
@@ -147,9 +173,8 @@ def model_class_for(config: PretrainedConfig, task: str | None = None) -> type[P
     if task is not None and task not in TASK_MAPPINGS:
         raise PatchUsageError(f"unknown task {task!r}: use one of {', '.join(TASK_MAPPINGS)}")
     for name in (task,) if task else DEFAULT_TASK_ORDER:
-        mapping = getattr(modeling_auto, TASK_MAPPINGS[name])
-        if type(config) in mapping:
-            cls = mapping[type(config)]
+        cls = _mapped_class(getattr(modeling_auto, TASK_MAPPINGS[name]), type(config))
+        if cls is not None:
             # some composite configs map to a text-only head (Qwen3.5 -> Qwen3_5ForCausalLM
             # takes the text sub-config); skip to a class that takes this config
             if task or cls.config_class not in type(config).sub_configs.values():
@@ -159,3 +184,12 @@ def model_class_for(config: PretrainedConfig, task: str | None = None) -> type[P
         f"{type(config).__name__} (model type {config.model_type!r}) has no {tried} model class; "
         "pass model_class= explicitly"
     )
+
+
+def _mapped_class(mapping: Any, config_class: type[PretrainedConfig]) -> type[PreTrainedModel] | None:
+    # ``in`` on a lazy auto mapping goes by the config class's name and misses some registered
+    # families (Evolla, 5.23) that a lookup finds.
+    try:
+        return mapping[config_class]
+    except KeyError:
+        return None

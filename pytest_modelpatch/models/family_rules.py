@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pytest_modelpatch.models.family_rules_text import TEXT_CONFIG_RULES
+
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
 
 def _x4_feature_from_backbone(level: dict[str, Any]) -> None:
@@ -202,6 +204,10 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # kernel predictor: hidden x hidden x kernel weights per resblock layer (14.8M at 32/64)
     "univnet": {"model_hidden_channels": 8, "kernel_predictor_hidden_channels": 16, "model_in_channels": 16},
 }
+
+
+# the text, hybrid and composite families' rules live in their own module
+CONFIG_RULES.update(TEXT_CONFIG_RULES)
 
 
 def apply_config_rule(model_type: Any, level: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ from pytest_modelpatch.models.tiny_sizes import (  # noqa: F401  (re-exported: t
     TINY_LORA_RANK,
 )
 from pytest_modelpatch.models.tiny_vision import fit_layout_embeddings, fit_stage_widths, shrink_vision_sizes
+from pytest_modelpatch.models.tiny_consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
 
 # ---------------------------------------------------------------------------
 # tiny configs
@@ -39,7 +40,7 @@ LAYER_KEYS = (
 )
 HEAD_KEYS = (
     "num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
-     "decoder_attention_heads", "decoder_num_attention_heads",
+     "decoder_attention_heads", "decoder_num_attention_heads", "mamba_n_heads",
 )
 KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
 WIDTH_KEYS = (
@@ -48,17 +49,23 @@ WIDTH_KEYS = (
      "output_hidden_size", "projector_hidden_size", "embedding_size", "vision_output_dim",
     "attention_hidden_size", "embedding_dim", "lru_width", "projection_size",
     "encoder_hidden_dim", "mask_feature_size", "fpn_feature_size", "fpn_hidden_size",  # detection / segmentation
+    "adapter_in_dim", "adapter_out_dim", "adapter_input_size",  # projectors between towers (Dots3)
+    "downsample_hidden_size",  # Qwen-Omni / Dots3 audio conv stem channels
+    "projector_input_dim", "projector_output_dim", "image_token_embed_dim",
+    "entity_emb_size", "pronunciation_embed_dim", "shape_embed_dim",  # LUKE, RoCBert side embeddings
 )
 # distilbert's ``hidden_dim`` is its feed-forward size
 FFN_KEYS = (
     "intermediate_size", "ffn_dim", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "hidden_dim",
      "mlp_dim", "ffn_hidden_size", "intermediate_dim", "dim_feedforward", "encoder_feedforward_dim",
+    "d_inner", "intermediate_size_mlp", "projection_intermediate_size", "alignment_intermediate_size",
 )
 MOE_FFN_KEYS = (
     "moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
      "shared_intermediate_size", "moe_ffn_hidden_size",
+    "expert_ffn_hidden_size", "moe_hidden_size", "shared_experts_intermediate_size",
 )
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k", "moe_k")
 SHARED_EXPERT_KEYS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 POSITION_KEYS = (
@@ -76,9 +83,12 @@ FIXED_SIZES: dict[str, int] = {
     "linear_num_value_heads": 4,
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
+    "linear_num_heads": TINY_HEADS,  # Kimi delta attention: its CPU fallback is O(heads * dim * 64^2)
+    "linear_head_dim": 16,
     "index_head_dim": 16,
     "index_n_heads": 2,
     "n_group": 1,
+    "num_expert_group": 1,  # Bailing's name for n_group
     "topk_group": 1,
     "n_groups": 1,  # Mamba2 state groups: must divide the (tiny) head count
     "emb_dim": TINY_WIDTH,  # XLM
@@ -94,26 +104,35 @@ def _is_config_dict(key: Any, value: Any) -> bool:
 
 
 def shrink_config_dict(
-    config: dict[str, Any], overrides: dict[str, Any], implicit_rope: dict[str, dict[str, Any]] | None = None
+    config: dict[str, Any],
+    overrides: dict[str, Any],
+    implicit_rope: dict[str, dict[str, Any]] | None = None,
+    derived: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Shrink a ``to_dict()`` config tree; token ids are moved into the tiny vocabulary.
 
     ``implicit_rope``: per model type, rope settings the modeling code falls back to
     when the config lacks them (``rope_parameters.get("mrope_section", [16, 24, 24])``),
     sized for the full model; they are written into the config and shrunk with it.
+    ``derived``: per model type, keys the config class derives when given their declared
+    default (``None``/``"auto"``), with that default (``tiny_consistency.rederive_defaults``).
     """
-    shrunk = _shrink_level(config, overrides, implicit_rope or {})
+    shrunk = _shrink_level(config, overrides, implicit_rope or {}, derived or {})
+    fit_feature_layers(shrunk)
     return _remap_token_ids(shrunk, _large_token_ids(shrunk))
 
 
 def _shrink_level(
-    level: dict[str, Any], overrides: dict[str, Any], implicit_rope: dict[str, dict[str, Any]]
+    level: dict[str, Any],
+    overrides: dict[str, Any],
+    implicit_rope: dict[str, dict[str, Any]],
+    derived: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
     out = dict(level)
     for key, value in level.items():
         if _is_config_dict(key, value):
             sub = overrides.get(key)
-            out[key] = _shrink_level(value, sub if isinstance(sub, dict) else {}, implicit_rope)
+            out[key] = _shrink_level(value, sub if isinstance(sub, dict) else {}, implicit_rope, derived)
         elif _is_int(value):
             out[key] = _shrink_int(key, value)
         elif isinstance(value, (list, tuple)) and value and all(map(_is_int, value)):
@@ -131,6 +150,7 @@ def _shrink_level(
     apply_config_rule(level.get("model_type"), out)  # per-family rules: after the generic ones, before overrides
     plain = {k: v for k, v in overrides.items() if not (isinstance(v, dict) and _is_config_dict(k, out.get(k)))}
     _resize_per_layer_lists(out, plain)
+    rederive_defaults(level, out, derived.get(str(level.get("model_type", "")), {}), set(plain))
     out.update(plain)
     _replace_timm_backbone(out, set(plain))
     _shrink_stage_widths(out, set(plain))
@@ -254,6 +274,8 @@ def _shrink_int_list(key: str, values: list[int]) -> list[int]:
         return [TINY_HEADS] * len(values)  # every stage width (64 * 2**i) divides by it
     if key in ("depths", "depth"):  # CvT: depth per stage
         return [min(v, TINY_LAYERS) for v in values]
+    if key in FFN_KEYS or key in MOE_FFN_KEYS:
+        return [_shrink_int(key, v) for v in values]  # per-layer feed-forward sizes (Gemma 3n)
     return values
 
 
@@ -274,7 +296,8 @@ def _shrink_int(key: str, value: int) -> int:
         return min(value, 1)
     if key in POSITION_KEYS:
         return min(value, TINY_POSITIONS)
-    if key in ("vocab_size", "n_words", "vocab_size_per_layer_input"):
+    # side vocabularies too: FSMT's src/tgt, LUKE's entities, RoCBert's shapes and pronunciations
+    if key in ("vocab_size", "n_words", "vocab_size_per_layer_input") or key.endswith("_vocab_size"):
         return min(value, TINY_VOCAB)
     if key in ("sliding_window", "attention_window_size") and value > 0:
         return min(value, TINY_SLIDING_WINDOW)
@@ -364,8 +387,19 @@ def _keep_layer_entries(per_layer: dict[str, Any], keep: list[int]) -> dict[str,
     kept: dict[str, Any] = {}
     for key, value in per_layer.items():
         if str(key).isdigit() and int(key) in keep:
-            kept[str(keep.index(int(key)))] = value
+            kept[str(keep.index(int(key)))] = _shrink_layer_entry(value) if isinstance(value, dict) else value
     return kept
+
+
+def _shrink_layer_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """One layer's overrides (Dots3's wider indexed layers) shrunk like the config; kv heads
+    that equalled the heads still do."""
+    out = {k: _shrink_int(k, v) if _is_int(v) else v for k, v in entry.items()}
+    heads = next((k for k in HEAD_KEYS if _is_int(entry.get(k))), None)
+    for kv in KV_HEAD_KEYS:
+        if heads is not None and _is_int(entry.get(kv)) and entry[kv] >= entry[heads]:
+            out[kv] = out[heads]
+    return out
 
 
 def _resize_per_layer_lists(shrunk: dict[str, Any], overrides: dict[str, Any]) -> None:
@@ -382,14 +416,17 @@ def _resize_per_layer_lists(shrunk: dict[str, Any], overrides: dict[str, Any]) -
 def _layers_to_keep(per_layer: dict[str, list[Any]], old: int) -> list[int]:
     """Indices of the layers to keep: the first of each kind, then the earliest others."""
     keep: list[int] = []
-    for values in per_layer.values():
+    # layer_types decides first; other kind lists (Kimi's mlp_layer_types) add their kinds
+    ordered = sorted(per_layer, key=lambda k: k != "layer_types")
+    for position, key in enumerate(ordered):
+        if position and not str(key).endswith(("layer_types", "block_type", "block_types")):
+            continue
         seen: list[Any] = []
-        for index, value in enumerate(values):
+        for index, value in enumerate(per_layer[key]):
             if value not in seen and len(keep) < 4:
                 seen.append(value)
                 if index not in keep:
                     keep.append(index)
-        break  # the first per-layer list (layer_types) decides
     for index in range(old):
         if len(keep) >= TINY_LAYERS:
             break
@@ -495,7 +532,7 @@ def _remap_token_ids(tree: dict[str, Any], mapping: dict[int, int]) -> dict[str,
     for key, value in tree.items():
         if isinstance(value, dict):
             out[key] = _remap_token_ids(value, mapping)
-        elif isinstance(key, str) and key.endswith(("_token_id", "_token_index", "_token_ids")) and mapping:
+        elif isinstance(key, str) and key.endswith(TOKEN_ID_SUFFIXES) and mapping:
             out[key] = [mapping.get(v, v) for v in value] if isinstance(value, list) else mapping.get(value, value)
         else:
             out[key] = value
@@ -508,7 +545,7 @@ def special_token_ids(tree: Any) -> set[int]:
         for key, value in tree.items():
             if isinstance(value, dict):
                 found |= special_token_ids(value)
-            elif isinstance(key, str) and key.endswith(("_token_id", "_token_index", "_token_ids")):
+            elif isinstance(key, str) and key.endswith(TOKEN_ID_SUFFIXES):
                 values = value if isinstance(value, list) else [value]
                 found |= {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
     return found
