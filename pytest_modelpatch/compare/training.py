@@ -265,8 +265,8 @@ def training_run(
 ) -> TrainingRun:
     """One seeded forward and backward of ``model`` in :func:`training_state`; the model is left as found.
 
-    ``around_backward``: a context for the backward (the reference runs it in ``pristine()``, so a
-    checkpointed layer recomputed during backward is unpatched too).
+    ``around_backward``: a context for the backward (the reference runs it in ``running_pristine()``,
+    so a checkpointed layer recomputed during backward is unpatched too).
 
     Example: ``training_run(model, with_labels(model, inputs)).gradients["lm_head.weight"]``.
     """
@@ -274,7 +274,7 @@ def training_run(
     input_grads: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
-        torch.manual_seed(TRAINING_SEED)
+        _seed(device)
         stack.enter_context(training_state(model, checkpointing))
         stack.enter_context(_input_embedding_gradients(model, input_grads))
         with torch.enable_grad():
@@ -284,6 +284,19 @@ def training_run(
                 value.backward()
         gradients = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
     return TrainingRun(_detached(outputs), value.detach(), source, gradients, input_grads)
+
+
+def _seed(device: torch.device) -> None:
+    """Seed the generators the model draws from: the CPU's, and its CUDA device's when it has one.
+
+    The ones ``fork_rng`` above puts back. ``torch.manual_seed`` seeds every backend and, on a
+    machine whose CUDA/XPU/MTIA is never initialised, queues a lazy call with a formatted stack
+    for each one (torch 2.x), costing more than a tiny model's forward and growing the queue.
+    """
+    torch.default_generator.manual_seed(TRAINING_SEED)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(TRAINING_SEED)
 
 
 def _detached(outputs: Any) -> Any:
