@@ -110,9 +110,10 @@ def _is_dropout_attr(name: str, value: Any) -> bool:
     return "dropout" in name and isinstance(value, float) and not isinstance(value, bool)
 
 
-def _configs(model: torch.nn.Module) -> list[Any]:
+def _configs(holders: list[torch.nn.Module]) -> list[Any]:
+    """The configs the scanned modules hold now, with their sub-configs (read fresh at each use)."""
     found: dict[int, Any] = {}
-    for module in model.modules():
+    for module in holders:
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "to_dict"):
             found[id(config)] = config
@@ -130,12 +131,13 @@ def _set_attr(owner: Any, name: str, value: Any) -> None:
 
 
 _CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
-_Scan = tuple[list[torch.nn.Module], list[tuple[torch.nn.Module, str]], list[torch.nn.Module]]
+# (every module, dropout attribute locations, modules that can checkpoint, modules that hold a config)
+_Scan = tuple[list[torch.nn.Module], list[tuple[torch.nn.Module, str]], list[torch.nn.Module], list[torch.nn.Module]]
 _SCANS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[tuple[int, int], ...], _Scan]] = weakref.WeakKeyDictionary()
 
 
 def _module_scan(model: torch.nn.Module) -> _Scan:
-    """Every module, its dropout attributes and the modules that can checkpoint; cached per model.
+    """Every module, its dropout attributes, the modules that can checkpoint and those with a config; cached per model.
 
     The cache holds while the model has the same modules with the same number of attributes, so
     a replaced submodule or a dropout attribute added later is seen; values are always read fresh.
@@ -151,7 +153,8 @@ def _module_scan(model: torch.nn.Module) -> _Scan:
         is_dropout = isinstance(module, torch.nn.modules.dropout._DropoutNd)
         # by name only: the values, and so which are floats, are read at each use
         locations += [(module, k) for k in vars(module) if (k == "p" and is_dropout) or "dropout" in k]
-    scan = (modules, locations, [m for m in modules if hasattr(m, "gradient_checkpointing")])
+    checkpointed = [m for m in modules if hasattr(m, "gradient_checkpointing")]
+    scan = (modules, locations, checkpointed, [m for m in modules if getattr(m, "config", None) is not None])
     _SCANS[model] = (key, scan)
     return scan
 
@@ -168,12 +171,12 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
         with training_state(model, {"use_reentrant": True}):
             model(**inputs).loss.backward()
     """
-    modules, locations, checkpointed = _module_scan(model)
+    modules, locations, checkpointed, holders = _module_scan(model)
     flags = [(m, m.training) for m in modules]
     saved: list[tuple[Any, str, Any]] = [(m, k, m.__dict__.get(k, _ABSENT)) for m in checkpointed for k in _CHECKPOINT_ATTRS]
     current = [(m, k, m.__dict__.get(k, _ABSENT)) for m, k in locations]
     dropouts = [(m, k, v) for m, k, v in current if (k == "p" and v is not _ABSENT) or _is_dropout_attr(k, v)]
-    for config in _configs(model):  # attention functions read config.attention_dropout at call time
+    for config in _configs(holders):  # attention functions read config.attention_dropout at call time
         dropouts += [(config, k, v) for k, v in vars(config).items() if _is_dropout_attr(k, v)]
     saved += dropouts
     grads = [(p, p.grad) for p in model.parameters()]
