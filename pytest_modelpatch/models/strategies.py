@@ -79,23 +79,24 @@ def model_inputs(
     allowed = ordinary_token_ids(config)
     pad_id = _pad_token_id(config)
     with_positions = "position_ids" in forward_parameters(cls) if position_ids is None else position_ids
-    seeds = st.integers(0, 2**32 - 1)
 
     @st.composite
     def draw_inputs(draw: st.DrawFn) -> dict[str, torch.Tensor]:
         batch, length, side = draw(shapes)
-        # Token ids and padding from one drawn seed: hypothesis costs about as much per value drawn
-        # as a tiny model's forward, and its per-token draws or byte strings cost more than this
-        # whole draw. The shape comes first, so shrinking still reaches the shortest unpadded batch.
+        # Then one byte string: a seed for the token ids, and a pad byte per row. Hypothesis costs
+        # about as much per value drawn as a tiny model's forward, and per-token draws cost more
+        # than this whole draw; drawn the same way whatever the side, shrinking the shape keeps its
+        # meaning, and the bytes shrink towards seed 0 and no padding.
+        raw = draw(st.binary(min_size=4 + batch, max_size=4 + batch))
         # the shape goes into the generator's seed too (which keeps 32 bits): hypothesis often draws
-        # a seed value again, and the same stream of ids at every shape would vary far less
+        # the same bytes again, and the same stream of ids at every shape would vary far less
         shape = ((batch << 16) + length) * len(PADDING_SIDES) + PADDING_SIDES.index(side)
-        generator = torch.Generator().manual_seed((draw(seeds) + shape * 0x9E3779B1) % 2**32)
+        generator = torch.Generator().manual_seed((int.from_bytes(raw[:4], "big") + shape * 0x9E3779B1) % 2**32)
         input_ids = allowed[torch.randint(len(allowed), (batch, length), generator=generator)]
         mask = torch.ones(batch, length, dtype=torch.long)
         if side != "none":
-            # a pad count per row, below the length: each row keeps a real token
-            pads = torch.randint(length, (batch, 1), generator=generator)
+            # each row keeps a real token
+            pads = torch.tensor(list(raw[4:])).remainder_(length).unsqueeze(1)
             slots = torch.arange(length)
             padded = slots < pads if side == "left" else slots >= length - pads
             mask = mask.masked_fill(padded, 0)
