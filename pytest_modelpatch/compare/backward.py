@@ -39,7 +39,7 @@ from pytest_modelpatch.compare.tolerance import (
     resolve_tolerance,
 )
 from pytest_modelpatch.compare.training import LossFn, TrainingRun, training_run, with_labels
-from pytest_modelpatch.isolation.pristine import pristine
+from pytest_modelpatch.isolation.pristine import running_pristine
 from pytest_modelpatch.models.usage import unused_message, unused_replacements
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
@@ -218,7 +218,7 @@ def compare_training(
     """One training step of each model on ``inputs``, compared; on a difference, locate it."""
     start = time.perf_counter()
     grad_spec = gradient_tolerance(spec)
-    ref = training_run(reference, inputs, loss=loss, checkpointing=checkpointing, around_backward=pristine)
+    ref = training_run(reference, inputs, loss=loss, checkpointing=checkpointing, around_backward=running_pristine)
     pat = training_run(patched, inputs, loss=loss, checkpointing=checkpointing)
     report = _report(reference, patched, inputs, ref, pat, spec, grad_spec, checkpointing_label)
     if locate and not report.passed:
@@ -265,7 +265,7 @@ def _locate(
     calls: tuple[list[BackwardCall], list[BackwardCall]] = ([], [])
     try:
         with backward_calls(reference, calls[0]):
-            training_run(reference, inputs, loss=loss, around_backward=pristine)
+            training_run(reference, inputs, loss=loss, around_backward=running_pristine)
         with backward_calls(patched, calls[1]):
             training_run(patched, inputs, loss=loss)
     except RuntimeError as error:  # full backward hooks refuse modules that modify their outputs in place

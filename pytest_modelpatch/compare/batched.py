@@ -73,6 +73,9 @@ def _compare_group(pairs: list[_Pair], spec: ToleranceSpec, tolerance: Tolerance
     figures of a cleared tensor are computed in float64 on the few elements that can hold its
     largest absolute and relative differences: rounding is monotonic, so the float64 maxima lie
     among the elements within the margin of the working-precision maxima.
+
+    On CPU an elementwise comparison (a bool result) costs 4-8x a subtraction, so the screen
+    uses arithmetic and reductions only, all maxima in one ``_foreach_max``.
     """
     flat_ref = torch.cat([r.detach().reshape(-1) for _, r, _ in pairs])
     flat_pat = torch.cat([p.detach().reshape(-1) for _, _, p in pairs])
@@ -82,19 +85,19 @@ def _compare_group(pairs: list[_Pair], spec: ToleranceSpec, tolerance: Tolerance
     margin = 64 * torch.finfo(work).eps
     sizes = [r.numel() for _, r, _ in pairs]
     ref, pat = flat_ref.to(work), flat_pat.to(work)
-    diff, magnitude = (pat - ref).abs(), ref.abs()
-    max_diff = _maxima(diff, sizes)
-    amax = _maxima(magnitude, sizes)
+    diff = (pat - ref).abs_()
+    magnitude = ref.abs()
+    # diff - rtol * (1 - margin) * |ref| >= abs_term * (1 - margin) anywhere: not cleared (rounding keeps the sign)
+    slack = torch.sub(diff, magnitude, alpha=tolerance.rtol * (1 - margin))
+    # 0 where equal (0/0 is NaN), inf where only the reference is 0; a NaN difference is never cleared anyway
+    rel = torch.div(diff, magnitude).nan_to_num_(nan=0.0, posinf=math.inf)
+    max_diff, amax, max_slack, max_rel = _maxima([diff, magnitude, slack, rel], sizes)
     abs_terms = [tolerance.abs_term(a) for a in amax]
-    # diff >= bound * (1 - margin) anywhere: not cleared (the sign of a difference survives rounding)
-    slack = diff - magnitude * (tolerance.rtol * (1 - margin))
-    torch._foreach_sub_(list(slack.split(sizes)), [a * (1 - margin) for a in abs_terms])
     cleared = [
-        size > 0 and math.isfinite(d) and math.isfinite(a) and s < 0 and a * (1 - margin) > _TINY
-        for size, d, a, s in zip(sizes, max_diff, abs_terms, _maxima(slack, sizes))
+        size > 0 and math.isfinite(d) and math.isfinite(a) and s < a * (1 - margin) and a * (1 - margin) > _TINY
+        for size, d, a, s in zip(sizes, max_diff, abs_terms, max_slack)
     ]  # fmt: skip
-    rel = torch.where(diff == 0, 0.0, diff / magnitude)  # 0 where equal, inf where the reference is 0
-    figures = _exact_figures(flat_ref, flat_pat, diff, rel, sizes, max_diff, _maxima(rel, sizes), margin)
+    figures = _exact_figures(flat_ref, flat_pat, diff, rel, sizes, max_diff, max_rel, margin)
     found, offset = {}, 0
     for i, ((path, r, p), size) in enumerate(zip(pairs, sizes)):
         if size == 0 or max_diff[i] == 0.0:  # equal values, signs of zero aside: what torch.equal sees
@@ -102,9 +105,9 @@ def _compare_group(pairs: list[_Pair], spec: ToleranceSpec, tolerance: Tolerance
         elif not cleared[i]:  # over tolerance, near it, or not finite: the detailed comparison decides
             found[path] = compare_tensors(path, r, p, spec)
         else:
-            max_abs, max_rel, worst, worst_ref, worst_pat = figures[i]
+            max_abs, max_rel_i, worst, worst_ref, worst_pat = figures[i]
             found[path] = TensorComparison(
-                path, tuple(r.shape), dtype_label(r.dtype), max_abs=max_abs, max_rel=max_rel, over=0, total=size,
+                path, tuple(r.shape), dtype_label(r.dtype), max_abs=max_abs, max_rel=max_rel_i, over=0, total=size,
                 worst_index=_unravel(worst - offset, tuple(r.shape)), worst_reference=worst_ref, worst_patched=worst_pat,
                 bound_at_worst=abs_terms[i] + tolerance.rtol * abs(worst_ref), tolerance=tolerance,
             )  # fmt: skip
@@ -112,11 +115,14 @@ def _compare_group(pairs: list[_Pair], spec: ToleranceSpec, tolerance: Tolerance
     return found
 
 
-def _maxima(values: torch.Tensor, sizes: list[int]) -> list[float]:
-    """The largest element of each consecutive slice of ``values`` (NaN when the slice has one)."""
-    parts = [v for v in values.split(sizes) if v.numel()]
-    maxima = iter(torch.stack(torch._foreach_max(parts)).tolist() if parts else [])
-    return [next(maxima) if size else 0.0 for size in sizes]
+def _maxima(values: list[torch.Tensor], sizes: list[int]) -> list[list[float]]:
+    """For each of ``values``, the largest element of each consecutive slice (NaN when the slice has one).
+
+    One ``_foreach_max`` and one copy to Python for all of them.
+    """
+    parts = [part for v in values for part in v.split(sizes) if part.numel()]
+    flat = iter(torch.stack(torch._foreach_max(parts)).tolist() if parts else [])
+    return [[next(flat) if size else 0.0 for size in sizes] for _ in values]
 
 
 def _exact_figures(

@@ -110,9 +110,10 @@ def _is_dropout_attr(name: str, value: Any) -> bool:
     return "dropout" in name and isinstance(value, float) and not isinstance(value, bool)
 
 
-def _configs(model: torch.nn.Module) -> list[Any]:
+def _configs(holders: list[torch.nn.Module]) -> list[Any]:
+    """The configs the scanned modules hold now, with their sub-configs (read fresh at each use)."""
     found: dict[int, Any] = {}
-    for module in model.modules():
+    for module in holders:
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "to_dict"):
             found[id(config)] = config
@@ -130,12 +131,13 @@ def _set_attr(owner: Any, name: str, value: Any) -> None:
 
 
 _CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
-_Scan = tuple[list[torch.nn.Module], list[tuple[torch.nn.Module, str]], list[torch.nn.Module]]
+# (every module, dropout attribute locations, modules that can checkpoint, modules that hold a config)
+_Scan = tuple[list[torch.nn.Module], list[tuple[torch.nn.Module, str]], list[torch.nn.Module], list[torch.nn.Module]]
 _SCANS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[tuple[int, int], ...], _Scan]] = weakref.WeakKeyDictionary()
 
 
 def _module_scan(model: torch.nn.Module) -> _Scan:
-    """Every module, its dropout attributes and the modules that can checkpoint; cached per model.
+    """Every module, its dropout attributes, the modules that can checkpoint and those with a config; cached per model.
 
     The cache holds while the model has the same modules with the same number of attributes, so
     a replaced submodule or a dropout attribute added later is seen; values are always read fresh.
@@ -151,7 +153,8 @@ def _module_scan(model: torch.nn.Module) -> _Scan:
         is_dropout = isinstance(module, torch.nn.modules.dropout._DropoutNd)
         # by name only: the values, and so which are floats, are read at each use
         locations += [(module, k) for k in vars(module) if (k == "p" and is_dropout) or "dropout" in k]
-    scan = (modules, locations, [m for m in modules if hasattr(m, "gradient_checkpointing")])
+    checkpointed = [m for m in modules if hasattr(m, "gradient_checkpointing")]
+    scan = (modules, locations, checkpointed, [m for m in modules if getattr(m, "config", None) is not None])
     _SCANS[model] = (key, scan)
     return scan
 
@@ -168,12 +171,12 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
         with training_state(model, {"use_reentrant": True}):
             model(**inputs).loss.backward()
     """
-    modules, locations, checkpointed = _module_scan(model)
+    modules, locations, checkpointed, holders = _module_scan(model)
     flags = [(m, m.training) for m in modules]
     saved: list[tuple[Any, str, Any]] = [(m, k, m.__dict__.get(k, _ABSENT)) for m in checkpointed for k in _CHECKPOINT_ATTRS]
     current = [(m, k, m.__dict__.get(k, _ABSENT)) for m, k in locations]
     dropouts = [(m, k, v) for m, k, v in current if (k == "p" and v is not _ABSENT) or _is_dropout_attr(k, v)]
-    for config in _configs(model):  # attention functions read config.attention_dropout at call time
+    for config in _configs(holders):  # attention functions read config.attention_dropout at call time
         dropouts += [(config, k, v) for k, v in vars(config).items() if _is_dropout_attr(k, v)]
     saved += dropouts
     grads = [(p, p.grad) for p in model.parameters()]
@@ -265,8 +268,8 @@ def training_run(
 ) -> TrainingRun:
     """One seeded forward and backward of ``model`` in :func:`training_state`; the model is left as found.
 
-    ``around_backward``: a context for the backward (the reference runs it in ``pristine()``, so a
-    checkpointed layer recomputed during backward is unpatched too).
+    ``around_backward``: a context for the backward (the reference runs it in ``running_pristine()``,
+    so a checkpointed layer recomputed during backward is unpatched too).
 
     Example: ``training_run(model, with_labels(model, inputs)).gradients["lm_head.weight"]``.
     """
@@ -274,7 +277,7 @@ def training_run(
     input_grads: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
-        torch.manual_seed(TRAINING_SEED)
+        _seed(device)
         stack.enter_context(training_state(model, checkpointing))
         stack.enter_context(_input_embedding_gradients(model, input_grads))
         with torch.enable_grad():
@@ -284,6 +287,19 @@ def training_run(
                 value.backward()
         gradients = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
     return TrainingRun(_detached(outputs), value.detach(), source, gradients, input_grads)
+
+
+def _seed(device: torch.device) -> None:
+    """Seed the generators the model draws from: the CPU's, and its CUDA device's when it has one.
+
+    The ones ``fork_rng`` above puts back. ``torch.manual_seed`` seeds every backend and, on a
+    machine whose CUDA/XPU/MTIA is never initialised, queues a lazy call with a formatted stack
+    for each one (torch 2.x), costing more than a tiny model's forward and growing the queue.
+    """
+    torch.default_generator.manual_seed(TRAINING_SEED)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(TRAINING_SEED)
 
 
 def _detached(outputs: Any) -> Any:

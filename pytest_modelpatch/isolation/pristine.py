@@ -7,8 +7,9 @@ the reference shares with the patched model. A :class:`PristineScope` records ex
 the test's patches changed (a :class:`NamespaceDelta`: owner, name, value before, value
 after, compared by identity) and swaps those entries back for the length of a block, then
 re-applies them. The reference model enters the current test's scope around every call
-(:func:`install_reference_hooks`), so a session-cached reference runs unpatched whatever
-the test that asks for it registered, and however often a hypothesis run calls it.
+(:func:`running_pristine`, from ``models/reference.py``), so a session-cached reference runs
+unpatched whatever the test that asks for it registered, and however often a hypothesis run
+calls it.
 
 Nothing here imports torch or transformers: modules are read from ``sys.modules``.
 """
@@ -172,3 +173,24 @@ def pristine() -> Iterator[None]:
         else:
             with scope.pristine():
                 yield
+
+
+@contextmanager
+def running_pristine() -> Iterator[None]:
+    """:func:`pristine` for running a model that is already built: the method and context patches swapped out.
+
+    What :func:`pristine` does beyond this, emptying the patch and conversion registries and
+    putting the class-level recorder tables back, matters only while a model is built: transformers
+    reads those registries in ``from_pretrained``/``__init__`` (5.x ``apply_patches``, the
+    conversion mapping, ``patch_output_recorders``), never in a forward or backward, and a reference
+    pins its capture hooks at build time (``models/reference.py``). A model's call sees exactly the
+    module globals and class attributes this swaps, so it computes what it computes in
+    :func:`pristine`, without two copies of the registries per call (3-4x a tiny model's forward
+    overhead). Build models in :func:`pristine`, never in this.
+    """
+    scope = current_scope()
+    if scope is None:
+        yield
+        return
+    with scope.pristine():
+        yield

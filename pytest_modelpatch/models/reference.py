@@ -8,8 +8,9 @@ patches. :func:`prepare_reference` makes it safe to share:
   class-level ``_can_record_outputs`` table, which a patched model built earlier in the same
   test has re-pointed at the replacement classes: a reference first called then would never
   capture again, in any later test (transformers 5.x ``utils/output_capturing.py``);
-- every call enters the current test's pristine scope (:mod:`pytest_modelpatch.isolation.pristine`),
-  so method and context patches are swapped out while it runs;
+- every call enters the current test's pristine scope (:func:`~pytest_modelpatch.isolation.pristine.running_pristine`),
+  so method and context patches are swapped out while it runs (the patch and conversion
+  registries act only while a model is built, and it was built in ``pristine()``);
 - what it was built with (its module classes' attributes, its capture hooks) is recorded, and
   :func:`reference_problems` says what differs now. Every call checks it, and fails with
   :class:`~pytest_modelpatch.errors.ReferenceNotPristineError` rather than compare a patched
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.errors import ReferenceNotPristineError
-from pytest_modelpatch.isolation.pristine import pristine
+from pytest_modelpatch.isolation.pristine import pristine, running_pristine
 
 _RECORD = "_modelpatch_reference_record"
 
@@ -161,7 +162,7 @@ def prepare_reference(model: torch.nn.Module) -> torch.nn.Module:
     scopes: list[Any] = []
 
     def enter(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        scope = pristine()
+        scope = running_pristine()
         scope.__enter__()
         problems = record.problems(module)
         if problems:

@@ -3,7 +3,7 @@
 For users who write ``@given`` themselves (with models built once, at module or
 session scope) and for ``check_equivalence``, which draws from ``model_inputs`` by
 default. Every draw goes through hypothesis, so examples are reproducible from its
-seed and shrink toward short, unpadded batches of token 0-like ids.
+seed and shrink toward short, unpadded batches; token ids come from a drawn seed.
 """
 
 from __future__ import annotations
@@ -66,33 +66,37 @@ def model_inputs(
     if unknown or not sides:
         raise PatchUsageError(f"padding must be among {PADDING_SIDES}, not {padding!r}")
     cls = model_class or model_class_for(config)
-    batches = _ints(batch_sizes if batch_sizes is not None else st.integers(1, max_batch_size), "batch_sizes")
-    lengths = _ints(seq_lens if seq_lens is not None else st.integers(1, max_seq_len), "seq_lens")
+    shapes = _shapes(
+        batch_sizes if batch_sizes is not None else range(1, max_batch_size + 1),
+        seq_lens if seq_lens is not None else range(1, max_seq_len + 1),
+        sides,
+    )
     allowed = ordinary_token_ids(config)
     pad_id = _pad_token_id(config)
     with_positions = "position_ids" in forward_parameters(cls) if position_ids is None else position_ids
 
-    side_strategy = st.sampled_from(sides)
-
     @st.composite
     def draw_inputs(draw: st.DrawFn) -> dict[str, torch.Tensor]:
-        batch, length = draw(batches), draw(lengths)
-        side = draw(side_strategy)
-        # One draw for all token ids: a list of integers costs hypothesis one draw per token,
-        # which outweighs a tiny model's forward. Two bytes a token, shrinking towards allowed[0].
-        raw = draw(st.binary(min_size=2 * batch * length, max_size=2 * batch * length))
-        pairs = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long().view(-1, 2)
-        input_ids = allowed[(pairs[:, 0] * 256 + pairs[:, 1]) % len(allowed)].reshape(batch, length)
+        batch, length, side = draw(shapes)
+        # Then one byte string: a seed for the token ids, and a pad byte per row. Hypothesis costs
+        # about as much per value drawn as a tiny model's forward, and per-token draws cost more
+        # than this whole draw; drawn the same way whatever the side, shrinking the shape keeps its
+        # meaning, and the bytes shrink towards seed 0 and no padding.
+        raw = draw(st.binary(min_size=4 + batch, max_size=4 + batch))
+        # the shape goes into the generator's seed too (which keeps 32 bits): hypothesis often draws
+        # the same bytes again, and the same stream of ids at every shape would vary far less
+        shape = ((batch << 16) + length) * len(PADDING_SIDES) + PADDING_SIDES.index(side)
+        generator = torch.Generator().manual_seed((int.from_bytes(raw[:4], "big") + shape * 0x9E3779B1) % 2**32)
+        input_ids = allowed[torch.randint(len(allowed), (batch, length), generator=generator)]
         mask = torch.ones(batch, length, dtype=torch.long)
         if side != "none":
-            # a byte per row, shrinking towards no padding; each row keeps a real token
-            pads = draw(st.binary(min_size=batch, max_size=batch))
-            for row, byte in enumerate(pads):
-                pad = byte % length
-                padded = slice(0, pad) if side == "left" else slice(length - pad, length)
-                mask[row, padded] = 0
-        if pad_id is not None:
-            input_ids = input_ids.masked_fill(mask == 0, pad_id)
+            # each row keeps a real token
+            pads = torch.tensor(list(raw[4:])).remainder_(length).unsqueeze(1)
+            slots = torch.arange(length)
+            padded = slots < pads if side == "left" else slots >= length - pads
+            mask = mask.masked_fill(padded, 0)
+            if pad_id is not None:
+                input_ids = input_ids.masked_fill(padded, pad_id)
         inputs = {"input_ids": input_ids, "attention_mask": mask}
         if with_positions:
             inputs["position_ids"] = positions_from_mask(mask)
@@ -100,6 +104,36 @@ def model_inputs(
         return inputs
 
     return draw_inputs()
+
+
+def _shapes(batch_sizes: IntsSpec | range, seq_lens: IntsSpec | range, sides: tuple[str, ...]) -> SearchStrategy[tuple[int, int, str]]:
+    """``(batch, length, padding side)``: one drawn index when the choices are listed, else three draws.
+
+    The index orders the shapes by batch, then length, then side (``"none"`` first when allowed),
+    so shrinking it shrinks them in that order, as three draws would shrink, at a third of the cost.
+    """
+    batches, lengths = _listed(batch_sizes, "batch_sizes"), _listed(seq_lens, "seq_lens")
+    ordered = tuple(sorted(sides, key=PADDING_SIDES.index))
+    if batches is None or lengths is None:
+        return st.tuples(_ints(batch_sizes, "batch_sizes"), _ints(seq_lens, "seq_lens"), st.sampled_from(ordered))
+    per_batch = len(lengths) * len(ordered)
+
+    def shape(index: int) -> tuple[int, int, str]:
+        batch, rest = divmod(index, per_batch)
+        length, side = divmod(rest, len(ordered))
+        return batches[batch], lengths[length], ordered[side]
+
+    return st.integers(0, len(batches) * per_batch - 1).map(shape)
+
+
+def _listed(spec: IntsSpec | range, name: str) -> list[int] | None:
+    """The values ``spec`` allows, in ascending order; ``None`` for a strategy (drawn as it is)."""
+    if isinstance(spec, range):
+        return list(spec)
+    if isinstance(spec, SearchStrategy):
+        return None
+    _ints(spec, name)  # validates, with the usual message
+    return [spec] if isinstance(spec, int) else sorted(set(spec))
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,10 @@ pass): before the reference was kept pristine, both passed, since both models ra
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 PATCHES = """
 import contextlib
@@ -265,3 +268,48 @@ def test_after(reference_model, patched_model):
     result.stdout.fnmatch_lines(
         ["*ReferenceNotPristineError*", "*LlamaMLP.forward was replaced*", "*@pytest.mark.patch(methods=*"]
     )
+
+
+def test_a_reference_call_runs_unpatched_while_the_tests_registries_stay_in_place(tmp_path: Path) -> None:
+    # running_pristine() (every reference call) swaps method and context patches only: registered
+    # mappings and conversions act while a model is built, and the reference was built in pristine().
+    from transformers.models.llama import modeling_llama
+
+    from fixtures import load_patch
+    from pytest_modelpatch.isolation.patch_spec import PatchSpec
+    from pytest_modelpatch.isolation.pristine import pristine
+    from pytest_modelpatch.isolation.registration import ActivePatches
+    from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
+
+    builder, request = ModelBuilder(tmp_path), ModelRequest("llama")
+    reference = builder.reference(request)
+    inputs = {"input_ids": torch.tensor([[3, 7, 11, 5]]), "output_hidden_states": True}
+    with torch.no_grad():
+        expected = reference(**inputs)
+    original = modeling_llama.LlamaRMSNorm.forward
+
+    def scaled_norm(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        return original(self, hidden_states) * 2
+
+    class scaled_LlamaRMSNorm:
+        _PATCHED_CLASS_ = modeling_llama.LlamaRMSNorm
+        _PATCHES_ = ["forward"]
+        forward = scaled_norm
+
+    swiglu = load_patch("llama_swiglu_autograd")  # a decoder-side mapping, and a method patch on the norm
+    active = ActivePatches(PatchSpec(mapping=dict(swiglu.MAPPING), methods=[scaled_LlamaRMSNorm], overwrite=True))
+    try:
+        patched = builder.patched(request)
+        with torch.no_grad():
+            ours, theirs = reference(**inputs), patched(**inputs)
+            with pristine():  # the whole pristine world: what the reference must compute
+                full = reference.forward(**inputs)
+        assert modeling_llama.LlamaRMSNorm.forward is scaled_norm  # the test's world is back after each call
+        from transformers import monkey_patching
+
+        assert "LlamaMLP" in monkey_patching.get_patch_mapping()
+    finally:
+        active.close()
+    assert torch.equal(ours.logits, expected.logits) and torch.equal(ours.logits, full.logits)
+    assert len(ours.hidden_states) == len(expected.hidden_states) == reference.config.num_hidden_layers + 1
+    assert not torch.allclose(theirs.logits, expected.logits)  # the method patch reached the patched model
