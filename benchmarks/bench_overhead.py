@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 TESTS = 1000
+REPO = Path(__file__).resolve().parent.parent
 
 MODULE = """
 import torch
@@ -57,7 +58,10 @@ def run(folder: Path, plugin: bool) -> tuple[float, float]:
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist"]
     if not plugin:
         args += ["-p", "no:modelpatch"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # this checkout's package, not whichever one the venv has installed (an editable install
+    # points at one worktree only)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     env.pop("PYTEST_ADDOPTS", None)
     start = time.perf_counter()
     done = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, check=False)
