@@ -7,8 +7,9 @@ same run with ``-p no:modelpatch``, measured in the same invocation, alternating
 hook, so torch's import does not dilute the ratio) and the whole process's wall time.
 Goal: loop ratio <= 1.02x. The baseline loop costs ~0.5 ms a test, so that is ~0.01 ms a
 test: less than pytest spends setting up and tearing down one function-scoped autouse
-fixture (~0.02-0.03 ms), which the guard is. Last figure on a quiet 2-core machine, before
-the guard's fast path: 1.24x, 0.13 ms a test.
+fixture (~0.02-0.03 ms), which the guard is. On a shared 2-core machine, 1.22-1.27x
+(0.12-0.14 ms a test) both before and after the guard's fast path, which halved the guard
+itself (~12 -> ~6 us): pytest's fixture and hook machinery is most of what is left.
 The subprocesses import this checkout's package (PYTHONPATH), not an editable install's.
 
 Run: python benchmarks/bench_overhead.py [ROUNDS]
