@@ -260,14 +260,15 @@ def dtype(request: pytest.FixtureRequest) -> Any:
 def _modelpatch_guard(request: pytest.FixtureRequest) -> Iterator[ActivePatches | None]:
     # Autouse and function-scoped: set up after higher-scoped fixtures and torn down
     # before them, so a module-scoped fixture's own patches are not taken for a leak.
-    mode = parse_leak_mode(request.config.getini("modelpatch_leaks"))
+    mode = _leak_mode(request.config)
     guard = LeakGuard(mode, reuse=True) if mode != "off" else None
     nodeid = request.node.nodeid
     active = None
     usage_error = None
     reset_tolerance = None
     try:
-        spec = collect_patch_spec(request.node)
+        # keywords hold every marker name of the node and its parents: a cheap test before the marker walk
+        spec = collect_patch_spec(request.node) if "patch" in request.node.keywords else None
         if spec is not None:
             from pytest_modelpatch.isolation.registration import ActivePatches
 
@@ -294,6 +295,15 @@ def _modelpatch_guard(request: pytest.FixtureRequest) -> Iterator[ActivePatches 
 
 
 _SCOPED_GUARDS: dict[Any, LeakGuard] = {}
+_LEAK_MODE = pytest.StashKey[str]()
+
+
+def _leak_mode(config: pytest.Config) -> str:
+    """``modelpatch_leaks``, parsed once per session (pytest_configure validated it)."""
+    mode = config.stash.get(_LEAK_MODE, None)
+    if mode is None:
+        mode = config.stash[_LEAK_MODE] = parse_leak_mode(config.getini("modelpatch_leaks"))
+    return mode
 
 
 @pytest.hookimpl(wrapper=True)
@@ -302,7 +312,7 @@ def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.Fix
     # the tests it serves take it as their baseline.
     if fixturedef.scope != "function" and fixturedef not in _SCOPED_GUARDS:
         scope_changed()
-        mode = parse_leak_mode(request.config.getini("modelpatch_leaks"))
+        mode = _leak_mode(request.config)
         if mode != "off":
             _SCOPED_GUARDS[fixturedef] = LeakGuard(mode)
     return (yield)
@@ -358,7 +368,7 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
 
 
 def _set_test_tolerance(item: pytest.Item) -> Any:
-    if item.get_closest_marker("tolerance") is None and not any(
+    if "tolerance" not in item.keywords and not any(
         item.config.getini(k) for k in ("modelpatch_atol", "modelpatch_rtol", "modelpatch_tolerance_policy")
     ):
         return None

@@ -36,6 +36,12 @@ class PatchStateGuard:
         """What differs from the snapshot now."""
         return self.snapshot.changes()
 
+    def close(self) -> None:
+        """End the guard without restoring: for a caller that knows nothing changed (``snapshot.unchanged()``)."""
+        if self._open:
+            self._open = False
+            deactivate(self.snapshot)
+
     def restore(self, *, report: bool = True) -> list[str]:
         """Restore everything; returns what had changed (``[]`` unasked: ``report=False``). Safe to call twice."""
         if not self._open:

@@ -59,6 +59,7 @@ class LeakGuard:
     With ``reuse``, the snapshots of the previous test's guard are taken over when nothing
     could have changed since it restored them: no wider-scoped fixture set up or tore down
     and no watched module was imported (function-scoped fixtures run inside the guard).
+    ``finish()`` restores and diffs only when the state is not the one the last restore left.
     """
 
     def __init__(self, mode: str, *, reuse: bool = False) -> None:
@@ -72,10 +73,22 @@ class LeakGuard:
 
     def finish(self, nodeid: str) -> str | None:
         """Restore what leaked; in ``error`` mode return the report, in ``warn`` mode warn it."""
-        changes = self._guard.restore()
-        changes += self._library.reconcile()
-        if self._reuse:  # restored: the live state equals the snapshots again
-            _REUSABLE["test"] = (_moment(), self._guard.snapshot, self._library)
+        snapshot, library = self._guard.snapshot, self._library
+        # The common test changes nothing: a comparison with the state the last restore left
+        # stands in for restoring and diffing (both idempotent, so they would find nothing).
+        changes: list[str] = []
+        if snapshot.unchanged():
+            self._guard.close()
+        else:
+            changes += self._guard.restore()
+            snapshot.settle()
+        if not library.unchanged():
+            changes += library.reconcile()
+            library.settle()
+        # restored: the live state equals the snapshots again. Not after an import: the next
+        # guard takes a library state that holds the new module, so its fast path can see it.
+        if self._reuse and library.executions == executions():
+            _REUSABLE["test"] = (_moment(), snapshot, library)
         if not changes:
             return None
         message = leak_message(nodeid, changes)

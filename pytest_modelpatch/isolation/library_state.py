@@ -17,6 +17,7 @@ Nothing here imports torch or transformers.
 from __future__ import annotations
 
 import importlib.abc
+import operator
 import sys
 import types
 from dataclasses import dataclass, field
@@ -195,6 +196,8 @@ class LibraryState:
     modules: dict[str, _ModuleRecord] = field(default_factory=dict)
     registries: list[_RegistryRecord] = field(default_factory=list)
     executions: int = 0  # the import counter when taken: unchanged means no module to look for
+    _watched: list[Any] = field(default_factory=list)  # module and class __dict__s and registries: see unchanged()
+    _settled: list[dict[str, Any]] | None = None
 
     @classmethod
     def take(cls) -> LibraryState:
@@ -215,6 +218,28 @@ class LibraryState:
         if _EXECUTIONS[0] != self.executions:
             found += self._reconcile_imported()
         return found
+
+    def settle(self) -> None:
+        """Copy what reconcile() reads, just after take() or reconcile(), for ``unchanged()``."""
+        if not self._watched:
+            self._watched = [r.module.__dict__ for r in self.modules.values()]
+            self._watched += [klass.__dict__ for r in self.modules.values() for klass, _ in r.classes.values()]
+            self._watched += [r.live for r in self.registries]
+        self._settled = [dict(d) for d in self._watched]
+
+    def unchanged(self) -> bool:
+        """True when every watched dict equals what settle() copied and no watched module was executed.
+
+        reconcile() is idempotent, so it would find and change nothing. Equality, as ``_same``
+        compares: identity first, so a rebound function or class always differs. One C-level
+        comparison a dict, where reconcile() walks each module and class in Python.
+        """
+        if self._settled is None or _EXECUTIONS[0] != self.executions:
+            return False
+        try:
+            return all(map(operator.eq, self._watched, self._settled))
+        except Exception:  # noqa: BLE001 - a distinct tensor's ambiguous truth value: let reconcile() look
+            return False
 
     def _reconcile_imported(self) -> list[str]:
         """Modules and registries first imported after the snapshot, against what importing built."""

@@ -122,6 +122,8 @@ class PatchStateSnapshot:
     recorder_tables: dict[int, _RecorderTable] = field(default_factory=dict)
     attributes: list[_SavedAttribute] = field(default_factory=list)
     _saved_keys: set[tuple[int, str]] = field(default_factory=set)
+    _settled: tuple[Any, ...] | None = None  # the live state settle() saw: see unchanged()
+    _settled_objects: list[Any] = field(default_factory=list)  # alive, so no new object reuses an id in _settled
 
     # -- taking -------------------------------------------------------------
     @classmethod
@@ -208,6 +210,45 @@ class PatchStateSnapshot:
                 found.append(f"checkpoint conversions: the mapping for {key!r} was replaced or changed")
         return found
 
+    # -- the fast path for a test that changed nothing ------------------------
+    def settle(self) -> None:
+        """Remember the live state, just after take() or restore(), for ``unchanged()``."""
+        self._settled_objects = []
+        self._settled = self._fingerprint(self._settled_objects)
+
+    def unchanged(self) -> bool:
+        """True when everything restore() writes is as settle() saw it: restore() and changes() have nothing to do.
+
+        Restoring is idempotent, so a state equal to the one it left needs no second pass.
+        Object identity is compared where changes() compares it (mapping values, conversion
+        entries); recorder tables by equality, as changes() does. Never true before settle().
+        """
+        return self._settled is not None and self._fingerprint() == self._settled
+
+    def _fingerprint(self, keep: list[Any] | None = None) -> tuple[Any, ...]:
+        def ids(value: Any) -> Any:
+            return _identities(value, keep)
+
+        mp, cm, fm = (sys.modules.get(name) for name in (MONKEY_PATCHING, CONVERSION_MAPPING, FUSION_MAPPING))
+        parts: list[Any] = [mp, cm, fm, [ids(vars(a.owner).get(a.name, _MISSING)) for a in self.attributes]]
+        if mp is not None:
+            parts += [ids(mp._monkey_patch_mapping_cache), ids(getattr(mp, "_compiled_patterns_cache", None))]
+        if cm is not None:
+            cache = cm._checkpoint_conversion_mapping_cache
+            registered = getattr(cm, "USER_REGISTERED_MAPPINGS", None)
+            parts += [ids(cache), None if registered is None else frozenset(registered)]
+            if cache is not None:  # lists are restored in place: their members count, not only the list
+                parts.append([ids(v) for v in cache.values() if isinstance(v, list)])
+        if fm is not None:
+            discovery = getattr(fm, "_FUSION_DISCOVERY_CACHE", None)
+            sources = getattr(fm, "_REGISTERED_FUSION_SOURCE_PATTERNS", None)
+            parts += [None if discovery is None else {k: dict(v) for k, v in discovery.items()},
+                      None if sources is None else {k: frozenset(v) for k, v in sources.items()}]
+        for table in self.recorder_tables.values():
+            parts += [dict(table.table), [list(lst) for lst, _ in table.lists],
+                      [(ids(r.target_class), r.class_name) for r, _, _ in table.targets]]
+        return tuple(parts)
+
     # -- restoring ----------------------------------------------------------
     def restore(self) -> None:
         """Put every recorded part back, in place where transformers holds references."""
@@ -251,6 +292,18 @@ class PatchStateSnapshot:
         cache.update(self.conversions)
         for key, items in self.conversion_lists.items():
             cache[key][:] = items
+
+
+def _identities(value: Any, keep: list[Any] | None) -> Any:
+    """What a value is, by object identity: its id, and the keys and member ids of a dict or list.
+
+    ``keep`` collects the objects behind the ids: held, none of them can die and lend its id to another.
+    """
+    members = list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else [value]
+    if keep is not None:
+        keep.append(value)
+        keep.extend(members)
+    return id(value), tuple(value) if isinstance(value, dict) else (), tuple(map(id, members))
 
 
 def _restore_nested(live: dict[Any, Any] | None, saved: dict[Any, Any] | None, kind: type) -> None:

@@ -181,3 +181,51 @@ def test_uses_the_leaky_fixture(leaky_module_fixture):
     )
     result.stdout.no_fnmatch_line("*fast_norm*leaked*")
     result.stdout.no_fnmatch_line("*conftest_marker*")
+
+
+def test_a_leak_that_keeps_sizes_and_values_is_caught_after_clean_tests(pytester: pytest.Pytester) -> None:
+    # Clean tests first: the guard then compares with the state the last restore left (its fast
+    # path). Each leak below keeps every dict's size, and most keep its values in order too.
+    pytester.makepyfile(
+        HEADER
+        + """
+from transformers import conversion_mapping
+
+
+def test_a_clean():
+    pass
+
+
+def test_b_clean():
+    pass
+
+
+def test_c_renames_the_last_global_keeping_its_value():
+    namespace = modeling_llama.__dict__
+    key = list(namespace)[-1]
+    namespace["renamed_" + key] = namespace.pop(key)
+
+
+def test_d_registers_a_conversion_name_only():
+    conversion_mapping.USER_REGISTERED_MAPPINGS.add("my_family")
+
+
+def test_e_replaces_a_recorder_target_in_place():
+    modeling_llama.LlamaPreTrainedModel._can_record_outputs["attentions"] = MyNorm
+
+
+def test_z_sees_the_originals():
+    assert not any(key.startswith("renamed_") for key in vars(modeling_llama))
+    assert "my_family" not in conversion_mapping.USER_REGISTERED_MAPPINGS
+    assert modeling_llama.LlamaPreTrainedModel._can_record_outputs["attentions"] is modeling_llama.LlamaAttention
+"""
+    )
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=6, errors=3)
+    result.stdout.fnmatch_lines_random(
+        [
+            "*modeling_llama.renamed_* added*",
+            "*checkpoint conversions: 'my_family' was registered and not removed",
+            "*_can_record_outputs?'attentions'? is *MyNorm*",
+        ]
+    )
