@@ -185,14 +185,7 @@ def _shrink_stage_widths(out: dict[str, Any], fixed: set[str]) -> None:
         out[key] = [v // divisor for v in values]
     if divisor > 1:
         _divide_stem(out, lists, divisor, fixed)
-    # Swin-style: one embedding width, doubled at every stage
-    depths, embed = out.get("depths"), out.get("embed_dim")
-    if _is_int_list(depths) and _is_int(embed) and "embed_dim" not in fixed:
-        while embed * 2 ** (len(depths) - 1) > TINY_STAGE_WIDTH and embed % 2 == 0 and embed > 16:
-            embed //= 2
-        out["embed_dim"] = embed
-        if _is_int(out.get("hidden_size")) and "hidden_size" not in fixed:
-            out["hidden_size"] = embed * 2 ** (len(depths) - 1)  # Swin derives it the same way
+    # Swin-style single embedding widths: tiny_vision.fit_stage_widths
 
 
 # A transformers ResNet in place of a timm one (timm needs torchvision, which often cannot
