@@ -15,7 +15,7 @@ import torch
 from transformers import PretrainedConfig
 
 from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_inputs, text_request_inputs
+from pytest_modelpatch.models.inputs.text import text_companions, text_inputs, text_request_inputs
 from pytest_modelpatch.models.inputs.vision import pixel_values
 
 Builder = Callable[[InputRequest], "dict[str, torch.Tensor]"]
@@ -238,11 +238,78 @@ def _patch_grid(config: PretrainedConfig) -> int:
     return (vision.image_size // vision.patch_size) ** 2
 
 
+def _halved(side: int, times: int) -> int:
+    """A feature-map side after ``times`` stride-2, padding-1 convolutions (ceil division)."""
+    for _ in range(times):
+        side = (side + 1) // 2
+    return side
+
+
+def _sam_queries(config: PretrainedConfig) -> int:
+    """DeepSeek-OCR-style SAM tower: patch grid side after its stride-2 neck convolutions."""
+    sam = config.vision_config.sam_config
+    return _halved(sam.image_size // sam.patch_size, len(sam.downsample_channels))
+
+
+def _ocr_rows_with_newlines(config: PretrainedConfig) -> int:
+    # Unlimited-OCR: every row of the global view ends with a newline token, then one view separator
+    side = _sam_queries(config)
+    return side * (side + 1) + 1
+
+
+def _ocr2_queries(config: PretrainedConfig) -> int:
+    # DeepSeek-OCR 2: the encoder emits its learned queries (144 up to a 12x12 grid, else 256)
+    # whatever the patch count, then one view separator
+    return (144 if _sam_queries(config) ** 2 <= 144 else 256) + 1
+
+
+def _florence_tokens(config: PretrainedConfig) -> int:
+    # DaViT: one conv per stage (kernel, stride, padding each), then one token per spatial
+    # position plus the temporal mean of the single frame
+    vision, side = config.vision_config, 32  # pixel_values' default size: DaViT's config has none
+    for kernel, stride, pad in zip(vision.patch_size, vision.patch_stride, vision.patch_padding):
+        side = (side + 2 * pad - kernel) // stride + 1
+    return side * side + 1
+
+
+def _vq_tokens(config: PretrainedConfig) -> int:
+    # Chameleon: the VQGAN halves the image once per channel-multiplier stage but the last,
+    # and each latent cell becomes one image token
+    vq = config.vq_config
+    return (vq.resolution // 2 ** (len(vq.channel_multiplier) - 1)) ** 2
+
+
 # LLaVA-style models whose image-feature count per image no config key states: model type ->
 # placeholders per image, from the (shrunk) config.
 IMAGE_TOKENS_PER_IMAGE: dict[str, Callable[[PretrainedConfig], int]] = {
     "cohere2_vision": lambda c: _patch_grid(c) // c.downsample_factor**2,  # pixel-shuffle projector
     "janus": _patch_grid,  # SigLIP patches, one token each
+    "unlimited_ocr": _ocr_rows_with_newlines,
+    "deepseek_ocr2": _ocr2_queries,
+    "step3p7": lambda c: _halved(c.vision_config.image_size // c.vision_config.patch_size, 2),  # 2 stride-2 convs
+    "florence2": _florence_tokens,
+    "chameleon": _vq_tokens,
+    # Emu3: VQ latent cells plus an end-of-row token per latent row (image_sizes below)
+    "emu3": lambda c: _vq_tokens(c) + c.vq_config.resolution // 2 ** (len(c.vq_config.channel_multiplier) - 1),
+    "deepseek_vl_hybrid": _patch_grid,  # the aligner keeps the low-res SigLIP grid, high-res SAM fused in
+}
+
+
+def _image_sizes(request: InputRequest, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+    # Emu3 crops each image's VQ codes to its (height, width): the whole image here
+    return {"image_sizes": torch.tensor([list(pixels.shape[-2:])] * pixels.shape[0])}
+
+
+def _high_res_view(request: InputRequest, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+    # DeepSeek-VL hybrid: the same picture again at the SAM tower's size, for its high-res branch
+    high = request.config.high_res_vision_config
+    return {"high_res_pixel_values": request.randn(pixels.shape[0], high.num_channels, high.image_size, high.image_size)}
+
+
+# Metadata a family's forward needs beside the spliced image: model type -> extra inputs.
+IMAGE_SIDE_INPUTS: dict[str, Callable[[InputRequest, torch.Tensor], dict[str, torch.Tensor]]] = {
+    "emu3": _image_sizes,
+    "deepseek_vl_hybrid": _high_res_view,
 }
 
 
@@ -255,10 +322,15 @@ def spliced_image_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     config, batch = request.config, request.batch_size
     count = IMAGE_TOKENS_PER_IMAGE[config.model_type](config)
     inputs = text_request_inputs(request)
+    # decoder ids of an encoder-decoder (Florence-2) are the plain text, without placeholders
+    inputs.update(text_companions(config, request.model_class, inputs["input_ids"]))
     placeholders = torch.full((batch, count), config.image_token_id, dtype=torch.long)
     inputs["input_ids"] = torch.cat([inputs["input_ids"][:, :2], placeholders, inputs["input_ids"][:, 2:]], dim=1)
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     inputs["pixel_values"] = pixel_values(config, batch, request.generator)
+    side = IMAGE_SIDE_INPUTS.get(config.model_type)
+    if side is not None:
+        inputs.update(side(request, inputs["pixel_values"]))
     return inputs
 
 

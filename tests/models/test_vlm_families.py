@@ -1,0 +1,53 @@
+"""VLMs whose example inputs carry a real image: the tower runs in the compared forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_modelpatch.models.checkpoints import seeded_model
+from pytest_modelpatch.models.families import model_class_for, tiny_config
+from pytest_modelpatch.models.inputs import example_inputs
+from pytest_modelpatch.models.inputs.composite import IMAGE_TOKENS_PER_IMAGE
+
+SPLICED_VLMS = [
+    "unlimited_ocr", "deepseek_ocr2", "step3p7", "florence2", "chameleon", "emu3", "deepseek_vl_hybrid",
+]  # fmt: skip
+
+
+def _model_and_inputs(model_type: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    config = tiny_config(model_type)
+    model = seeded_model(config, model_class=model_class_for(config))
+    return model, example_inputs(config, model_class=type(model))
+
+
+@pytest.mark.parametrize("model_type", SPLICED_VLMS)
+def test_the_image_reaches_the_compared_outputs(model_type: str) -> None:
+    # another image, other outputs: a patch of the vision tower would be compared
+    model, inputs = _model_and_inputs(model_type)
+    other = {**inputs, "pixel_values": torch.randn_like(inputs["pixel_values"])}
+    with torch.no_grad():
+        first, second = model(**inputs)[0], model(**other)[0]
+    assert not torch.allclose(first, second)
+
+
+@pytest.mark.parametrize("model_type", SPLICED_VLMS)
+def test_one_placeholder_per_image_feature(model_type: str) -> None:
+    # the forward checks the count too; here it is the table's, per row
+    config = tiny_config(model_type)
+    _, inputs = _model_and_inputs(model_type)
+    per_row = (inputs["input_ids"] == config.image_token_id).sum(dim=1).tolist()
+    assert per_row == [IMAGE_TOKENS_PER_IMAGE[model_type](config)] * inputs["input_ids"].shape[0]
+
+
+def test_an_encoder_decoder_vlm_decodes_plain_text() -> None:
+    config = tiny_config("florence2")
+    _, inputs = _model_and_inputs("florence2")
+    assert not (inputs["decoder_input_ids"] == config.image_token_id).any()
+
+
+def test_emu3_image_sizes_and_deepseek_vl_hybrid_high_res_view_come_with_the_image() -> None:
+    _, emu3 = _model_and_inputs("emu3")
+    assert emu3["image_sizes"].tolist() == [list(emu3["pixel_values"].shape[-2:])] * 2
+    _, hybrid = _model_and_inputs("deepseek_vl_hybrid")
+    assert hybrid["high_res_pixel_values"].shape[-1] == tiny_config("deepseek_vl_hybrid").high_res_vision_config.image_size
