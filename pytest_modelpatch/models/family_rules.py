@@ -126,6 +126,15 @@ def _align(level: dict[str, Any]) -> None:
     level["projection_dim"] = pooled + divisor if pooled < 0.9 * channels else pooled
 
 
+def _muse_spark_adapter_width(level: dict[str, Any]) -> None:
+    # Muse Spark's vision tower pixel-shuffles merge_size**2 patches into one token, so its
+    # adapter reads vision hidden_size * merge_size**2 (out_hidden_size, 6144 = 1536 * 4):
+    # a number the config repeats, which the width rule shrank to the plain tiny width
+    vision = level.get("vision_config")
+    if isinstance(vision, dict) and "merge_size" in vision:
+        level["out_hidden_size"] = vision["hidden_size"] * vision["merge_size"] ** 2
+
+
 CONFIG_RULES: dict[str, ConfigRule] = {
     "tvp": _tvp,
     "bros": _bros,
@@ -174,6 +183,7 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # per-stage widths under a name (hidden_sizes) generic shrinking leaves to vision backbones;
     # 256..2048 channels make 100M parameters. Doubling per stage, ending at the tiny width.
     "muse_spark_audio": {"hidden_sizes": [8, 16, 32, 64]},
+    "muse_spark": _muse_spark_adapter_width,
     # The forward samples with torch.randn scaled by these (a VAE latent, VITS' flow and
     # duration noise), so two runs of the same weights differ; at zero they agree and every
     # layer still runs.

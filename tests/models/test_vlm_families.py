@@ -8,11 +8,12 @@ import torch
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.models.families import model_class_for, tiny_config
 from pytest_modelpatch.models.inputs import example_inputs
-from pytest_modelpatch.models.inputs.composite import IMAGE_TOKENS_PER_IMAGE
+from pytest_modelpatch.models.inputs.composite import GRID_IMAGE_FAMILIES, IMAGE_TOKENS_PER_IMAGE
 
 SPLICED_VLMS = [
     "unlimited_ocr", "deepseek_ocr2", "step3p7", "florence2", "chameleon", "emu3", "deepseek_vl_hybrid",
 ]  # fmt: skip
+GRID_VLMS = ["hunyuan_vl", "muse_spark", "dots3_note"]
 
 
 def _model_and_inputs(model_type: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -21,7 +22,7 @@ def _model_and_inputs(model_type: str) -> tuple[torch.nn.Module, dict[str, torch
     return model, example_inputs(config, model_class=type(model))
 
 
-@pytest.mark.parametrize("model_type", SPLICED_VLMS)
+@pytest.mark.parametrize("model_type", SPLICED_VLMS + GRID_VLMS)
 def test_the_image_reaches_the_compared_outputs(model_type: str) -> None:
     # another image, other outputs: a patch of the vision tower would be compared
     model, inputs = _model_and_inputs(model_type)
@@ -51,3 +52,19 @@ def test_emu3_image_sizes_and_deepseek_vl_hybrid_high_res_view_come_with_the_ima
     assert emu3["image_sizes"].tolist() == [list(emu3["pixel_values"].shape[-2:])] * 2
     _, hybrid = _model_and_inputs("deepseek_vl_hybrid")
     assert hybrid["high_res_pixel_values"].shape[-1] == tiny_config("deepseek_vl_hybrid").high_res_vision_config.image_size
+
+
+@pytest.mark.parametrize("model_type", GRID_VLMS)
+def test_packed_patches_match_their_grid_and_placeholders(model_type: str) -> None:
+    config = tiny_config(model_type)
+    _, inputs = _model_and_inputs(model_type)
+    grid = inputs["image_grid_thw"]
+    assert inputs["pixel_values"].shape[0] == int(grid.prod(-1).sum())
+    per_row = (inputs["input_ids"] == config.image_token_id).sum(dim=1).tolist()
+    assert per_row == [GRID_IMAGE_FAMILIES[model_type][1](config)] * grid.shape[0]
+
+
+def test_muse_spark_adapter_reads_pixel_shuffled_vision_tokens() -> None:
+    config = tiny_config("muse_spark")
+    vision = config.vision_config
+    assert config.out_hidden_size == vision.hidden_size * vision.merge_size**2

@@ -334,6 +334,52 @@ def spliced_image_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     return inputs
 
 
+_IMAGE_GRID = (1, 4, 4)  # (frames, patch rows, patch columns): one 2x2 block per merged token
+
+
+def _merged(config: PretrainedConfig) -> tuple[int, int]:
+    vision = config.vision_config
+    merge = getattr(vision, "spatial_merge_size", None) or vision.merge_size
+    return _IMAGE_GRID[1] // merge, _IMAGE_GRID[2] // merge
+
+
+def _hunyuan_tokens(config: PretrainedConfig) -> int:
+    # a newline after each merged row, and begin/end embeddings around the image
+    rows, columns = _merged(config)
+    return rows * (columns + 1) + 2
+
+
+# Packed-patch VLMs with ``image_grid_thw`` that the Qwen-VL rule does not recognise (no
+# temporal_patch_size / in_channels): model type -> (values per patch, placeholders per image).
+GRID_IMAGE_FAMILIES: dict[str, tuple[Callable[[PretrainedConfig], int], Callable[[PretrainedConfig], int]]] = {
+    "hunyuan_vl": (lambda c: c.vision_config.num_channels * c.vision_config.patch_size**2, _hunyuan_tokens),
+    # Muse Spark's patch embedding is a linear over patch_temporal RGB frames of a patch
+    "muse_spark": (lambda c: c.vision_config.patch_temporal * 3 * c.vision_config.patch_size**2, lambda c: _merged(c)[0] * _merged(c)[1]),
+    "dots3_note": (lambda c: c.vision_config.num_channels * c.vision_config.patch_size**2, lambda c: _merged(c)[0] * _merged(c)[1]),
+}
+
+
+def _takes_packed_grid_image(request: InputRequest) -> bool:
+    return request.config.model_type in GRID_IMAGE_FAMILIES and {"pixel_values", "image_grid_thw"} <= request.params
+
+
+def packed_grid_image_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """One 4x4-patch image per row, as flattened patches plus ``image_grid_thw``, its merged
+    tokens as placeholders after two text tokens."""
+    config, batch = request.config, request.batch_size
+    volume, tokens = (rule(config) for rule in GRID_IMAGE_FAMILIES[config.model_type])
+    inputs = text_request_inputs(request)
+    placeholders = torch.full((batch, tokens), config.image_token_id, dtype=torch.long)
+    inputs["input_ids"] = torch.cat([inputs["input_ids"][:, :2], placeholders, inputs["input_ids"][:, 2:]], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    patches = _IMAGE_GRID[0] * _IMAGE_GRID[1] * _IMAGE_GRID[2]
+    inputs["pixel_values"] = request.randn(batch * patches, volume)
+    inputs["image_grid_thw"] = torch.tensor([_IMAGE_GRID] * batch)
+    if request.takes("mm_token_type_ids"):
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == config.image_token_id).long()
+    return inputs
+
+
 COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_query_tokens, query_token_inputs),
     (_takes_region_features, region_feature_inputs),
@@ -347,4 +393,5 @@ COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_action_embeds, action_prefix_inputs),
     (_takes_draft_context, draft_block_inputs),
     (_takes_spliced_image, spliced_image_inputs),
+    (_takes_packed_grid_image, packed_grid_image_inputs),
 ]
