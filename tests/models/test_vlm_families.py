@@ -11,7 +11,7 @@ from pytest_modelpatch.models.inputs import example_inputs
 from pytest_modelpatch.models.inputs.composite import GRID_IMAGE_FAMILIES, IMAGE_TOKENS_PER_IMAGE
 
 SPLICED_VLMS = [
-    "unlimited_ocr", "deepseek_ocr2", "step3p7", "florence2", "chameleon", "emu3", "deepseek_vl_hybrid",
+    "unlimited_ocr", "deepseek_ocr2", "step3p7", "florence2", "chameleon", "emu3", "deepseek_vl_hybrid", "llama4",
 ]  # fmt: skip
 GRID_VLMS = ["hunyuan_vl", "muse_spark", "dots3_note"]
 
@@ -68,3 +68,8 @@ def test_muse_spark_adapter_reads_pixel_shuffled_vision_tokens() -> None:
     config = tiny_config("muse_spark")
     vision = config.vision_config
     assert config.out_hidden_size == vision.hidden_size * vision.merge_size**2
+
+
+def test_llama4_adapter_reads_the_pixel_shuffled_width() -> None:
+    vision = tiny_config("llama4").vision_config
+    assert vision.intermediate_size == vision.hidden_size / vision.pixel_shuffle_ratio**2

@@ -292,6 +292,8 @@ IMAGE_TOKENS_PER_IMAGE: dict[str, Callable[[PretrainedConfig], int]] = {
     # Emu3: VQ latent cells plus an end-of-row token per latent row (image_sizes below)
     "emu3": lambda c: _vq_tokens(c) + c.vq_config.resolution // 2 ** (len(c.vq_config.channel_multiplier) - 1),
     "deepseek_vl_hybrid": _patch_grid,  # the aligner keeps the low-res SigLIP grid, high-res SAM fused in
+    # Llama 4: the adapter pixel-shuffles ratio**-2 patches into one token
+    "llama4": lambda c: int(_patch_grid(c) * c.vision_config.pixel_shuffle_ratio**2),
 }
 
 
