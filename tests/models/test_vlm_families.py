@@ -12,6 +12,7 @@ from pytest_modelpatch.models.inputs.composite import GRID_IMAGE_FAMILIES, IMAGE
 
 SPLICED_VLMS = [
     "unlimited_ocr", "deepseek_ocr2", "step3p7", "florence2", "chameleon", "emu3", "deepseek_vl_hybrid", "llama4",
+    "granite4_vision",
 ]  # fmt: skip
 GRID_VLMS = ["hunyuan_vl", "muse_spark", "dots3_note"]
 
@@ -73,3 +74,19 @@ def test_muse_spark_adapter_reads_pixel_shuffled_vision_tokens() -> None:
 def test_llama4_adapter_reads_the_pixel_shuffled_width() -> None:
     vision = tiny_config("llama4").vision_config
     assert vision.intermediate_size == vision.hidden_size / vision.pixel_shuffle_ratio**2
+
+
+def test_granite4_vision_pinpoints_are_whole_tiles_of_the_tiny_tower() -> None:
+    config = tiny_config("granite4_vision")
+    tile = config.vision_config.image_size
+    assert all(side % tile == 0 for point in config.image_grid_pinpoints for side in point)
+    assert config.deepstack_layer_map == [[0, 0], [1, 1]]  # the text module's rule still applies
+
+
+def test_granite4_vision_gets_the_base_view_and_the_pinpoint_tiles() -> None:
+    config = tiny_config("granite4_vision")
+    _, inputs = _model_and_inputs("granite4_vision")
+    height, width = config.image_grid_pinpoints[0]
+    tile = config.vision_config.image_size
+    assert inputs["pixel_values"].shape[1] == 1 + (height // tile) * (width // tile)
+    assert inputs["image_sizes"].tolist() == [[height, width]] * 2

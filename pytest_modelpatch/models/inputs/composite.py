@@ -10,6 +10,7 @@ CANINE's code points). It returns ``None`` for every other model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from fractions import Fraction
 
 import torch
 from transformers import PretrainedConfig
@@ -279,6 +280,16 @@ def _vq_tokens(config: PretrainedConfig) -> int:
     return (vq.resolution // 2 ** (len(vq.channel_multiplier) - 1)) ** 2
 
 
+def _anyres_tokens(config: PretrainedConfig) -> int:
+    # Granite 4 Vision (LLaVA-NeXT anyres): an image exactly the first pinpoint is the base
+    # tile plus that grid of tiles, each tile's patches downsampled by downsample_rate; the
+    # grid's rows end in a newline token, and an exact fit unpads nothing
+    vision, (height, width) = config.vision_config, config.image_grid_pinpoints[0]
+    side = int(vision.image_size // vision.patch_size * Fraction(config.downsample_rate))
+    rows, columns = height // vision.image_size * side, width // vision.image_size * side
+    return side * side + rows * (columns + 1)
+
+
 # LLaVA-style models whose image-feature count per image no config key states: model type ->
 # placeholders per image, from the (shrunk) config.
 IMAGE_TOKENS_PER_IMAGE: dict[str, Callable[[PretrainedConfig], int]] = {
@@ -292,9 +303,21 @@ IMAGE_TOKENS_PER_IMAGE: dict[str, Callable[[PretrainedConfig], int]] = {
     # Emu3: VQ latent cells plus an end-of-row token per latent row (image_sizes below)
     "emu3": lambda c: _vq_tokens(c) + c.vq_config.resolution // 2 ** (len(c.vq_config.channel_multiplier) - 1),
     "deepseek_vl_hybrid": _patch_grid,  # the aligner keeps the low-res SigLIP grid, high-res SAM fused in
+    "granite4_vision": _anyres_tokens,
     # Llama 4: the adapter pixel-shuffles ratio**-2 patches into one token
     "llama4": lambda c: int(_patch_grid(c) * c.vision_config.pixel_shuffle_ratio**2),
 }
+
+
+def _anyres_tiles(request: InputRequest, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+    # the base view then the pinpoint's tiles, (batch, tiles, C, tile, tile), at the image's size
+    config = request.config
+    height, width = config.image_grid_pinpoints[0]
+    tiles = 1 + (height // pixels.shape[-2]) * (width // pixels.shape[-1])
+    return {
+        "pixel_values": request.randn(pixels.shape[0], tiles, *pixels.shape[1:]),
+        "image_sizes": torch.tensor([[height, width]] * pixels.shape[0]),
+    }
 
 
 def _image_sizes(request: InputRequest, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -312,6 +335,7 @@ def _high_res_view(request: InputRequest, pixels: torch.Tensor) -> dict[str, tor
 IMAGE_SIDE_INPUTS: dict[str, Callable[[InputRequest, torch.Tensor], dict[str, torch.Tensor]]] = {
     "emu3": _image_sizes,
     "deepseek_vl_hybrid": _high_res_view,
+    "granite4_vision": _anyres_tiles,
 }
 
 
