@@ -8,7 +8,7 @@ import torch
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.models.families import model_class_for, tiny_config
 from pytest_modelpatch.models.inputs import example_inputs
-from pytest_modelpatch.models.inputs.composite import GRID_IMAGE_FAMILIES, IMAGE_TOKENS_PER_IMAGE
+from pytest_modelpatch.models.inputs.composite import GRID_IMAGE_FAMILIES, IMAGE_TOKENS_PER_IMAGE, crop_tokens
 
 SPLICED_VLMS = [
     "unlimited_ocr", "deepseek_ocr2", "step3p7", "florence2", "chameleon", "emu3", "deepseek_vl_hybrid", "llama4",
@@ -90,3 +90,13 @@ def test_granite4_vision_gets_the_base_view_and_the_pinpoint_tiles() -> None:
     tile = config.vision_config.image_size
     assert inputs["pixel_values"].shape[1] == 1 + (height // tile) * (width // tile)
     assert inputs["image_sizes"].tolist() == [[height, width]] * 2
+
+
+def test_phi4_multimodal_crops_reach_the_outputs_through_their_placeholders() -> None:
+    config = tiny_config("phi4_multimodal")
+    model, inputs = _model_and_inputs("phi4_multimodal")
+    per_row = (inputs["input_ids"] == config.vision_config.image_token_id).sum(dim=1).tolist()
+    assert per_row == [crop_tokens(config)] * 2
+    other = {**inputs, "image_pixel_values": torch.randn_like(inputs["image_pixel_values"])}
+    with torch.no_grad():
+        assert not torch.allclose(model(**inputs)[0], model(**other)[0])

@@ -406,6 +406,37 @@ def packed_grid_image_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     return inputs
 
 
+def _takes_crop_images(request: InputRequest) -> bool:
+    return {"image_pixel_values", "image_sizes", "image_attention_mask"} <= request.params and hasattr(
+        getattr(request.config, "vision_config", None), "crop_size"
+    )
+
+
+def crop_tokens(config: PretrainedConfig) -> int:
+    """Phi-4-multimodal, one crop-sized image: its single sub-crop then the global view, each
+    2x2-pooled patch rows ending in a separator, with one separator between the two."""
+    vision = config.vision_config
+    side = (vision.image_size // vision.patch_size + 1) // 2  # odd grids are padded before pooling
+    return 2 * side * (side + 1) + 1
+
+
+def crop_image_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """Phi-4-multimodal: per row the global view and one crop, ``(batch, crops, C, H, W)``, the
+    image's size in crops (``image_sizes``) and which patches are image (all of them)."""
+    config, batch = request.config, request.batch_size
+    vision = config.vision_config
+    count = crop_tokens(config)
+    inputs = text_request_inputs(request)
+    placeholders = torch.full((batch, count), vision.image_token_id, dtype=torch.long)
+    inputs["input_ids"] = torch.cat([inputs["input_ids"][:, :2], placeholders, inputs["input_ids"][:, 2:]], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    size, patches = vision.crop_size, vision.image_size // vision.patch_size
+    inputs["image_pixel_values"] = request.randn(batch, 2, vision.num_channels, vision.image_size, vision.image_size)
+    inputs["image_sizes"] = torch.tensor([[size, size]] * batch)
+    inputs["image_attention_mask"] = torch.ones(batch, 2, patches, patches, dtype=torch.bool)
+    return inputs
+
+
 COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_query_tokens, query_token_inputs),
     (_takes_region_features, region_feature_inputs),
@@ -420,4 +451,5 @@ COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_draft_context, draft_block_inputs),
     (_takes_spliced_image, spliced_image_inputs),
     (_takes_packed_grid_image, packed_grid_image_inputs),
+    (_takes_crop_images, crop_image_inputs),
 ]
