@@ -126,6 +126,34 @@ def _align(level: dict[str, Any]) -> None:
     level["projection_dim"] = pooled + divisor if pooled < 0.9 * channels else pooled
 
 
+def _muse_spark_adapter_width(level: dict[str, Any]) -> None:
+    # Muse Spark's vision tower pixel-shuffles merge_size**2 patches into one token, so its
+    # adapter reads vision hidden_size * merge_size**2 (out_hidden_size, 6144 = 1536 * 4):
+    # a number the config repeats, which the width rule shrank to the plain tiny width
+    vision = level.get("vision_config")
+    if isinstance(vision, dict) and "merge_size" in vision:
+        level["out_hidden_size"] = vision["hidden_size"] * vision["merge_size"] ** 2
+
+
+def _llama4_shuffled_width(level: dict[str, Any]) -> None:
+    # Llama 4's pixel-shuffle adapter folds ratio**-2 patches into one token whose width its
+    # fc1 reads as intermediate_size (5632 = 1408 * 4 in Scout): shrunk alone, the two disagree
+    ratio = level.get("pixel_shuffle_ratio")
+    if ratio and "hidden_size" in level:
+        level["intermediate_size"] = int(level["hidden_size"] / ratio**2)
+
+
+def _pinpoints_in_tiles(level: dict[str, Any]) -> None:
+    # LLaVA-NeXT-style anyres: each pinpoint must be whole tiles of the vision tower's
+    # image_size (336-px multiples by default); at a 32-px tower they are kept as the same
+    # tile layouts ([1, 2], [2, 1], [2, 2], ...), 32 px a tile
+    pinpoints, vision = level.get("image_grid_pinpoints"), level.get("vision_config")
+    if not (pinpoints and isinstance(vision, dict) and isinstance(vision.get("image_size"), int)):
+        return
+    tile = min(min(point) for point in pinpoints)
+    level["image_grid_pinpoints"] = [[side // tile * vision["image_size"] for side in point] for point in pinpoints]
+
+
 CONFIG_RULES: dict[str, ConfigRule] = {
     "tvp": _tvp,
     "bros": _bros,
@@ -174,6 +202,8 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # per-stage widths under a name (hidden_sizes) generic shrinking leaves to vision backbones;
     # 256..2048 channels make 100M parameters. Doubling per stage, ending at the tiny width.
     "muse_spark_audio": {"hidden_sizes": [8, 16, 32, 64]},
+    "muse_spark": _muse_spark_adapter_width,
+    "llama4_vision_model": _llama4_shuffled_width,
     # The forward samples with torch.randn scaled by these (a VAE latent, VITS' flow and
     # duration noise), so two runs of the same weights differ; at zero they agree and every
     # layer still runs.
@@ -208,6 +238,20 @@ CONFIG_RULES: dict[str, ConfigRule] = {
 
 # the text, hybrid and composite families' rules live in their own module
 CONFIG_RULES.update(TEXT_CONFIG_RULES)
+
+
+def _both(first: ConfigRule, second: ConfigRule) -> ConfigRule:
+    """A rule applying ``first`` then ``second`` (a family with rules in both modules)."""
+
+    def rule(level: dict[str, Any]) -> None:
+        for part in (first, second):
+            part(level) if callable(part) else level.update(part)
+
+    return rule
+
+
+# Granite 4 Vision's deep-stack sizes are in the text module; its anyres tiles are a vision rule
+CONFIG_RULES["granite4_vision"] = _both(TEXT_CONFIG_RULES["granite4_vision"], _pinpoints_in_tiles)
 
 
 def apply_config_rule(model_type: Any, level: dict[str, Any]) -> None:

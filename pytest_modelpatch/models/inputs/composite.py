@@ -10,12 +10,13 @@ CANINE's code points). It returns ``None`` for every other model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from fractions import Fraction
 
 import torch
 from transformers import PretrainedConfig
 
 from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_inputs, text_request_inputs
+from pytest_modelpatch.models.inputs.text import text_companions, text_inputs, text_request_inputs
 from pytest_modelpatch.models.inputs.vision import pixel_values
 
 Builder = Callable[[InputRequest], "dict[str, torch.Tensor]"]
@@ -238,11 +239,103 @@ def _patch_grid(config: PretrainedConfig) -> int:
     return (vision.image_size // vision.patch_size) ** 2
 
 
+def _halved(side: int, times: int) -> int:
+    """A feature-map side after ``times`` stride-2, padding-1 convolutions (ceil division)."""
+    for _ in range(times):
+        side = (side + 1) // 2
+    return side
+
+
+def _sam_queries(config: PretrainedConfig) -> int:
+    """DeepSeek-OCR-style SAM tower: patch grid side after its stride-2 neck convolutions."""
+    sam = config.vision_config.sam_config
+    return _halved(sam.image_size // sam.patch_size, len(sam.downsample_channels))
+
+
+def _ocr_rows_with_newlines(config: PretrainedConfig) -> int:
+    # Unlimited-OCR: every row of the global view ends with a newline token, then one view separator
+    side = _sam_queries(config)
+    return side * (side + 1) + 1
+
+
+def _ocr2_queries(config: PretrainedConfig) -> int:
+    # DeepSeek-OCR 2: the encoder emits its learned queries (144 up to a 12x12 grid, else 256)
+    # whatever the patch count, then one view separator
+    return (144 if _sam_queries(config) ** 2 <= 144 else 256) + 1
+
+
+def _florence_tokens(config: PretrainedConfig) -> int:
+    # DaViT: one conv per stage (kernel, stride, padding each), then one token per spatial
+    # position plus the temporal mean of the single frame
+    vision, side = config.vision_config, 32  # pixel_values' default size: DaViT's config has none
+    for kernel, stride, pad in zip(vision.patch_size, vision.patch_stride, vision.patch_padding):
+        side = (side + 2 * pad - kernel) // stride + 1
+    return side * side + 1
+
+
+def _vq_tokens(config: PretrainedConfig) -> int:
+    # Chameleon: the VQGAN halves the image once per channel-multiplier stage but the last,
+    # and each latent cell becomes one image token
+    vq = config.vq_config
+    return (vq.resolution // 2 ** (len(vq.channel_multiplier) - 1)) ** 2
+
+
+def _anyres_tokens(config: PretrainedConfig) -> int:
+    # Granite 4 Vision (LLaVA-NeXT anyres): an image exactly the first pinpoint is the base
+    # tile plus that grid of tiles, each tile's patches downsampled by downsample_rate; the
+    # grid's rows end in a newline token, and an exact fit unpads nothing
+    vision, (height, width) = config.vision_config, config.image_grid_pinpoints[0]
+    side = int(vision.image_size // vision.patch_size * Fraction(config.downsample_rate))
+    rows, columns = height // vision.image_size * side, width // vision.image_size * side
+    return side * side + rows * (columns + 1)
+
+
 # LLaVA-style models whose image-feature count per image no config key states: model type ->
 # placeholders per image, from the (shrunk) config.
 IMAGE_TOKENS_PER_IMAGE: dict[str, Callable[[PretrainedConfig], int]] = {
     "cohere2_vision": lambda c: _patch_grid(c) // c.downsample_factor**2,  # pixel-shuffle projector
     "janus": _patch_grid,  # SigLIP patches, one token each
+    "unlimited_ocr": _ocr_rows_with_newlines,
+    "deepseek_ocr2": _ocr2_queries,
+    "step3p7": lambda c: _halved(c.vision_config.image_size // c.vision_config.patch_size, 2),  # 2 stride-2 convs
+    "florence2": _florence_tokens,
+    "chameleon": _vq_tokens,
+    # Emu3: VQ latent cells plus an end-of-row token per latent row (image_sizes below)
+    "emu3": lambda c: _vq_tokens(c) + c.vq_config.resolution // 2 ** (len(c.vq_config.channel_multiplier) - 1),
+    "deepseek_vl_hybrid": _patch_grid,  # the aligner keeps the low-res SigLIP grid, high-res SAM fused in
+    "granite4_vision": _anyres_tokens,
+    # Llama 4: the adapter pixel-shuffles ratio**-2 patches into one token
+    "llama4": lambda c: int(_patch_grid(c) * c.vision_config.pixel_shuffle_ratio**2),
+}
+
+
+def _anyres_tiles(request: InputRequest, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+    # the base view then the pinpoint's tiles, (batch, tiles, C, tile, tile), at the image's size
+    config = request.config
+    height, width = config.image_grid_pinpoints[0]
+    tiles = 1 + (height // pixels.shape[-2]) * (width // pixels.shape[-1])
+    return {
+        "pixel_values": request.randn(pixels.shape[0], tiles, *pixels.shape[1:]),
+        "image_sizes": torch.tensor([[height, width]] * pixels.shape[0]),
+    }
+
+
+def _image_sizes(request: InputRequest, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+    # Emu3 crops each image's VQ codes to its (height, width): the whole image here
+    return {"image_sizes": torch.tensor([list(pixels.shape[-2:])] * pixels.shape[0])}
+
+
+def _high_res_view(request: InputRequest, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+    # DeepSeek-VL hybrid: the same picture again at the SAM tower's size, for its high-res branch
+    high = request.config.high_res_vision_config
+    return {"high_res_pixel_values": request.randn(pixels.shape[0], high.num_channels, high.image_size, high.image_size)}
+
+
+# Metadata a family's forward needs beside the spliced image: model type -> extra inputs.
+IMAGE_SIDE_INPUTS: dict[str, Callable[[InputRequest, torch.Tensor], dict[str, torch.Tensor]]] = {
+    "emu3": _image_sizes,
+    "deepseek_vl_hybrid": _high_res_view,
+    "granite4_vision": _anyres_tiles,
 }
 
 
@@ -255,10 +348,92 @@ def spliced_image_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     config, batch = request.config, request.batch_size
     count = IMAGE_TOKENS_PER_IMAGE[config.model_type](config)
     inputs = text_request_inputs(request)
+    # decoder ids of an encoder-decoder (Florence-2) are the plain text, without placeholders
+    inputs.update(text_companions(config, request.model_class, inputs["input_ids"]))
     placeholders = torch.full((batch, count), config.image_token_id, dtype=torch.long)
     inputs["input_ids"] = torch.cat([inputs["input_ids"][:, :2], placeholders, inputs["input_ids"][:, 2:]], dim=1)
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     inputs["pixel_values"] = pixel_values(config, batch, request.generator)
+    side = IMAGE_SIDE_INPUTS.get(config.model_type)
+    if side is not None:
+        inputs.update(side(request, inputs["pixel_values"]))
+    return inputs
+
+
+_IMAGE_GRID = (1, 4, 4)  # (frames, patch rows, patch columns): one 2x2 block per merged token
+
+
+def _merged(config: PretrainedConfig) -> tuple[int, int]:
+    vision = config.vision_config
+    merge = getattr(vision, "spatial_merge_size", None) or vision.merge_size
+    return _IMAGE_GRID[1] // merge, _IMAGE_GRID[2] // merge
+
+
+def _hunyuan_tokens(config: PretrainedConfig) -> int:
+    # a newline after each merged row, and begin/end embeddings around the image
+    rows, columns = _merged(config)
+    return rows * (columns + 1) + 2
+
+
+# Packed-patch VLMs with ``image_grid_thw`` that the Qwen-VL rule does not recognise (no
+# temporal_patch_size / in_channels): model type -> (values per patch, placeholders per image).
+GRID_IMAGE_FAMILIES: dict[str, tuple[Callable[[PretrainedConfig], int], Callable[[PretrainedConfig], int]]] = {
+    "hunyuan_vl": (lambda c: c.vision_config.num_channels * c.vision_config.patch_size**2, _hunyuan_tokens),
+    # Muse Spark's patch embedding is a linear over patch_temporal RGB frames of a patch
+    "muse_spark": (lambda c: c.vision_config.patch_temporal * 3 * c.vision_config.patch_size**2, lambda c: _merged(c)[0] * _merged(c)[1]),
+    "dots3_note": (lambda c: c.vision_config.num_channels * c.vision_config.patch_size**2, lambda c: _merged(c)[0] * _merged(c)[1]),
+}
+
+
+def _takes_packed_grid_image(request: InputRequest) -> bool:
+    return request.config.model_type in GRID_IMAGE_FAMILIES and {"pixel_values", "image_grid_thw"} <= request.params
+
+
+def packed_grid_image_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """One 4x4-patch image per row, as flattened patches plus ``image_grid_thw``, its merged
+    tokens as placeholders after two text tokens."""
+    config, batch = request.config, request.batch_size
+    volume, tokens = (rule(config) for rule in GRID_IMAGE_FAMILIES[config.model_type])
+    inputs = text_request_inputs(request)
+    placeholders = torch.full((batch, tokens), config.image_token_id, dtype=torch.long)
+    inputs["input_ids"] = torch.cat([inputs["input_ids"][:, :2], placeholders, inputs["input_ids"][:, 2:]], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    patches = _IMAGE_GRID[0] * _IMAGE_GRID[1] * _IMAGE_GRID[2]
+    inputs["pixel_values"] = request.randn(batch * patches, volume)
+    inputs["image_grid_thw"] = torch.tensor([_IMAGE_GRID] * batch)
+    if request.takes("mm_token_type_ids"):
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == config.image_token_id).long()
+    return inputs
+
+
+def _takes_crop_images(request: InputRequest) -> bool:
+    return {"image_pixel_values", "image_sizes", "image_attention_mask"} <= request.params and hasattr(
+        getattr(request.config, "vision_config", None), "crop_size"
+    )
+
+
+def crop_tokens(config: PretrainedConfig) -> int:
+    """Phi-4-multimodal, one crop-sized image: its single sub-crop then the global view, each
+    2x2-pooled patch rows ending in a separator, with one separator between the two."""
+    vision = config.vision_config
+    side = (vision.image_size // vision.patch_size + 1) // 2  # odd grids are padded before pooling
+    return 2 * side * (side + 1) + 1
+
+
+def crop_image_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """Phi-4-multimodal: per row the global view and one crop, ``(batch, crops, C, H, W)``, the
+    image's size in crops (``image_sizes``) and which patches are image (all of them)."""
+    config, batch = request.config, request.batch_size
+    vision = config.vision_config
+    count = crop_tokens(config)
+    inputs = text_request_inputs(request)
+    placeholders = torch.full((batch, count), vision.image_token_id, dtype=torch.long)
+    inputs["input_ids"] = torch.cat([inputs["input_ids"][:, :2], placeholders, inputs["input_ids"][:, 2:]], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    size, patches = vision.crop_size, vision.image_size // vision.patch_size
+    inputs["image_pixel_values"] = request.randn(batch, 2, vision.num_channels, vision.image_size, vision.image_size)
+    inputs["image_sizes"] = torch.tensor([[size, size]] * batch)
+    inputs["image_attention_mask"] = torch.ones(batch, 2, patches, patches, dtype=torch.bool)
     return inputs
 
 
@@ -275,4 +450,6 @@ COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_action_embeds, action_prefix_inputs),
     (_takes_draft_context, draft_block_inputs),
     (_takes_spliced_image, spliced_image_inputs),
+    (_takes_packed_grid_image, packed_grid_image_inputs),
+    (_takes_crop_images, crop_image_inputs),
 ]
