@@ -1,0 +1,55 @@
+"""Tiny configs and inputs of promptable segmentation (SAM 2 / SAM 3) and open-vocabulary detectors."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from pytest_modelpatch.compare.equivalence import assert_equivalent
+from pytest_modelpatch.models.checkpoints import seeded_model
+from pytest_modelpatch.models.families import model_class_for, tiny_config
+from pytest_modelpatch.models.inputs import example_inputs
+
+
+def _forward(model_type: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], object]:
+    config = tiny_config(model_type)
+    model = seeded_model(config, model_class=model_class_for(config))
+    inputs = example_inputs(config, model_class=type(model))
+    with torch.no_grad():
+        return model, inputs, model(**inputs)
+
+
+# ---------------------------------------------------------------------------
+# config rules
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["sam2", "sam3_tracker"])
+def test_the_prompt_grid_is_the_vision_necks_coarsest_map(model_type: str) -> None:
+    config = tiny_config(model_type)
+    prompt = config.prompt_encoder_config
+    coarsest = config.vision_config.backbone_feature_sizes[-1]
+    assert prompt.image_size // prompt.patch_size == coarsest[0]
+
+
+@pytest.mark.parametrize("model_type", ["sam3", "sam3_tracker", "sam3_lite_text"])
+def test_sam3_feature_sizes_are_the_vit_grid_rescaled_by_the_fpn(model_type: str) -> None:
+    vision = tiny_config(model_type).vision_config
+    grid = vision.backbone_config.image_size // vision.backbone_config.patch_size
+    assert vision.backbone_feature_sizes == [[int(grid * s)] * 2 for s in vision.scale_factors[:3]]
+
+
+def test_omdet_turbo_widths_follow_the_text_tower_and_d_model() -> None:
+    config = tiny_config("omdet-turbo")
+    text = config.text_config.hidden_size
+    assert config.class_embed_dim == config.text_projection_in_dim == config.text_projection_out_dim == text
+    assert config.decoder_hidden_dim == config.d_model != config.class_embed_dim  # the task projection exists
+    assert config.vision_features_channels == [config.d_model] * config.num_feature_levels
+    assert not config.apply_layernorm_after_vision_backbone  # the tiny backbone's maps are channels-first
+
+
+def test_lw_detr_has_two_projector_levels_for_the_deformable_decoder() -> None:
+    config = tiny_config("lw_detr")
+    assert config.num_feature_levels == len(config.projector_scale_factors) == 2
+    assert config.projector_in_channels == [config.d_model] * 2
