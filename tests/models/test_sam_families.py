@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import pytest
 import torch
 
 from pytest_modelpatch.compare.equivalence import assert_equivalent
+from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.models.families import model_class_for, tiny_config
 from pytest_modelpatch.models.inputs import example_inputs
@@ -53,3 +55,37 @@ def test_lw_detr_has_two_projector_levels_for_the_deformable_decoder() -> None:
     config = tiny_config("lw_detr")
     assert config.num_feature_levels == len(config.projector_scale_factors) == 2
     assert config.projector_in_channels == [config.d_model] * 2
+
+
+# ---------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["sam3", "sam3_lite_text"])
+def test_sam3_reads_a_text_prompt_beside_the_image(model_type: str) -> None:
+    model, inputs, out = _forward(model_type)
+    assert {"pixel_values", "input_ids", "attention_mask"} <= set(inputs)
+    text = dict(inputs, input_ids=torch.flip(inputs["input_ids"], dims=[1]))
+    with torch.no_grad():
+        other = model(**text)
+    assert not torch.allclose(out.pred_logits, other.pred_logits)  # the prompt decides what is found
+
+
+def test_omdet_turbo_gets_a_class_list_per_image_and_a_task_prompt() -> None:
+    model, inputs, out = _forward("omdet-turbo")
+    structure = inputs["classes_structure"]
+    assert inputs["classes_input_ids"].shape[0] == int(structure.sum())
+    assert inputs["tasks_input_ids"].shape[0] == inputs["pixel_values"].shape[0] == len(structure)
+    assert (inputs["classes_input_ids"][:, -1] == model.config.text_config.eos_token_id).all()
+    assert out.decoder_class_logits.shape[-1] == int(structure[0])  # one score per named class
+
+
+@pytest.mark.parametrize("model_type", ["sam2", "sam3_tracker", "lw_detr", "omdet-turbo"])
+def test_the_image_reaches_the_outputs(model_type: str) -> None:
+    model, inputs, out = _forward(model_type)
+    with torch.no_grad():
+        other = model(**dict(inputs, pixel_values=inputs["pixel_values"].flip(-1)))
+    first = next(v for v in out.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    second = other[next(k for k, v in out.items() if v is first)]
+    assert not torch.allclose(first, second)

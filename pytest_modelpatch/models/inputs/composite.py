@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from transformers import PretrainedConfig
 
+from pytest_modelpatch.models.inputs.prompts import class_list_inputs, takes_class_list, takes_text_prompt, text_prompt_inputs
 from pytest_modelpatch.models.inputs.request import InputRequest
 from pytest_modelpatch.models.inputs.text import text_inputs, text_request_inputs
 from pytest_modelpatch.models.inputs.vision import pixel_values
@@ -275,4 +276,6 @@ COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_action_embeds, action_prefix_inputs),
     (_takes_draft_context, draft_block_inputs),
     (_takes_spliced_image, spliced_image_inputs),
+    (takes_text_prompt, text_prompt_inputs),  # prompted segmentation / detection: prompts.py
+    (takes_class_list, class_list_inputs),
 ]
