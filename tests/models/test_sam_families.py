@@ -89,3 +89,18 @@ def test_the_image_reaches_the_outputs(model_type: str) -> None:
     first = next(v for v in out.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
     second = other[next(k for k, v in out.items() if v is first)]
     assert not torch.allclose(first, second)
+
+
+# ---------------------------------------------------------------------------
+# the reference's capture hooks
+# ---------------------------------------------------------------------------
+
+
+def test_a_reference_with_a_prebuilt_backbone_captures_each_layer_once(tmp_path: Path) -> None:
+    # LW-DETR's ViT backbone installs its capture hooks when built; pinning the enclosing
+    # model's hooks must not hook its layers a second time (the feature maps would repeat a layer)
+    builder = ModelBuilder(tmp_path)
+    reference = builder.reference(ModelRequest("lw_detr"))
+    layer = reference.backbone.backbone.encoder.layer[0]
+    assert len(layer._forward_hooks) == 1
+    assert_equivalent(reference, builder.patched(ModelRequest("lw_detr")))
