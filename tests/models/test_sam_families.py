@@ -104,3 +104,15 @@ def test_a_reference_with_a_prebuilt_backbone_captures_each_layer_once(tmp_path:
     layer = reference.backbone.backbone.encoder.layer[0]
     assert len(layer._forward_hooks) == 1
     assert_equivalent(reference, builder.patched(ModelRequest("lw_detr")))
+
+
+@pytest.mark.parametrize("model_type", ["sam", "sam_hq", "sam2", "sam3_tracker"])
+def test_clicked_points_steer_the_masks(model_type: str) -> None:
+    model, inputs, out = _forward(model_type)
+    size = model.config.prompt_encoder_config.image_size
+    assert inputs["input_points"].shape[-2:] == (2, 2) and 0 <= inputs["input_points"].min()
+    assert inputs["input_points"].max() < size  # pixel coordinates in the prompt encoder's frame
+    assert inputs["input_labels"].unique().tolist() == [0, 1]  # a positive and a negative click
+    with torch.no_grad():
+        moved = model(**dict(inputs, input_points=size - 1 - inputs["input_points"]))
+    assert not torch.allclose(out.pred_masks, moved.pred_masks)

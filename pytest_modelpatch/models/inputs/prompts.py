@@ -1,6 +1,6 @@
 """Prompted segmentation and open-vocabulary detection: an image plus what to look for.
 
-SAM 3 segments what a text prompt names, optionally refined by boxes (its geometry
+SAM-style models segment the object a few clicked points mark; SAM 3 segments what a text prompt names, optionally refined by boxes (its geometry
 encoder); OmDet-Turbo detects a per-image list of class names under a task prompt, both
 tokenized for its CLIP text tower. Each builder returns ``None`` when the forward is not
 of its shape.
@@ -16,8 +16,33 @@ from pytest_modelpatch.models.inputs.request import InputRequest
 from pytest_modelpatch.models.inputs.text import text_inputs, text_request_inputs
 from pytest_modelpatch.models.inputs.vision import pixel_values
 
+PROMPT_POINTS = 2  # one positive and one negative click per image
 PROMPT_BOXES = 2  # one positive and one negative box per image
 CLASSES_PER_IMAGE = 3  # open-vocabulary class names per image
+
+
+def takes_point_prompt(request: InputRequest) -> bool:
+    """SAM / SAM 2-style: pixels and clicked points for a prompt encoder."""
+    return {"pixel_values", "input_points", "input_labels"} <= request.params and hasattr(
+        request.config, "prompt_encoder_config"
+    )
+
+
+def point_prompt_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """Images and one object per image marked by a positive and a negative click.
+
+    Points are pixel coordinates in the prompt encoder's input frame, ``(batch, objects,
+    points, 2)``; labels 1 (on the object) and 0 (background), ``(batch, objects, points)``.
+    Without them the models embed only a padding point and skip the point embeddings.
+    """
+    config, batch, generator = request.config, request.batch_size, request.generator
+    size = config.prompt_encoder_config.image_size
+    points = torch.rand(batch, 1, PROMPT_POINTS, 2, generator=generator) * (size - 1)
+    return {
+        "pixel_values": pixel_values(config, batch, generator),
+        "input_points": points,
+        "input_labels": torch.tensor([[[1, 0]]] * batch),
+    }
 
 
 def takes_text_prompt(request: InputRequest) -> bool:
