@@ -95,6 +95,17 @@ def _sam3_feature_sizes(level: dict[str, Any]) -> None:
         level["backbone_feature_sizes"] = [[int(grid * s)] * 2 for s in scales[:3]]
 
 
+def _sam3_vit_windows(level: dict[str, Any]) -> None:
+    # SAM 3's ViT attends in 24x24 windows (the 336 / 14 pretraining grid) except in the
+    # global_attn_indexes layers; the tiny 4x4 grid fits in one window and every layer index
+    # is global after shrinking, so windowed attention would never run. Windows of half the
+    # grid, and only the last layer global, exercise both
+    image, patch, layers = level.get("image_size"), level.get("patch_size"), level.get("num_hidden_layers")
+    if isinstance(image, int) and isinstance(patch, int) and isinstance(layers, int) and layers > 1:
+        level["window_size"] = max(1, image // patch // 2)
+        level["global_attn_indexes"] = [layers - 1]
+
+
 def _omdet_turbo(level: dict[str, Any]) -> None:
     # OmDet-Turbo's widths are plain numbers under names of their own that repeat other
     # levels' sizes: class and task embeddings are the CLIP text width (class_embed_dim,
@@ -224,6 +235,7 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     "sam2": _sam2_prompt_grid,
     "sam3_tracker": _sam2_prompt_grid,
     "sam3_vision_model": _sam3_feature_sizes,
+    "sam3_vit_model": _sam3_vit_windows,
     # SegGPT's image is the prompt stacked above the query (896 x 448 by default, 2:1);
     # its decoder reads these layers' hidden states, which must come after the merge layer
     "seggpt": {"image_size": [64, 32], "intermediate_hidden_state_indices": [1], "merge_index": 0},

@@ -116,3 +116,13 @@ def test_clicked_points_steer_the_masks(model_type: str) -> None:
     with torch.no_grad():
         moved = model(**dict(inputs, input_points=size - 1 - inputs["input_points"]))
     assert not torch.allclose(out.pred_masks, moved.pred_masks)
+
+
+@pytest.mark.parametrize("model_type", ["sam3", "sam3_tracker"])
+def test_sam3_vit_runs_windowed_and_global_attention(model_type: str) -> None:
+    config = tiny_config(model_type)
+    model = seeded_model(config, model_class=model_class_for(config))
+    vit = config.vision_config.backbone_config
+    grid = vit.image_size // vit.patch_size
+    windows = [layer.window_size for layer in model.vision_encoder.backbone.layers]
+    assert 0 in windows and any(0 < w < grid for w in windows)
