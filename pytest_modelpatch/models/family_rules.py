@@ -220,8 +220,9 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # rope fills hidden_size // 4 frequencies per axis from head_dim * partial_rotary_factor
     # (4.0) // 2, which agree only with 8 heads
     "efficientloftr": _efficientloftr,
-    # the validator wants (image_size / num_windows) % sqrt(num_windows) == 0
-    "lw_detr_vit": {"num_windows": 4},
+    # the validator wants (image_size / num_windows) % sqrt(num_windows) == 0; of the default
+    # windowed blocks [0, 1, 3, 6, 7, 9] both tiny layers would be windowed: keep one global
+    "lw_detr_vit": {"num_windows": 4, "window_block_indices": [0]},
     # LeViT's patch embedding is four fixed stride-2 convs: the attention-bias grid is
     # image_size // 16 whatever patch_size says, so patch_size must stay 16
     "levit": {"patch_size": 16},

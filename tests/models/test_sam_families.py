@@ -126,3 +126,10 @@ def test_sam3_vit_runs_windowed_and_global_attention(model_type: str) -> None:
     grid = vit.image_size // vit.patch_size
     windows = [layer.window_size for layer in model.vision_encoder.backbone.layers]
     assert 0 in windows and any(0 < w < grid for w in windows)
+
+
+def test_lw_detr_vit_has_a_windowed_and_a_global_layer() -> None:
+    config = tiny_config("lw_detr")
+    model = seeded_model(config, model_class=model_class_for(config))
+    windowed = [layer.window for layer in model.backbone.backbone.encoder.layer]
+    assert True in windowed and False in windowed
