@@ -69,6 +69,77 @@ def _hiera_neck(level: dict[str, Any]) -> None:
         level["backbone_feature_sizes"] = [[side >> i, side >> i] for i in range(3)]
 
 
+def _sam2_prompt_grid(level: dict[str, Any]) -> None:
+    # SAM 2 / SAM 3 tracker: the prompt encoder's dense embedding is image_size // patch_size
+    # wide and is added to the vision neck's coarsest map (backbone_feature_sizes[-1]); the
+    # config states both instead of deriving one (1024 // 16 == 64 by default)
+    vision, prompt = level.get("vision_config"), level.get("prompt_encoder_config")
+    if not (isinstance(vision, dict) and isinstance(prompt, dict)):
+        return
+    sizes = vision.get("backbone_feature_sizes")
+    if isinstance(sizes, list) and sizes and isinstance(prompt.get("image_size"), int):
+        prompt["patch_size"] = prompt["image_size"] // sizes[-1][0]
+
+
+def _sam3_feature_sizes(level: dict[str, Any]) -> None:
+    # SAM 3's FPN rescales the ViT's patch grid by scale_factors (x4, x2, x1, x0.5) and the
+    # model reshapes its first three maps to backbone_feature_sizes, which the config lists
+    # for the full 1008 / 14 = 72 grid instead of deriving them
+    backbone = level.get("backbone_config")
+    scales = level.get("scale_factors")
+    if not (isinstance(backbone, dict) and isinstance(scales, list)):
+        return
+    image, patch = backbone.get("image_size"), backbone.get("patch_size")
+    if isinstance(image, int) and isinstance(patch, int):
+        grid = image // patch
+        level["backbone_feature_sizes"] = [[int(grid * s)] * 2 for s in scales[:3]]
+
+
+def _sam3_vit_windows(level: dict[str, Any]) -> None:
+    # SAM 3's ViT attends in 24x24 windows (the 336 / 14 pretraining grid) except in the
+    # global_attn_indexes layers; the tiny 4x4 grid fits in one window and every layer index
+    # is global after shrinking, so windowed attention would never run. Windows of half the
+    # grid, and only the last layer global, exercise both
+    image, patch, layers = level.get("image_size"), level.get("patch_size"), level.get("num_hidden_layers")
+    if isinstance(image, int) and isinstance(patch, int) and isinstance(layers, int) and layers > 1:
+        level["window_size"] = max(1, image // patch // 2)
+        level["global_attn_indexes"] = [layers - 1]
+
+
+def _omdet_turbo(level: dict[str, Any]) -> None:
+    # OmDet-Turbo's widths are plain numbers under names of their own that repeat other
+    # levels' sizes: class and task embeddings are the CLIP text width (class_embed_dim,
+    # the text projection's in and out), the encoder's feature maps and the decoder (its
+    # deformable attention reads d_model) are d_model wide; the decoder always projects
+    # task embeddings to its own width, so d_model must differ from the text width
+    text_width = (level.get("text_config") or {}).get("hidden_size", 64)
+    width = text_width // 2
+    level.update(
+        d_model=width, decoder_hidden_dim=width, decoder_num_heads=4,
+        decoder_dim_feedforward=2 * width, encoder_dim_feedforward=2 * width,
+        task_encoder_hidden_dim=2 * width, class_embed_dim=text_width,
+        text_projection_in_dim=text_width, text_projection_out_dim=text_width,
+        vision_features_channels=[width] * len(level.get("vision_features_channels") or [0, 0, 0]),
+        # the layer norms turn timm Swin's channels-last maps into channels-first ones; the
+        # tiny transformers backbone that replaces timm already returns channels-first maps
+        apply_layernorm_after_vision_backbone=False,
+    )
+
+
+def _lw_detr_projector(level: dict[str, Any]) -> None:
+    # LW-DETR's default config lists no projector scales (every checkpoint sets its own), so
+    # the decoder has zero feature levels and cannot run; two scales (x2 and x0.5, as the
+    # large checkpoints use) exercise the multi-level deformable attention. The sizes the
+    # config derives from the scales in __post_init__ are stored too, and an explicit
+    # value wins over the derivation, so they are set here
+    scales = [2.0, 0.5]
+    width = level.get("d_model", 64)
+    level.update(
+        projector_scale_factors=scales, num_feature_levels=len(scales),
+        projector_in_channels=[width] * len(scales), projector_out_channels=width,
+    )
+
+
 def _fused_semantic_width(key: str, width_of: str) -> Callable[[dict[str, Any]], None]:
     """X-Codec style: ``key`` is the width of the semantic and acoustic features concatenated.
 
@@ -177,8 +248,9 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # rope fills hidden_size // 4 frequencies per axis from head_dim * partial_rotary_factor
     # (4.0) // 2, which agree only with 8 heads
     "efficientloftr": _efficientloftr,
-    # the validator wants (image_size / num_windows) % sqrt(num_windows) == 0
-    "lw_detr_vit": {"num_windows": 4},
+    # the validator wants (image_size / num_windows) % sqrt(num_windows) == 0; of the default
+    # windowed blocks [0, 1, 3, 6, 7, 9] both tiny layers would be windowed: keep one global
+    "lw_detr_vit": {"num_windows": 4, "window_block_indices": [0]},
     # LeViT's patch embedding is four fixed stride-2 convs: the attention-bias grid is
     # image_size // 16 whatever patch_size says, so patch_size must stay 16
     "levit": {"patch_size": 16},
@@ -187,6 +259,12 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     "sam_hq": _sam_sizes,
     "sam2_hiera_det_model": _hiera_det,
     "sam2_vision_model": _hiera_neck,
+    "lw_detr": _lw_detr_projector,
+    "omdet-turbo": _omdet_turbo,
+    "sam2": _sam2_prompt_grid,
+    "sam3_tracker": _sam2_prompt_grid,
+    "sam3_vision_model": _sam3_feature_sizes,
+    "sam3_vit_model": _sam3_vit_windows,
     # SegGPT's image is the prompt stacked above the query (896 x 448 by default, 2:1);
     # its decoder reads these layers' hidden states, which must come after the merge layer
     "seggpt": {"image_size": [64, 32], "intermediate_hidden_state_indices": [1], "merge_index": 0},

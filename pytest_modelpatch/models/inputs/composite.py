@@ -15,6 +15,14 @@ from fractions import Fraction
 import torch
 from transformers import PretrainedConfig
 
+from pytest_modelpatch.models.inputs.prompts import (
+    class_list_inputs,
+    point_prompt_inputs,
+    takes_class_list,
+    takes_point_prompt,
+    takes_text_prompt,
+    text_prompt_inputs,
+)
 from pytest_modelpatch.models.inputs.request import InputRequest
 from pytest_modelpatch.models.inputs.text import text_companions, text_inputs, text_request_inputs
 from pytest_modelpatch.models.inputs.vision import pixel_values
@@ -452,4 +460,7 @@ COMPOSITE_BUILDERS: list[tuple[Callable[[InputRequest], bool], Builder]] = [
     (_takes_spliced_image, spliced_image_inputs),
     (_takes_packed_grid_image, packed_grid_image_inputs),
     (_takes_crop_images, crop_image_inputs),
+    (takes_text_prompt, text_prompt_inputs),  # prompted segmentation / detection: prompts.py
+    (takes_class_list, class_list_inputs),
+    (takes_point_prompt, point_prompt_inputs),
 ]
