@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pytest_modelpatch.models.family_rules_documents import DOCUMENT_CONFIG_RULES
 from pytest_modelpatch.models.family_rules_text import TEXT_CONFIG_RULES
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
@@ -316,6 +317,8 @@ CONFIG_RULES: dict[str, ConfigRule] = {
 
 # the text, hybrid and composite families' rules live in their own module
 CONFIG_RULES.update(TEXT_CONFIG_RULES)
+# OCR, document and dense-prediction families
+CONFIG_RULES.update(DOCUMENT_CONFIG_RULES)
 
 
 def _both(first: ConfigRule, second: ConfigRule) -> ConfigRule:

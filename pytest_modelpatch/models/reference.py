@@ -147,7 +147,11 @@ def install_capture_hooks(model: torch.nn.Module) -> None:
 
     with _installed_submodels_skipped():
         for module in model.modules():
-            if isinstance(module, PreTrainedModel):
+            # only where transformers would install them itself (on the first call of a
+            # capture_outputs forward; backbones at build): installing from a model whose forward
+            # never captures re-installs them on its sub-models, already hooked at build time
+            # (PP-LCNet backbones), and every hidden state is then recorded twice
+            if isinstance(module, PreTrainedModel) and _captures_on_call(type(module).forward):
                 maybe_install_capturing_hooks(module)
 
 
@@ -174,6 +178,19 @@ def _installed_submodels_skipped() -> Iterator[None]:
         yield
     finally:
         output_capturing.install_all_output_capturing_hooks = install_all
+
+
+def _captures_on_call(forward: Any) -> bool:
+    """Whether ``forward`` is wrapped by transformers' ``capture_outputs`` (under any other decorators)."""
+    from transformers.utils import output_capturing
+
+    seen = 0
+    while forward is not None and seen < 16:  # the decorators chain through functools.wraps
+        code = getattr(forward, "__code__", None)
+        if code is not None and code.co_filename == output_capturing.__file__:
+            return True
+        forward, seen = getattr(forward, "__wrapped__", None), seen + 1
+    return False
 
 
 def record_reference(model: torch.nn.Module) -> ReferenceRecord:

@@ -22,6 +22,7 @@ from pytest_modelpatch.models.families import model_class_for
 from pytest_modelpatch.models.inputs.audio import mel_features, waveform
 from pytest_modelpatch.models.inputs.audio_families import FAMILY_INPUT_BUILDERS
 from pytest_modelpatch.models.inputs.composite import composite_builder
+from pytest_modelpatch.models.inputs.documents import DOCUMENT_INPUT_BUILDERS
 from pytest_modelpatch.models.inputs.layout import layout_inputs
 from pytest_modelpatch.models.inputs.request import InputRequest, forward_parameters, required
 from pytest_modelpatch.models.inputs.series import series_inputs
@@ -125,7 +126,10 @@ def example_inputs(
         main = takes[0] if takes else main
     # a family's own builder first (inputs no modality rule derives), then the shapes the
     # forward's parameters name, then the main input's
-    family = FAMILY_INPUT_BUILDERS.get(config.model_type) or composite_builder(request)
+    family = (
+        FAMILY_INPUT_BUILDERS.get(config.model_type) or DOCUMENT_INPUT_BUILDERS.get(config.model_type)
+        or composite_builder(request)
+    )
     inputs = family(request) if family is not None else None
     if inputs is None:
         inputs = next((found for build in SIGNATURE_BUILDERS if (found := build(request)) is not None), None)
