@@ -396,6 +396,16 @@ def forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Any:
     not move.
     """
     device = model_device(model)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-        torch.manual_seed(FORWARD_SEED)
+    if device.type != "cpu":
+        with torch.random.fork_rng(devices=[device], device_type=device.type):
+            torch.manual_seed(FORWARD_SEED)
+            return model(**move_inputs(inputs, device))
+    # CPU: the default generator alone; torch.manual_seed also probes every accelerator
+    # backend, which costs more than a tiny model's forward
+    generator = torch.default_generator
+    state = generator.get_state()
+    generator.manual_seed(FORWARD_SEED)
+    try:
         return model(**move_inputs(inputs, device))
+    finally:
+        generator.set_state(state)
