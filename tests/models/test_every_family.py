@@ -31,7 +31,7 @@ PARAMETER_BUDGET = 5_000_000
 # a few of each kind: decoders, MoE, hybrids, encoders, encoder-decoders, VLMs, vision, audio, time series
 REPRESENTATIVE = [
     "llama", "qwen2_moe", "mixtral", "jamba", "mamba2", "bert", "t5", "whisper", "wav2vec2", "qwen2_vl",
-    "llava", "clip", "vit", "swin", "detr", "vit_mae", "gemma4_text",
+    "llava", "clip", "vit", "swin", "detr", "vit_mae", "gemma4_text", "big_bird",
 ]  # fmt: skip
 
 INNER = """
@@ -67,9 +67,11 @@ def _vacuous(outputs):
 @pytest.mark.parametrize("family", [_param(f) for f in FAMILIES])
 def test_family(family, reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
+    # the patched model computed what the reference computed; it is the one a test may call
+    # again (BigBird rewires its own attention on short inputs, which the reference refuses)
     with torch.no_grad():
-        outputs = reference_model(**example_inputs(reference_model.config, model_class=type(reference_model)))
-    assert not _vacuous(outputs), f"{{family}}: the reference's outputs hold NaN or no finite value"
+        outputs = patched_model(**example_inputs(patched_model.config, model_class=type(patched_model)))
+    assert not _vacuous(outputs), f"{{family}}: the outputs hold NaN or no finite value"
     parameters = sum(p.numel() for p in reference_model.parameters())
     assert parameters <= BUDGET, f"{{family}}: {{parameters:,}} parameters, over the budget of {{BUDGET:,}}"
 """
