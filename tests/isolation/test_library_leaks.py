@@ -207,6 +207,8 @@ def test_c_renames_the_last_global_keeping_its_value():
 
 
 def test_d_registers_a_conversion_name_only():
+    if not hasattr(conversion_mapping, "USER_REGISTERED_MAPPINGS"):
+        pytest.skip("this transformers keeps no set of user-registered conversion names")
     conversion_mapping.USER_REGISTERED_MAPPINGS.add("my_family")
 
 
@@ -216,16 +218,16 @@ def test_e_replaces_a_recorder_target_in_place():
 
 def test_z_sees_the_originals():
     assert not any(key.startswith("renamed_") for key in vars(modeling_llama))
-    assert "my_family" not in conversion_mapping.USER_REGISTERED_MAPPINGS
+    assert "my_family" not in getattr(conversion_mapping, "USER_REGISTERED_MAPPINGS", ())
     assert modeling_llama.LlamaPreTrainedModel._can_record_outputs["attentions"] is modeling_llama.LlamaAttention
 """
     )
+    from transformers import conversion_mapping
+
+    named = hasattr(conversion_mapping, "USER_REGISTERED_MAPPINGS")  # transformers 5.3 has no such set
     result = pytester.runpytest("-p", "no:randomly")
-    result.assert_outcomes(passed=6, errors=3)
-    result.stdout.fnmatch_lines_random(
-        [
-            "*modeling_llama.renamed_* added*",
-            "*checkpoint conversions: 'my_family' was registered and not removed",
-            "*_can_record_outputs?'attentions'? is *MyNorm*",
-        ]
-    )
+    result.assert_outcomes(passed=6 if named else 5, skipped=0 if named else 1, errors=3 if named else 2)
+    expected = ["*modeling_llama.renamed_* added*", "*_can_record_outputs?'attentions'? is *MyNorm*"]
+    if named:
+        expected.append("*checkpoint conversions: 'my_family' was registered and not removed")
+    result.stdout.fnmatch_lines_random(expected)
