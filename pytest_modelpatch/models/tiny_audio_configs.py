@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from pytest_modelpatch.models.tiny_sizes import TINY_INTERMEDIATE
+
 TINY_CODEC_TOP_CHANNELS = 128  # channels after the last down-sampling stage
 TINY_CODEBOOK_SIZE = 256  # entries per codebook, the tiny vocabulary's size (codes are tokens to LMs)
 TINY_CODEBOOKS = 4
 TINY_VOCODER_CHANNELS = 32
-TINY_FFN = 128  # tiny_configs.TINY_INTERMEDIATE (not imported: tiny_configs imports this module)
 PREFIXED_FFN_SUFFIXES = ("_intermediate_size", "_ffn_dim", "linear_units")
 PREFIXED_VOCAB_SUFFIXES = ("_vocab_size",)
 # embedding and predictor widths of vocoders and variance adaptors
@@ -89,13 +90,13 @@ def _shrink_prefixed_sizes(before: dict[str, Any], out: dict[str, Any]) -> None:
         if not (_pos_int(value) and isinstance(key, str) and key in out and out[key] == value):
             continue  # already shrunk by a generic rule, or not a size
         if key.endswith(PREFIXED_FFN_SUFFIXES):
-            out[key] = min(value, TINY_FFN)
+            out[key] = min(value, TINY_INTERMEDIATE)
         elif key.endswith(PREFIXED_VOCAB_SUFFIXES):
             out[key] = min(value, TINY_CODEBOOK_SIZE)
         elif key.endswith(PREFIXED_WIDTH_SUFFIXES):
             out[key] = min(value, TINY_PART_WIDTH)
         elif key.endswith("_max_position_embeddings"):
-            out[key] = min(value, TINY_FFN)
+            out[key] = min(value, TINY_INTERMEDIATE)
         elif (key == "layers" or key.endswith(PREFIXED_DEPTH_SUFFIXES)) and not _counts_a_list(before, key, value):
             out[key] = min(value, TINY_PART_DEPTH)
     hifigan = isinstance(before.get("upsample_rates"), list)  # UnivNet's resblock lists are its stages

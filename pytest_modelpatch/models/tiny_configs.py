@@ -26,6 +26,7 @@ from pytest_modelpatch.models.tiny_sizes import (  # noqa: F401  (re-exported: t
     TINY_IMAGE,
     TINY_PATCH,
     TINY_LORA_RANK,
+    is_int,
 )
 from pytest_modelpatch.models.tiny_vision import fit_layout_embeddings, fit_stage_widths, shrink_vision_sizes
 from pytest_modelpatch.models.tiny_consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
@@ -95,8 +96,6 @@ FIXED_SIZES: dict[str, int] = {
     "hidden_size_per_layer_input": 16,  # Gemma 3n/4 per-layer embeddings
     "num_queries": 8,  # DETR-style object queries: RT-DETR picks them among the few anchors of a tiny image
 }
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_config_dict(key: Any, value: Any) -> bool:
@@ -133,16 +132,16 @@ def _shrink_level(
         if _is_config_dict(key, value):
             sub = overrides.get(key)
             out[key] = _shrink_level(value, sub if isinstance(sub, dict) else {}, implicit_rope, derived)
-        elif _is_int(value):
+        elif is_int(value):
             out[key] = _shrink_int(key, value)
-        elif isinstance(value, (list, tuple)) and value and all(map(_is_int, value)):
+        elif isinstance(value, (list, tuple)) and value and all(map(is_int, value)):
             out[key] = _shrink_int_list(key, list(value))  # Swin V2 defaults are tuples
     shrink_vision_sizes(out)
     fit_layout_embeddings(out)
     _shrink_layers(level, out)
     _shrink_uncounted_layer_list(level, out)
     shrink_audio_level(level, out)
-    if any(_is_int(out.get(k)) for k in EXPERT_KEYS):
+    if any(is_int(out.get(k)) for k in EXPERT_KEYS):
         # some defaults leave top-k unset (DeepSeek-V2) and the router then crashes
         for key in TOP_K_KEYS:
             if key in out and out[key] is None:
@@ -218,7 +217,7 @@ def _divide_stem(out: dict[str, Any], lists: dict[str, list[int]], divisor: int,
     for key, value in list(out.items()):
         if "stem" not in str(key) or key in fixed:
             continue
-        if _is_int(value) and value in firsts and value % divisor == 0:
+        if is_int(value) and value in firsts and value % divisor == 0:
             out[key] = value // divisor
         elif _is_int_list(value) and len(value) > 1 and all(v % divisor == 0 for v in value[1:]):
             out[key] = [value[0], *(v // divisor for v in value[1:])]
@@ -231,7 +230,7 @@ def _follow_channels(before: dict[str, Any], out: dict[str, Any], fixed: set[str
         if not (str(key).endswith("_in_channels") and _is_int_list(value)) or key in fixed:
             continue
         followed = next(
-            (w for w in WIDTH_KEYS if _is_int(before.get(w)) and before[w] != out.get(w) and set(value) == {before[w]}),
+            (w for w in WIDTH_KEYS if is_int(before.get(w)) and before[w] != out.get(w) and set(value) == {before[w]}),
             None,
         )
         if followed is not None:
@@ -244,14 +243,14 @@ def _follow_channels(before: dict[str, Any], out: dict[str, Any], fixed: set[str
 
 
 def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(map(_is_int, value))
+    return isinstance(value, list) and bool(value) and all(map(is_int, value))
 
 
 def _fit_windows(out: dict[str, Any], fixed: set[str]) -> None:
     """Swin-style stages halve the patch grid each time; every stage's grid must hold a
     window, or the relative-position tables (sized by the window) stop matching."""
     depths, window, image = out.get("depths"), out.get("window_size"), out.get("image_size")
-    if not (isinstance(depths, list) and _is_int(window) and _is_int(image) and _is_int(out.get("patch_size"))):
+    if not (isinstance(depths, list) and is_int(window) and is_int(image) and is_int(out.get("patch_size"))):
         return
     if "window_size" not in fixed:
         out["window_size"] = window = min(window, 2)
@@ -307,7 +306,7 @@ def _shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
     """Cut the layer count; keep one layer of each kind named in per-layer lists."""
     stages = before.get("depths")
     counts = {
-        k: v for k, v in before.items() if k in LAYER_KEYS and _is_int(v) and v > TINY_LAYERS
+        k: v for k, v in before.items() if k in LAYER_KEYS and is_int(v) and v > TINY_LAYERS
         # a hierarchical backbone's stage count: detection heads expect every level
         and not (isinstance(stages, (list, tuple)) and v == len(stages))
     }
@@ -336,29 +335,29 @@ def _shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
     if isinstance(before.get("per_layer_config"), dict):
         out["per_layer_config"] = _keep_layer_entries(before["per_layer_config"], keep)
     for key in ("first_k_dense_replace", "max_window_layers"):
-        if _is_int(before.get(key)):
+        if is_int(before.get(key)):
             out[key] = min(before[key], 1 if key == "first_k_dense_replace" else n)
-    if _is_int(before.get("decoder_sparse_step")) and before["decoder_sparse_step"] > n:
+    if is_int(before.get("decoder_sparse_step")) and before["decoder_sparse_step"] > n:
         out["decoder_sparse_step"] = 1
     for key, value in before.items():
         # Jamba-style schedules: layer i is special when i % period == offset
-        if _is_int(value) and str(key).endswith("_layer_period"):
+        if is_int(value) and str(key).endswith("_layer_period"):
             out[key] = min(value, n)
-        elif _is_int(value) and str(key).endswith("_layer_offset"):
+        elif is_int(value) and str(key).endswith("_layer_offset"):
             out[key] = min(value, n - 1)
-        elif _is_int(value) and str(key).endswith(("_layer_id", "_layer_idx")) and 0 <= value < old:
+        elif is_int(value) and str(key).endswith(("_layer_id", "_layer_idx")) and 0 <= value < old:
             out[key] = value * n // old  # MiniCPM-V's merger insert point: still inside the stack
     for key, value in before.items():
         # lists of layer indices (mlp_only_layers, global_attn_indexes, ...): scale into range
         if str(key).endswith(("_layers", "_indexes")) and isinstance(value, list) and key not in per_layer:
-            if all(_is_int(i) and 0 <= i < old for i in value):
+            if all(is_int(i) and 0 <= i < old for i in value):
                 out[key] = sorted({i * n // old for i in value})
 
 
 def _shrink_uncounted_layer_list(before: dict[str, Any], out: dict[str, Any]) -> None:
     """A per-layer type list that is the only record of the depth (Nemotron-H's
     ``layers_block_type``, 52 long inside NeMo SpeechLM): keep the first layer of each kind."""
-    if any(_is_int(before.get(k)) for k in LAYER_KEYS):
+    if any(is_int(before.get(k)) for k in LAYER_KEYS):
         return
     for key in ("layers_block_type", "layer_types", "block_types"):
         value = before.get(key)
@@ -387,10 +386,10 @@ def _keep_layer_entries(per_layer: dict[str, Any], keep: list[int]) -> dict[str,
 def _shrink_layer_entry(entry: dict[str, Any]) -> dict[str, Any]:
     """One layer's overrides (Dots3's wider indexed layers) shrunk like the config; kv heads
     that equalled the heads still do."""
-    out = {k: _shrink_int(k, v) if _is_int(v) else v for k, v in entry.items()}
-    heads = next((k for k in HEAD_KEYS if _is_int(entry.get(k))), None)
+    out = {k: _shrink_int(k, v) if is_int(v) else v for k, v in entry.items()}
+    heads = next((k for k in HEAD_KEYS if is_int(entry.get(k))), None)
     for kv in KV_HEAD_KEYS:
-        if heads is not None and _is_int(entry.get(kv)) and entry[kv] >= entry[heads]:
+        if heads is not None and is_int(entry.get(kv)) and entry[kv] >= entry[heads]:
             out[kv] = out[heads]
     return out
 
@@ -399,7 +398,7 @@ def _resize_per_layer_lists(shrunk: dict[str, Any], overrides: dict[str, Any]) -
     """An overridden layer count resizes the per-layer lists it did not override, cyclically."""
     for key in LAYER_KEYS:
         old, new = shrunk.get(key), overrides.get(key)
-        if not (_is_int(old) and _is_int(new)) or old == new:
+        if not (is_int(old) and is_int(new)) or old == new:
             continue
         for name, value in shrunk.items():
             if isinstance(value, list) and len(value) == old and old > 1 and name not in overrides:
@@ -432,8 +431,8 @@ def _derive_head_sizes(
     before: dict[str, Any], out: dict[str, Any], fixed: set[str], implicit_rope: dict[str, Any]
 ) -> None:
     """Make head counts and per-head sizes agree with the (possibly overridden) width."""
-    width = next((out[k] for k in WIDTH_KEYS if _is_int(out.get(k)) and out[k] > 0), None)
-    heads_key = next((k for k in HEAD_KEYS if _is_int(out.get(k)) and out[k] > 0), None)
+    width = next((out[k] for k in WIDTH_KEYS if is_int(out.get(k)) and out[k] > 0), None)
+    heads_key = next((k for k in HEAD_KEYS if is_int(out.get(k)) and out[k] > 0), None)
     if heads_key is None:
         return
     heads = out[heads_key]
@@ -443,20 +442,20 @@ def _derive_head_sizes(
         return
     head_dim = width // heads
     expand = before.get("expand")
-    if _is_int(expand) and before.get(heads_key, 0) * (before.get("head_dim") or 0) == before.get(
+    if is_int(expand) and before.get(heads_key, 0) * (before.get("head_dim") or 0) == before.get(
         next(k for k in WIDTH_KEYS if k in before), 0
     ) * expand:
         head_dim = width * expand // heads  # Mamba2: heads * head_dim == hidden_size * expand
     for key in ("head_dim", "d_kv", "attention_head_size", "query_pre_attn_scalar"):
-        if _is_int(before.get(key)) and before[key] > 0 and key not in fixed:
+        if is_int(before.get(key)) and before[key] > 0 and key not in fixed:
             out[key] = head_dim
     if "head_dim" in before and before["head_dim"] is None and "head_dim" not in fixed:
         out["head_dim"] = head_dim  # some modeling code reads it without a fallback (Ministral)
     rope_dim = before.get("qk_rope_head_dim")
-    if _is_int(rope_dim) and before.get("head_dim") == rope_dim and "head_dim" not in fixed:
+    if is_int(rope_dim) and before.get("head_dim") == rope_dim and "head_dim" not in fixed:
         out["head_dim"] = out["qk_rope_head_dim"]  # MLA models rotate only the rope part
-    head_dim = out.get("head_dim") if _is_int(out.get("head_dim")) else head_dim
-    if _is_int(before.get("rotary_dim")) and "rotary_dim" not in fixed:
+    head_dim = out.get("head_dim") if is_int(out.get("head_dim")) else head_dim
+    if is_int(before.get("rotary_dim")) and "rotary_dim" not in fixed:
         out["rotary_dim"] = max(2, head_dim // 2)
     _shrink_rope(out, head_dim, fixed, implicit_rope)
     _scale_per_layer_head_dims(before, out)
@@ -466,10 +465,10 @@ def _scale_per_layer_head_dims(before: dict[str, Any], out: dict[str, Any]) -> N
     """Per-layer overrides (Gemma 4's wider global layers) keep their ratio to the tiny head_dim."""
     old, new = before.get("head_dim"), out.get("head_dim")
     layers = out.get("per_layer_config")
-    if not (_is_int(old) and _is_int(new) and old > 0 and isinstance(layers, dict)):
+    if not (is_int(old) and is_int(new) and old > 0 and isinstance(layers, dict)):
         return
     for values in layers.values():
-        if isinstance(values, dict) and _is_int(values.get("head_dim")):
+        if isinstance(values, dict) and is_int(values.get("head_dim")):
             values["head_dim"] = max(2, values["head_dim"] * new // old)
 
 
@@ -478,8 +477,8 @@ def _kv_heads(before: dict[str, Any], kv_key: str, heads_key: str, heads: int) -
     old_kv, old_heads = before.get(kv_key), before.get(heads_key)
     if old_kv is None:
         return heads  # unset means multi-head, but some modeling code divides by it (Nemotron)
-    if not _is_int(old_kv) or not _is_int(old_heads) or old_kv >= old_heads:
-        return heads if _is_int(old_kv) else old_kv
+    if not is_int(old_kv) or not is_int(old_heads) or old_kv >= old_heads:
+        return heads if is_int(old_kv) else old_kv
     if old_kv == 1:
         return 1
     return max(d for d in range(1, heads // 2 + 1) if heads % d == 0) if heads > 1 else 1

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pytest_modelpatch.models.tiny_sizes import is_int
+
 # Config keys that hold special token ids; Molmo2 names its image placeholder image_patch_id.
 TOKEN_ID_SUFFIXES = ("_token_id", "_token_index", "_token_ids", "_patch_id")
 
@@ -26,7 +28,7 @@ def rederive_defaults(before: dict[str, Any], out: dict[str, Any], derived: dict
     ``hidden_size``); a key the user overrode is kept.
     """
     for key, default in derived.items():
-        if key not in fixed and _is_int(out.get(key)) and _is_int(before.get(key)):
+        if key not in fixed and is_int(out.get(key)) and is_int(before.get(key)):
             out[key] = default
 
 
@@ -47,9 +49,9 @@ def fit_feature_layers(tree: dict[str, Any]) -> None:
 
 
 def _into_depth(value: Any, depth: int) -> Any:
-    if _is_int(value):
+    if is_int(value):
         return value if value < depth else depth - 1
-    if not (isinstance(value, list) and value and all(map(_is_int, value))):
+    if not (isinstance(value, list) and value and all(map(is_int, value))):
         return value
     if all(v < depth for v in value):
         return value
@@ -61,10 +63,7 @@ def _into_depth(value: Any, depth: int) -> Any:
 
 def _depth(level: dict[str, Any]) -> int | None:
     for key in ("num_hidden_layers", "num_layers", "depth"):
-        if _is_int(level.get(key)):
+        if is_int(level.get(key)):
             return int(level[key])
     return None
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

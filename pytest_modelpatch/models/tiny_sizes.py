@@ -1,5 +1,9 @@
 """The sizes every tiny config shrinks to (``tiny_configs.py`` and its per-modality rules)."""
 
+from __future__ import annotations
+
+from typing import Any
+
 # Every size below is shared by all sub-configs, so cross-config equalities that
 # families rely on (a vision tower's ``out_hidden_size`` == the text ``hidden_size``,
 # a projector's ``projection_dim``) still hold after shrinking.
@@ -16,3 +20,8 @@ TINY_SLIDING_WINDOW = 4  # shorter than example inputs, so the sliding mask is e
 TINY_IMAGE = 32
 TINY_PATCH = 8
 TINY_LORA_RANK = 32
+
+
+def is_int(value: Any) -> bool:
+    """A config size: an int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -8,6 +8,7 @@ from typing import Any
 
 from pytest_modelpatch.models.tiny_sizes import (
     TINY_HEADS, TINY_IMAGE, TINY_INTERMEDIATE, TINY_LAYERS, TINY_PATCH, TINY_POSITIONS, TINY_VOCAB, TINY_WIDTH,
+    is_int,
 )
 
 # Video models and the small heads beside a tower (VideoMAE's decoder, V-JEPA 2's
@@ -37,16 +38,16 @@ TOWER_SIZE_KEYS: dict[str, int] = {
 def shrink_vision_sizes(out: dict[str, Any]) -> None:
     """Frames, tubelets and the heads beside a vision tower, kept consistent with the tiny image."""
     for key, tiny in TOWER_SIZE_KEYS.items():
-        if _is_int(out.get(key)) and out[key] > tiny:
+        if is_int(out.get(key)) and out[key] > tiny:
             out[key] = tiny
     tubelet = out.get("tubelet_size")
-    if isinstance(tubelet, list) and len(tubelet) == 3 and all(map(_is_int, tubelet)):
+    if isinstance(tubelet, list) and len(tubelet) == 3 and all(map(is_int, tubelet)):
         # (time, height, width): the spatial part is a patch of the tiny image
         out["tubelet_size"] = [min(tubelet[0], 2), *(min(v, TINY_PATCH) for v in tubelet[1:])]
     temporal = out["tubelet_size"][0] if isinstance(out.get("tubelet_size"), list) else out.get("tubelet_size")
     for key in FRAME_KEYS:
-        if _is_int(out.get(key)) and out[key] > TINY_FRAMES:
-            step = temporal if _is_int(temporal) and temporal > 0 else 1
+        if is_int(out.get(key)) and out[key] > TINY_FRAMES:
+            step = temporal if is_int(temporal) and temporal > 0 else 1
             out[key] = max(step, TINY_FRAMES // step * step)
 
 
@@ -54,10 +55,10 @@ def fit_layout_embeddings(out: dict[str, Any]) -> None:
     """LayoutLMv3 concatenates four corner and two size embeddings into the hidden size:
     ``4 * coordinate_size + 2 * shape_size == hidden_size``; its page is the tiny image."""
     width = out.get("hidden_size")
-    if _is_int(out.get("coordinate_size")) and _is_int(out.get("shape_size")) and _is_int(width):
+    if is_int(out.get("coordinate_size")) and is_int(out.get("shape_size")) and is_int(width):
         out["coordinate_size"] = coordinate = width // 6
         out["shape_size"] = (width - 4 * coordinate) // 2
-    if _is_int(out.get("input_size")) and _is_int(out.get("patch_size")):
+    if is_int(out.get("input_size")) and is_int(out.get("patch_size")):
         out["input_size"] = min(out["input_size"], TINY_IMAGE)
 
 
@@ -68,12 +69,9 @@ def fit_stage_widths(out: dict[str, Any], fixed: set[str]) -> None:
     depths, embed = out.get("depths"), out.get("embed_dim")
     # hierarchical backbones have three or four stages, each halving the grid; Swin2SR's
     # six residual groups keep one width and are left alone
-    if not (isinstance(depths, list) and 3 <= len(depths) <= 4 and _is_int(embed)) or "embed_dim" in fixed:
+    if not (isinstance(depths, list) and 3 <= len(depths) <= 4 and is_int(embed)) or "embed_dim" in fixed:
         return
     out["embed_dim"] = embed = min(embed, max(2 * TINY_HEADS, TINY_WIDTH // 2 ** (len(depths) - 2)))
-    if _is_int(out.get("hidden_size")) and "hidden_size" not in fixed:
+    if is_int(out.get("hidden_size")) and "hidden_size" not in fixed:
         out["hidden_size"] = embed * 2 ** (len(depths) - 1)
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

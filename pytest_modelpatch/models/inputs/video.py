@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from pytest_modelpatch.models.inputs.request import InputRequest
 from pytest_modelpatch.models.inputs.text import text_companions, text_request_inputs
+from pytest_modelpatch.models.tiny_sizes import is_int
 from pytest_modelpatch.models.tiny_vision import FRAME_KEYS
 
 VIDEO_NAMES = ("pixel_values_videos", "pixel_values")
@@ -42,14 +43,14 @@ def video_inputs(request: InputRequest) -> dict[str, torch.Tensor] | None:
 def video_config(config: PretrainedConfig) -> PretrainedConfig | None:
     """The config level that counts frames: the model's own or its vision tower's."""
     for level in (config, getattr(config, "vision_config", None), getattr(config, "video_config", None)):
-        if level is not None and any(_is_int(getattr(level, k, None)) for k in FRAME_KEYS):
+        if level is not None and any(is_int(getattr(level, k, None)) for k in FRAME_KEYS):
             return level
     return None
 
 
 def clip(vision: PretrainedConfig, request: InputRequest) -> torch.Tensor:
     """Seeded frames at the config's frame count, channels and image size."""
-    frames = next(getattr(vision, k) for k in FRAME_KEYS if _is_int(getattr(vision, k, None)))
+    frames = next(getattr(vision, k) for k in FRAME_KEYS if is_int(getattr(vision, k, None)))
     size: Any = next(
         (getattr(vision, k) for k in ("image_size", "crop_size", "max_img_size") if getattr(vision, k, None)), 32
     )
@@ -57,6 +58,3 @@ def clip(vision: PretrainedConfig, request: InputRequest) -> torch.Tensor:
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_chans", None) or 3
     return request.randn(request.batch_size, frames, channels, height, width)
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
