@@ -20,7 +20,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.models.families import model_class_for
 from pytest_modelpatch.models.inputs.audio import mel_features, waveform
-from pytest_modelpatch.models.inputs.audio_families import FAMILY_INPUT_BUILDERS
+from pytest_modelpatch.models.inputs.audio_families import AUDIO_INPUT_BUILDERS
 from pytest_modelpatch.models.inputs.composite import composite_builder
 from pytest_modelpatch.models.inputs.documents import DOCUMENT_INPUT_BUILDERS
 from pytest_modelpatch.models.inputs.layout import layout_inputs
@@ -74,6 +74,9 @@ SIGNATURE_BUILDERS: tuple[Builder, ...] = (
     grid_tower_inputs, patch_sequence_inputs, video_inputs, layout_inputs, single_stream_inputs,
 )
 
+# model type -> a builder for inputs no modality rule derives, one table per modality module
+FAMILY_INPUT_BUILDERS: dict[str, Builder] = {**AUDIO_INPUT_BUILDERS, **DOCUMENT_INPUT_BUILDERS}
+
 # main input name -> builder
 MAIN_INPUT_BUILDERS: dict[str, Builder] = {
     "input_ids": token_model_inputs,
@@ -126,10 +129,7 @@ def example_inputs(
         main = takes[0] if takes else main
     # a family's own builder first (inputs no modality rule derives), then the shapes the
     # forward's parameters name, then the main input's
-    family = (
-        FAMILY_INPUT_BUILDERS.get(config.model_type) or DOCUMENT_INPUT_BUILDERS.get(config.model_type)
-        or composite_builder(request)
-    )
+    family = FAMILY_INPUT_BUILDERS.get(config.model_type) or composite_builder(request)
     inputs = family(request) if family is not None else None
     if inputs is None:
         inputs = next((found for build in SIGNATURE_BUILDERS if (found := build(request)) is not None), None)

@@ -157,7 +157,7 @@ def qwen3_asr_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **audio}
 
 
-FAMILY_INPUT_BUILDERS: dict[str, FamilyBuilder] = {
+AUDIO_INPUT_BUILDERS: dict[str, FamilyBuilder] = {
     "musicgen": music_inputs,
     "musicgen_melody": music_inputs,
     "dia": dia_inputs,
