@@ -19,9 +19,7 @@ patches. :func:`prepare_reference` makes it safe to share:
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,39 +143,13 @@ def install_capture_hooks(model: torch.nn.Module) -> None:
         return
     from transformers import PreTrainedModel
 
-    with _installed_submodels_skipped():
-        for module in model.modules():
-            # only where transformers would install them itself (on the first call of a
-            # capture_outputs forward; backbones at build): installing from a model whose forward
-            # never captures re-installs them on its sub-models, already hooked at build time
-            # (PP-LCNet backbones), and every hidden state is then recorded twice
-            if isinstance(module, PreTrainedModel) and _captures_on_call(type(module).forward):
-                maybe_install_capturing_hooks(module)
-
-
-@contextlib.contextmanager
-def _installed_submodels_skipped() -> Iterator[None]:
-    """While installing, leave alone nested models that already have their capture hooks.
-
-    A transformers backbone (``BackboneMixin.post_init``) installs its hooks when it is built;
-    installing them from an enclosing model then descends into it again and hooks its layers
-    twice (transformers re-installs nested models without checking), so every layer output is
-    captured twice and the backbone's feature maps pick the wrong layers (LW-DETR's ViT). The
-    lazy install of a plain load never does that, so neither may the reference's.
-    """
-    from transformers.utils import output_capturing
-
-    install_all = output_capturing.install_all_output_capturing_hooks
-
-    def install_missing(model: Any, prefix: str | None = None) -> None:
-        if not getattr(model, "_output_capturing_hooks_installed", False):
-            install_all(model, prefix=prefix)
-
-    output_capturing.install_all_output_capturing_hooks = install_missing
-    try:
-        yield
-    finally:
-        output_capturing.install_all_output_capturing_hooks = install_all
+    for module in model.modules():
+        # only where transformers would install them itself (on the first call of a
+        # capture_outputs forward; backbones at build): installing from a model whose forward
+        # never captures re-installs them on its sub-models, already hooked at build time
+        # (LW-DETR's ViT, PP-LCNet backbones), and every hidden state is then recorded twice
+        if isinstance(module, PreTrainedModel) and _captures_on_call(type(module).forward):
+            maybe_install_capturing_hooks(module)
 
 
 def _captures_on_call(forward: Any) -> bool:
