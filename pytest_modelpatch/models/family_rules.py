@@ -269,9 +269,12 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # SegGPT's image is the prompt stacked above the query (896 x 448 by default, 2:1);
     # its decoder reads these layers' hidden states, which must come after the merge layer
     "seggpt": {"image_size": [64, 32], "intermediate_hidden_state_indices": [1], "merge_index": 0},
-    # OneFormer's task prompt: 77 tokens of a CLIP-size vocabulary by default
+    # OneFormer's task prompt: 77 tokens of a CLIP-size vocabulary by default. hidden_dim ==
+    # conv_dim as in the released checkpoints: otherwise the transformer module projects with
+    # Conv2d layers it keeps in a plain list, unregistered, so from_pretrained leaves them on
+    # the meta device and every forward reads uninitialised memory
     "oneformer": {"task_seq_len": 8, "text_encoder_context_length": 8, "text_encoder_vocab_size": 256,
-                  "text_encoder_width": 64, "conv_dim": 64, "mask_dim": 64},
+                  "text_encoder_width": 64, "conv_dim": 64, "mask_dim": 64, "hidden_dim": 64},
     "mobilevitv2": {"image_size": 64, "width_multiplier": 0.5},
     # X-Codec: codebook_dim == acoustic (DAC) width + semantic (HuBERT) width
     "xcodec": _fused_semantic_width("codebook_dim", "acoustic_model_config"),

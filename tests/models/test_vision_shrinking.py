@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.models.families import model_class_for, tiny_config
 from pytest_modelpatch.models.inputs import example_inputs
 from pytest_modelpatch.models.tiny_configs import TINY_STAGE_WIDTH
@@ -89,3 +90,20 @@ def test_seggpt_gets_a_prompt_image_and_mask_each_half_the_stacked_height() -> N
     assert inputs["pixel_values"].shape[2] * 2 == config.image_size[0]
     assert inputs["prompt_masks"].shape == inputs["pixel_values"].shape
     assert set(inputs["prompt_masks"].unique().tolist()) == {0.0, 1.0}
+
+
+def test_oneformer_loads_with_every_layer_it_runs_materialised(tmp_path) -> None:
+    # OneFormer keeps its input projections in a plain list: unregistered, so from_pretrained
+    # leaves them on the meta device unless they are identities (hidden_dim == conv_dim), and
+    # each forward then reads uninitialised memory
+    model = ModelBuilder(tmp_path).reference(ModelRequest("oneformer"))
+    unregistered = [
+        f"{name}.{attribute}" for name, module in model.named_modules() for attribute, value in vars(module).items()
+        if isinstance(value, list) and any(isinstance(item, torch.nn.Module) for item in value)
+        for item in value if isinstance(item, torch.nn.Module) and any(p.is_meta for p in item.parameters())
+    ]  # fmt: skip
+    assert not unregistered
+    inputs = example_inputs(model.config, model_class=type(model))
+    with torch.no_grad():
+        first, second = model(**inputs), model(**inputs)
+    assert torch.equal(first.transformer_decoder_object_queries, second.transformer_decoder_object_queries)
