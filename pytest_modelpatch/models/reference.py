@@ -19,6 +19,7 @@ patches. :func:`prepare_reference` makes it safe to share:
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,9 +58,39 @@ class ReferenceRecord:
         if last is not None and last.holds(model):
             return []
         found = self.full_problems(model)
+        if found and self._adopt_own_rewiring(model):
+            found = self.full_problems(model)
         if not found:
             self._clean[model] = _Fingerprint(model, self)
         return found
+
+    def _adopt_own_rewiring(self, model: torch.nn.Module) -> bool:
+        """Take the model's own structural changes into the record; ``False`` when something else changed.
+
+        BigBird swaps its block-sparse attention modules for full-attention ones when an input is
+        short (``set_attention_type`` in its forward): new modules of another class of its own
+        modeling file, without the capture hooks the old ones had (transformers hooks a model once).
+        Adopted only when every stranger is such a class, as its module defines it, and no class
+        of the build was altered; a replacement from anywhere else is still a problem.
+        """
+        modules = dict(model.named_modules())
+        files = {cls.__module__ for cls in self.classes if cls.__module__.startswith("transformers.")}
+        strangers = {type(m) for m in modules.values() if type(m) not in self.classes}
+        if not strangers or not all(_defined_in(cls, files) for cls in strangers):
+            return False
+        if any(_code(cls).keys() != code.keys() or any(_code(cls)[k] is not v for k, v in code.items())
+               for cls, code in self.classes.items()):  # fmt: skip
+            return False
+        for cls in strangers:
+            self.classes[cls] = _code(cls)
+        for name in list(self.hooks):
+            module = modules.get(name)
+            if module is None or len(module._forward_hooks) < self.hooks[name]:
+                # only hooks of modules that are themselves new may go; lost hooks elsewhere stay a problem
+                if module is not None and type(module) not in strangers:
+                    return False
+                del self.hooks[name]
+        return True
 
     def full_problems(self, model: torch.nn.Module) -> list[str]:
         """What differs from the build: replaced module classes, rebound methods, lost capture hooks."""
@@ -128,6 +159,12 @@ def _code(cls: type) -> dict[str, Any]:
         name: value for name, value in vars(cls).items()
         if not name.startswith("__") and (callable(value) or isinstance(value, (staticmethod, classmethod, property)))
     }  # fmt: skip
+
+
+def _defined_in(cls: type, files: set[str]) -> bool:
+    """``cls`` is the class one of the modeling ``files`` defines under its name (not a replacement bound elsewhere)."""
+    module = sys.modules.get(cls.__module__)
+    return cls.__module__ in files and module is not None and getattr(module, cls.__name__, None) is cls
 
 
 def _describe(value: Any) -> str:

@@ -12,6 +12,7 @@ import torch
 from fixtures import load_patch
 from pytest_modelpatch.errors import ReferenceNotPristineError
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
+from pytest_modelpatch.models.inputs import example_inputs
 from pytest_modelpatch.models.reference import _RECORD
 
 
@@ -96,3 +97,39 @@ def test_a_fingerprint_does_not_keep_a_released_model_alive(tmp_path: Path) -> N
     del model
     gc.collect()
     assert gone() is None and len(record._clean) == 0
+
+
+@pytest.fixture(scope="module")
+def big_bird(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, torch.nn.Module]:
+    builder = ModelBuilder(tmp_path_factory.mktemp("big_bird"))
+    return builder.reference(ModelRequest("big_bird")), builder.patched(ModelRequest("big_bird"))
+
+
+def test_a_reference_that_rewires_itself_stays_callable_and_unpatched(big_bird: Any) -> None:
+    # BigBird swaps its block-sparse attention for full attention on inputs shorter than its
+    # blocks, inside its forward: the reference's own doing, not a patch
+    reference, patched = big_bird
+    inputs = example_inputs(reference.config, model_class=type(reference))
+    with torch.no_grad():
+        first = reference(**inputs).logits
+        again = reference(**inputs).logits
+        expected = patched(**inputs).logits
+    attention = reference.bert.encoder.layer[0].attention.self
+    assert type(attention).__name__ == "BigBirdSelfAttention"
+    assert torch.equal(first, again) and torch.equal(again, expected)
+
+
+def test_after_its_own_rewiring_a_reference_still_refuses_a_swapped_module(big_bird: Any) -> None:
+    reference, _ = big_bird
+    inputs = example_inputs(reference.config, model_class=type(reference))
+    with torch.no_grad():
+        reference(**inputs)  # rewired, and adopted
+    attention = reference.bert.encoder.layer[0].attention
+    original = attention.self
+    # a subclass from outside the modeling file, as a kernel library would bind it
+    attention.self = type("FastSelfAttention", (type(original),), {})(reference.config, layer_idx=0)
+    try:
+        with pytest.raises(ReferenceNotPristineError, match="FastSelfAttention"), torch.no_grad():
+            reference(**inputs)
+    finally:
+        attention.self = original
