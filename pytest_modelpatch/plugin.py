@@ -18,6 +18,8 @@ from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.leaks import LeakGuard, parse_leak_mode, scope_changed
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 from pytest_modelpatch.models.model_cache import parse_model_cache
+from pytest_modelpatch.reporting.records import set_record_sink
+from pytest_modelpatch.reporting.session import CheckSink
 
 if TYPE_CHECKING:
     from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
@@ -206,14 +208,6 @@ def _resolve_device(item: pytest.Item, requested: str) -> str:
     return device
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("gpu") is None:
-        return
-    if item.get_closest_marker("cpu") is not None and "device" not in getattr(item, "callspec", _NoCallspec).params:
-        raise PatchUsageError(f"{item.nodeid} is marked both cpu and gpu: keep one.")
-    _resolve_device(item, _requested_device(item))
-
-
 # tryfirst: the outermost wrapper, so it sees the report after pytest's xfail handling
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
@@ -256,42 +250,81 @@ def dtype(request: pytest.FixtureRequest) -> Any:
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _modelpatch_guard(request: pytest.FixtureRequest) -> Iterator[ActivePatches | None]:
-    # Autouse and function-scoped: set up after higher-scoped fixtures and torn down
-    # before them, so a module-scoped fixture's own patches are not taken for a leak.
-    mode = _leak_mode(request.config)
-    guard = LeakGuard(mode, reuse=True) if mode != "off" else None
-    nodeid = request.node.nodeid
-    active = None
-    usage_error = None
-    reset_tolerance = None
+class _TestScope:
+    """What the plugin holds open for one test: its leak guard, its patches, its tolerance."""
+
+    __slots__ = ("active", "failure", "guard", "nodeid", "reset_tolerance")
+
+    def __init__(self, guard: LeakGuard | None, nodeid: str) -> None:
+        self.guard, self.nodeid = guard, nodeid
+        self.active: ActivePatches | None = None
+        self.reset_tolerance: Any = None
+        self.failure: Exception | None = None  # raised once setup is over
+
+    def close(self) -> None:
+        try:
+            if self.reset_tolerance is not None:
+                self.reset_tolerance()
+            if self.active is not None:
+                self.active.close()
+        finally:
+            _finish_guard(self.guard, self.nodeid)
+
+
+_TEST_SCOPE = pytest.StashKey[_TestScope]()
+
+
+def _open_test_scope(item: pytest.Item) -> _TestScope:
+    """Open the test's guard, patches and tolerance; the item's teardown closes them.
+
+    Opened just before the test's first function-scoped fixture (else once setup is done),
+    so fixtures of wider scope set up for it are outside it (each has its own guard), and
+    closed by a finalizer registered then, so it runs after the function-scoped fixtures'
+    teardown and before any wider fixture's. A hook, not an autouse fixture: pytest's
+    fixture machinery alone would cost every test of the session ~25 us. An error (a bad
+    marker) is kept for the end of setup: raised inside pytest_fixture_setup, before the
+    fixture ran, it would leave pytest's fixture cache inconsistent for every later test.
+    """
+    mode = _leak_mode(item.config)
+    scope = item.stash[_TEST_SCOPE] = _TestScope(LeakGuard(mode, reuse=True) if mode != "off" else None, item.nodeid)
+    item.addfinalizer(scope.close)
     try:
         # keywords hold every marker name of the node and its parents: a cheap test before the marker walk
-        spec = collect_patch_spec(request.node) if "patch" in request.node.keywords else None
+        spec = collect_patch_spec(item) if "patch" in item.keywords else None
         if spec is not None:
             from pytest_modelpatch.isolation.registration import ActivePatches
 
-            active = ActivePatches(spec, lint=_registration_lint(request.node, spec.allow))
-        reset_tolerance = _set_test_tolerance(request.node)
-    except PatchUsageError as exc:
-        usage_error = f"PatchUsageError: {exc}"
-    except BaseException:
-        _finish_guard(guard, nodeid)
-        raise
-    if usage_error is not None:
-        _finish_guard(guard, nodeid)
-        pytest.fail(usage_error, pytrace=False)
+            scope.active = ActivePatches(spec, lint=_registration_lint(item, spec.allow))
+        scope.reset_tolerance = _set_test_tolerance(item)
+    except Exception as exc:  # noqa: BLE001 - kept, and raised when setup is over
+        scope.failure = exc
+    return scope
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    if "gpu" in item.keywords and item.get_closest_marker("gpu") is not None:
+        if item.get_closest_marker("cpu") is not None and "device" not in getattr(item, "callspec", _NoCallspec).params:
+            raise PatchUsageError(f"{item.nodeid} is marked both cpu and gpu: keep one.")
+        _resolve_device(item, _requested_device(item))
     try:
-        yield active
-    finally:
-        try:
-            if reset_tolerance is not None:
-                reset_tolerance()
-            if active is not None:
-                active.close()
-        finally:
-            _finish_guard(guard, nodeid)
+        result = yield
+    except Exception:
+        # a fixture that ran without the test's patches may fail for that reason: the scope's error comes first
+        _raise_scope_failure(item.stash.get(_TEST_SCOPE, None))
+        raise
+    # a test without function-scoped fixtures: nothing opened its scope yet
+    scope = item.stash.get(_TEST_SCOPE, None)
+    _raise_scope_failure(scope if scope is not None else _open_test_scope(item))
+    return result
+
+
+def _raise_scope_failure(scope: _TestScope | None) -> None:
+    failure = scope.failure if scope is not None else None
+    if isinstance(failure, PatchUsageError):
+        pytest.fail(f"PatchUsageError: {failure}", pytrace=False)
+    if failure is not None:
+        raise failure
 
 
 _SCOPED_GUARDS: dict[Any, LeakGuard] = {}
@@ -310,7 +343,10 @@ def _leak_mode(config: pytest.Config) -> str:
 def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Iterator[Any]:
     # A fixture of wider scope answers for its own patches, from its setup to its teardown;
     # the tests it serves take it as their baseline.
-    if fixturedef.scope != "function" and fixturedef not in _SCOPED_GUARDS:
+    if fixturedef.scope == "function":
+        if _TEST_SCOPE not in request.node.stash:
+            _open_test_scope(request.node)
+    elif fixturedef not in _SCOPED_GUARDS:
         scope_changed()
         mode = _leak_mode(request.config)
         if mode != "off":
@@ -367,10 +403,16 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
     )
 
 
+_TOLERANCE_INI = ("modelpatch_atol", "modelpatch_rtol", "modelpatch_tolerance_policy")
+_TOLERANCE_INI_SET = pytest.StashKey[bool]()
+
+
 def _set_test_tolerance(item: pytest.Item) -> Any:
-    if "tolerance" not in item.keywords and not any(
-        item.config.getini(k) for k in ("modelpatch_atol", "modelpatch_rtol", "modelpatch_tolerance_policy")
-    ):
+    config = item.config
+    ini_set = config.stash.get(_TOLERANCE_INI_SET, None)
+    if ini_set is None:  # read once a session: this runs for every test
+        ini_set = config.stash[_TOLERANCE_INI_SET] = any(config.getini(k) for k in _TOLERANCE_INI)
+    if not ini_set and "tolerance" not in item.keywords:
         return None
     from pytest_modelpatch.compare.tolerance import ToleranceOverride, set_test_tolerance
 
@@ -378,7 +420,6 @@ def _set_test_tolerance(item: pytest.Item) -> Any:
     mark = item.get_closest_marker("tolerance")
     if mark is not None:
         overrides.append(ToleranceOverride.from_marker(mark.args, mark.kwargs, f"@pytest.mark.tolerance on {item.nodeid}"))
-    config = item.config
     overrides.append(
         ToleranceOverride.from_ini(
             config.getini("modelpatch_atol"), config.getini("modelpatch_rtol"), config.getini("modelpatch_tolerance_policy")
@@ -422,7 +463,7 @@ def reference_model(model_builder: ModelBuilder, device: str, dtype: Any, reques
 
 @pytest.fixture
 def patched_model(
-    model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest, _modelpatch_guard: Any
+    model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest
 ) -> Iterator[Any]:
     """The same weights loaded with this test's patches and conversions (``@pytest.mark.patch``)."""
     from pytest_modelpatch.isolation.guard import PatchStateGuard
@@ -476,7 +517,9 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    from pytest_modelpatch.reporting.session import attaching_checks
-
-    with attaching_checks(item):
+    # not attaching_checks(): a context manager costs every test of the session more than this
+    previous = set_record_sink(CheckSink(item))
+    try:
         return (yield)
+    finally:
+        set_record_sink(previous)

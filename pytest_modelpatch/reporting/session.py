@@ -37,18 +37,30 @@ FIGURE_PROPERTIES = ("max_abs_error", "max_rel_error", "outcome")
 # ---------------------------------------------------------------------------
 
 
+class CheckSink:
+    """Receives every check recorded while one test runs (setup to teardown): rows on its ``user_properties``.
+
+    Installed with :func:`~pytest_modelpatch.reporting.records.set_record_sink` around each test.
+    """
+
+    __slots__ = ("counts", "item")
+
+    def __init__(self, item: pytest.Item) -> None:
+        self.item = item
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, record: CheckRecord) -> None:
+        counts = self.counts
+        counts[record.kind] = counts.get(record.kind, 0) + 1
+        row = row_from_record(record, self.item.nodeid, counts[record.kind])
+        self.item.user_properties.append((ROW_PROPERTY, row))
+        self.item.user_properties += [(f"modelpatch_{k}", row[k]) for k in FIGURE_PROPERTIES if row[k] is not None]
+
+
 @contextmanager
 def attaching_checks(item: pytest.Item) -> Iterator[None]:
-    """Attach every check recorded while this test runs (setup to teardown) to its ``user_properties``."""
-    counts: dict[str, int] = {}
-
-    def sink(record: CheckRecord) -> None:
-        counts[record.kind] = counts.get(record.kind, 0) + 1
-        row = row_from_record(record, item.nodeid, counts[record.kind])
-        item.user_properties.append((ROW_PROPERTY, row))
-        item.user_properties += [(f"modelpatch_{k}", row[k]) for k in FIGURE_PROPERTIES if row[k] is not None]
-
-    previous = set_record_sink(sink)
+    """Attach every check recorded inside the block to ``item``'s ``user_properties``."""
+    previous = set_record_sink(CheckSink(item))
     try:
         yield
     finally:

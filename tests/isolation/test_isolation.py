@@ -49,6 +49,80 @@ def test_4_sees_a_clean_registry():
     result.assert_outcomes(passed=2, failed=1, errors=1)
 
 
+def test_the_tests_scope_spans_its_function_fixtures_and_not_wider_ones(pytester: pytest.Pytester) -> None:
+    # The scope opens before the first function-scoped fixture and closes after the last one's
+    # teardown: the marker's patches reach those fixtures, their leaks are the test's, and a
+    # module fixture the test is the first to use is neither patched nor charged to it.
+    pytester.makepyfile(
+        PATCHED_ATTENTION
+        + """
+SEEN = {}
+
+
+@pytest.fixture(scope="module")
+def module_patch():
+    SEEN["module"] = dict(get_patch_mapping())
+    register_patch_mapping({"LlamaMLP": MyAttention})
+    yield
+    clear_patch_mapping()
+
+
+@pytest.fixture
+def sees_the_marker():
+    return dict(get_patch_mapping())
+
+
+@pytest.fixture
+def leaks_at_teardown():
+    yield
+    register_patch_mapping({"LlamaRMSNorm": MyAttention}, overwrite=True)
+
+
+@pytest.mark.patch({"LlamaAttention": MyAttention})
+def test_a_fixtures_see_the_marker(module_patch, sees_the_marker):
+    assert SEEN["module"] == {}
+    assert sees_the_marker == {"LlamaMLP": MyAttention, "LlamaAttention": MyAttention}
+
+
+def test_b_module_patch_is_the_baseline(module_patch, leaks_at_teardown):
+    assert get_patch_mapping() == {"LlamaMLP": MyAttention}
+"""
+    )
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*test_b_module_patch_is_the_baseline leaked transformers patch state*", "*LlamaRMSNorm*"])
+    result.stdout.no_fnmatch_line("*fixture 'module_patch' leaked*")
+    result.stdout.no_fnmatch_line("*LlamaMLP*registered*")
+
+
+def test_a_bad_patch_marker_errors_its_test_and_leaves_the_fixtures_usable(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        PATCHED_ATTENTION
+        + """
+@pytest.fixture
+def value():
+    return 1
+
+
+@pytest.mark.patch({"LlamaAttention": 42})
+def test_a_bad_marker(value):
+    pass
+
+
+@pytest.mark.patch({"LlamaAttention": MyAttention})
+def test_b_same_fixture(value):
+    assert get_patch_mapping() == {"LlamaAttention": MyAttention}
+
+
+def test_c_clean(value):
+    assert get_patch_mapping() == {}
+"""
+    )
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_a_bad_marker*", "PatchUsageError: *"])
+
+
 def test_teardown_restores_when_the_run_is_interrupted(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(
         """
