@@ -33,7 +33,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.outputs import flatten_outputs
+from pytest_modelpatch.compare.outputs import vacuous_outputs
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.models.model_cache import CacheBound
 from pytest_modelpatch.models.checkpoints import seeded_model
@@ -91,7 +91,7 @@ def try_model_type(model_type: str, builder: ModelBuilder) -> CoverageRow:
             outputs = model(**inputs)
         row.stage = "finite"
         row.build_forward_s = time.perf_counter() - built_at
-        bad = meaningless_outputs(outputs)
+        bad = vacuous_outputs(outputs)
         if bad:
             raise FloatingPointError(f"NaN or no finite value in {', '.join(bad[:3])}")
         del model, outputs
@@ -113,18 +113,6 @@ def try_model_type(model_type: str, builder: ModelBuilder) -> CoverageRow:
         signal.alarm(0)
         row.seconds = time.perf_counter() - start
     return row
-
-
-def meaningless_outputs(outputs: Any) -> list[str]:
-    """Outputs a comparison would pass vacuously: any NaN (NaN matches NaN), or no finite value at all.
-
-    Infinities beside finite values are kept: masked logits are -inf by design (Grounding DINO).
-    """
-    return [
-        path for path, leaf in flatten_outputs(outputs)
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel()
-        and (bool(leaf.isnan().any()) or not bool(leaf.isfinite().any()))
-    ]
 
 
 def main(argv: list[str]) -> int:

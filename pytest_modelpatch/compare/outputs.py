@@ -29,6 +29,12 @@ _MISSING: Any = object()
 # ---------------------------------------------------------------------------
 
 
+NO_FINITE_VALUE = (
+    "the reference holds no finite value (all NaN or infinite), so any patched values would pass: nothing was "
+    "compared. Check the inputs, the weights and the dtype (float16 overflows to inf)"
+)
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
@@ -77,6 +83,18 @@ class _Opaque:
 # ---------------------------------------------------------------------------
 # Comparing
 # ---------------------------------------------------------------------------
+
+
+def vacuous_outputs(outputs: Any) -> list[str]:
+    """Paths of floating outputs a comparison could pass vacuously: any NaN, or no finite value at all.
+
+    Infinities beside finite values are kept: masked logits are -inf by design (Grounding DINO).
+    """
+    return [
+        path for path, leaf in flatten_outputs(outputs)
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel()
+        and (bool(leaf.isnan().any()) or not bool(leaf.isfinite().any()))
+    ]  # fmt: skip
 
 
 def _describe_leaf(value: Any) -> str:
@@ -188,6 +206,9 @@ def compare_tensors(
     judge_sqnr = tolerance.min_sqnr_db is not None
     if total == 0 or torch.equal(reference, patched):
         return TensorComparison(path, shape, dtype, total=total, tolerance=tolerance, sqnr_db=math.inf if judge_sqnr else None)
+    if (reference.is_floating_point() or reference.is_complex()) and not bool(reference.isfinite().any()):
+        # NaN in both agrees (below): with nothing finite, any patched NaN would pass
+        return TensorComparison(path, shape, dtype, total=total, tolerance=tolerance, problem=NO_FINITE_VALUE)
     wide = torch.complex128 if reference.is_complex() else torch.float64
     ref, pat = reference.detach().to(wide), patched.detach().to(wide)
     diff = (pat - ref).abs()

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, Phase, Verbosity, event, given, settings, target
+from hypothesis import HealthCheck, Phase, Verbosity, event, given, reject, settings, target
 from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
@@ -26,7 +27,7 @@ from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.timing import timing_if_enabled
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
-from pytest_modelpatch.compare.training import with_labels
+from pytest_modelpatch.compare.training import has_loss_targets, with_labels
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.usage import patch_usage, unused_message
 
@@ -127,11 +128,12 @@ class PropertyReport:
         )  # fmt: skip
 
 
-def _inputs_strategy(reference: torch.nn.Module, inputs: Any) -> SearchStrategy[Mapping[str, Any]]:
+def _inputs_strategy(reference: torch.nn.Module, inputs: Any, backward: bool = False) -> SearchStrategy[Mapping[str, Any]]:
     if inputs is None:
         from pytest_modelpatch.models.strategies import model_inputs
 
-        return model_inputs(reference.config)
+        # a causal LM's loss scores tokens after the first: one token trains nothing
+        return model_inputs(reference.config, seq_lens=range(2, 17)) if backward else model_inputs(reference.config)
     if isinstance(inputs, SearchStrategy):
         return inputs
     if isinstance(inputs, Mapping):
@@ -168,7 +170,7 @@ def check_equivalence(
     """
     __tracebackhide__ = True
     check_same_model(reference, patched, "check_equivalence")
-    strategy = _inputs_strategy(reference, inputs)
+    strategy = _inputs_strategy(reference, inputs, backward)
     spec = resolve_tolerance(atol, rtol, policy)  # read the test's overrides here, once
     report = PropertyReport(
         type(reference).__name__, type(patched).__name__,
@@ -200,10 +202,14 @@ def check_equivalence(
     @hypothesis_seed(report.seed)
     @given(strategy)
     def one_example(example: Mapping[str, Any]) -> None:
+        if backward:
+            example = with_labels(reference, example)
+            if not has_loss_targets(reference, example):
+                reject()  # nothing for the loss to score (one token): a vacuous example, not a passing one
         report.examples += 1
         try:
             if backward:
-                comparisons = compare_training(reference, patched, with_labels(reference, example), spec, locate=False).comparisons
+                comparisons = compare_training(reference, patched, example, spec, locate=False).comparisons
             else:
                 comparisons, routing = compare_routed(reference, patched, example, spec)
                 if routing is not None and routing.forced and all(c.passed for c in comparisons):
@@ -232,6 +238,12 @@ def check_equivalence(
     try:
         with evaluating(reference, patched):
             one_example()
+    except Unsatisfiable:
+        raise PatchUsageError(
+            "check_equivalence(backward=True): no drawn example gave the loss a token to score (a causal LM "
+            "scores each token from the ones before it, so one-token rows train nothing); draw sequences of "
+            "two or more tokens, e.g. inputs=model_inputs(config, seq_lens=range(2, 17))."
+        ) from None
     except Exception as error:  # noqa: BLE001 - every failure is turned into the report
         if not last_failing:
             raise

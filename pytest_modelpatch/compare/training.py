@@ -59,6 +59,21 @@ def with_labels(model: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, 
     return found
 
 
+def has_loss_targets(model: torch.nn.Module, inputs: Mapping[str, Any]) -> bool:
+    """Whether the model's own loss has a token to score: ``False`` when every label is ignored.
+
+    A causal LM scores ``labels[:, 1:]`` (each token from the ones before it), so a one-token
+    sequence, or padding that leaves one real token per row, has none: its loss is NaN (a mean
+    over nothing) and its gradients zero, and comparing them would prove nothing.
+    """
+    labels = inputs.get("labels")
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dim() < 2:
+        return True  # class ids per sequence, or regression targets: always scored
+    if type(model).__name__.endswith("ForCausalLM"):
+        labels = labels[..., 1:]
+    return bool((labels != -100).any())
+
+
 def default_reduction(outputs: Any) -> torch.Tensor:
     """The loss used when the model computes none: a fixed random projection of every output.
 

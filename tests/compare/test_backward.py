@@ -144,6 +144,22 @@ def test_property_check_with_backward_catches_the_broken_kernel_and_shrinks(pair
     assert check_equivalence(*pair("llama_swiglu_autograd"), max_examples=3, backward=True).passed
 
 
+def test_property_check_with_backward_compares_no_example_without_a_scored_token(pair: Callable[..., Pair]) -> None:
+    # a one-token row gives a causal LM's loss nothing to score (NaN) and zero gradients: such an
+    # example would pass the broken kernel, so the check never counts one
+    from hypothesis import strategies as st
+
+    from pytest_modelpatch.models.strategies import model_inputs
+
+    reference, patched = pair("llama_swiglu_autograd_broken")
+    one_token = model_inputs(reference.config, seq_lens=[1], padding="none")
+    with pytest.raises(PatchUsageError, match="no drawn example gave the loss a token to score"):
+        check_equivalence(reference, patched, inputs=one_token, max_examples=3, backward=True)
+    mixed = st.one_of(one_token, model_inputs(reference.config, seq_lens=[3], padding="none"))
+    with pytest.raises(AssertionError, match=r"inputs: input_ids=\[\[\d+, \d+, \d+\]\]"):
+        check_equivalence(reference, patched, inputs=mixed, max_examples=5, backward=True)
+
+
 def test_training_state_sees_a_dropout_added_or_replaced_after_an_earlier_check() -> None:
     from pytest_modelpatch.compare.training import training_state
 

@@ -132,6 +132,25 @@ def test_nan_in_both_agrees_and_nan_in_one_fails() -> None:
     assert (one_sided.over, one_sided.worst_index) == (1, (0,))
 
 
+def test_a_reference_with_no_finite_value_fails_instead_of_agreeing_with_anything() -> None:
+    nothing = torch.full((2, 3), float("nan"))
+    (result,) = compare_outputs(nothing, nothing.clone(), resolve_tolerance())
+    assert not result.passed and "no finite value" in str(result)
+    infinite = torch.tensor([float("inf"), float("-inf")])  # equal, and exactly so: the same values, not vacuous
+    assert all(c.passed for c in compare_outputs(infinite, infinite.clone(), resolve_tolerance()))
+
+
+def test_nan_outputs_do_not_let_a_wrong_patch_pass(pair: Callable[..., Pair]) -> None:
+    # a NaN in the first norm makes every output NaN in both models: NaN agreeing with NaN would
+    # pass the non-causal attention patch, which the same check fails on finite weights
+    reference, patched = pair("llama_fused_qkv_noncausal", rms_norm_eps=1.5e-6)  # a pair of its own: weights change
+    with torch.no_grad():
+        for model in (reference, patched):
+            model.model.layers[0].input_layernorm.weight[0] = float("nan")
+    with pytest.raises(AssertionError, match="logits: the reference holds no finite value"):
+        assert_equivalent(reference, patched, ids())
+
+
 def test_integer_outputs_must_match_exactly() -> None:
     (result,) = compare_outputs(torch.tensor([1, 2]), torch.tensor([1, 3]), resolve_tolerance(policy="loose"))
     assert result.over == 1
