@@ -35,6 +35,12 @@ NO_FINITE_VALUE = (
 )
 
 
+NOTHING_COMPARED = (
+    "neither model returned a tensor with an element, so nothing was compared: pass inputs that produce "
+    "outputs, or compare the outputs you care about yourself"
+)
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
@@ -322,7 +328,11 @@ def compare_outputs(reference: Any, patched: Any, spec: ToleranceSpec, oracle: A
     ``oracle``: the output of a float64 run of the reference (:func:`oracle_outputs`), or ``None``.
     """
     truth = dict(flatten_outputs(oracle)) if oracle is not None else None
-    return compare_flat(dict(flatten_outputs(reference)), dict(flatten_outputs(patched)), spec, oracle=truth)
+    found = compare_flat(dict(flatten_outputs(reference)), dict(flatten_outputs(patched)), spec, oracle=truth)
+    if not any(c.total or c.problem for c in found):
+        # no output tensor with an element: a model that returns None (or empty tensors) matches anything
+        found.append(TensorComparison("<outputs>", problem=NOTHING_COMPARED))
+    return found
 
 
 _FLOAT64_COPIES: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()

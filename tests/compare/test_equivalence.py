@@ -140,6 +140,13 @@ def test_a_reference_with_no_finite_value_fails_instead_of_agreeing_with_anythin
     assert all(c.passed for c in compare_outputs(infinite, infinite.clone(), resolve_tolerance()))
 
 
+@pytest.mark.parametrize("outputs", [None, {"logits": None}, torch.zeros(0, 4), ()], ids=["none", "none-field", "empty", "no-leaf"])
+def test_outputs_with_no_element_to_compare_fail(outputs: object) -> None:
+    found = compare_outputs(outputs, outputs, resolve_tolerance())
+    assert not all(c.passed for c in found)
+    assert "nothing was compared" in str(found[-1])
+
+
 def test_nan_outputs_do_not_let_a_wrong_patch_pass(pair: Callable[..., Pair]) -> None:
     # a NaN in the first norm makes every output NaN in both models: NaN agreeing with NaN would
     # pass the non-causal attention patch, which the same check fails on finite weights
