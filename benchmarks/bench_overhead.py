@@ -7,9 +7,11 @@ same run with ``-p no:modelpatch``, measured in the same invocation, alternating
 hook, so torch's import does not dilute the ratio) and the whole process's wall time.
 Goal: loop ratio <= 1.02x. The baseline loop costs ~0.55 ms a test here, so that is ~0.01 ms a
 test. The guard runs from hooks (``plugin._open_test_scope``), not from an autouse fixture, whose
-set-up and tear-down alone cost every test ~0.025 ms; what is left, on a shared 2-core machine,
-is ~0.03-0.05 ms a test (1.06-1.09x): pytest's hook wrappers (~0.01 ms) and the guard's identity
-comparison of transformers' registries, the watched modeling modules and their classes.
+set-up and tear-down alone cost every test ~0.025 ms. On a shared 2-core machine, alternating
+with the autouse version: 1.24-1.25x (0.13-0.14 ms a test) before, 1.06-1.10x (0.04-0.06 ms)
+after; single runs range up to 1.16x. What is left: pytest's hook wrappers (~0.01 ms) and the
+guard's identity comparison of transformers' registries, the watched modeling modules and their
+classes.
 The subprocesses import this checkout's package (PYTHONPATH), not an editable install's.
 
 Run: python benchmarks/bench_overhead.py [ROUNDS]
