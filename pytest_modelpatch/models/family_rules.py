@@ -17,6 +17,9 @@ from pytest_modelpatch.models.family_rules_text import TEXT_CONFIG_RULES
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
 
+TINY_TIME_FEATURES = 2  # time features (e.g. day of week, hour) per step of a forecaster
+
+
 def _x4_feature_from_backbone(level: dict[str, Any]) -> None:
     # PP-DocLayoutV3's mask branch reads the backbone's first stage (stride 4) at
     # ``x4_feat_dim``, a number the config repeats instead of deriving
@@ -198,6 +201,16 @@ def _align(level: dict[str, Any]) -> None:
     level["projection_dim"] = pooled + divisor if pooled < 0.9 * channels else pooled
 
 
+def _time_features(level: dict[str, Any]) -> None:
+    # GluonTS-style forecasters take no time features by default (num_time_features = 0), so
+    # the covariate columns of their value embedding never ran and a patch dropping them passed.
+    # feature_size is derived from it once, at construction: moved by the same amount.
+    added = TINY_TIME_FEATURES - level.get("num_time_features", 0)
+    level["num_time_features"] = TINY_TIME_FEATURES
+    if "feature_size" in level:
+        level["feature_size"] += added
+
+
 def _muse_spark_adapter_width(level: dict[str, Any]) -> None:
     # Muse Spark's vision tower pixel-shuffles merge_size**2 patches into one token, so its
     # adapter reads vision hidden_size * merge_size**2 (out_hidden_size, 6144 = 1536 * 4):
@@ -276,6 +289,9 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     "oneformer": {"task_seq_len": 8, "text_encoder_context_length": 8, "text_encoder_vocab_size": 256,
                   "text_encoder_width": 64, "conv_dim": 64, "mask_dim": 64, "hidden_dim": 64},
     "mobilevitv2": {"image_size": 64, "width_multiplier": 0.5},
+    "time_series_transformer": _time_features,
+    "informer": _time_features,
+    "autoformer": _time_features,
     # X-Codec: codebook_dim == acoustic (DAC) width + semantic (HuBERT) width
     "xcodec": _fused_semantic_width("codebook_dim", "acoustic_model_config"),
     # X-Codec 2 / NeuCodec: the quantizer projects the concatenated features, hidden_size + semantic width

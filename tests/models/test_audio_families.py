@@ -158,6 +158,18 @@ def test_time_series_inputs_run(model_type: str, name: str, dims: int) -> None:
     assert inputs[name].dim() == dims
 
 
+@pytest.mark.parametrize("model_type", ["autoformer", "informer", "time_series_transformer"])
+@pytest.mark.parametrize("name", ["past_time_features", "future_time_features"])
+def test_forecaster_time_features_reach_the_outputs(model_type: str, name: str) -> None:
+    # with none (the configs' default), a patch that dropped the covariate columns passed
+    model, inputs = _runs(model_type)
+    assert inputs[name].shape[-1] == model.config.num_time_features > 0
+    with torch.no_grad():
+        before = model(**inputs).last_hidden_state
+        after = model(**{**inputs, name: inputs[name] + 1}).last_hidden_state
+    assert not torch.allclose(before, after)
+
+
 @pytest.mark.parametrize(
     "model_type",
     ["musicgen", "dia", "kyutai_speech_to_text", "clap", "clvp", "pe_audio", "decision_transformer", "perceiver"],
