@@ -309,8 +309,9 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
         _resolve_device(item, _requested_device(item))
     try:
         result = yield
-    except Exception:
-        # a fixture that ran without the test's patches may fail for that reason: the scope's error comes first
+    except (Exception, pytest.skip.Exception, pytest.fail.Exception):
+        # a fixture that ran without the test's patches may fail (or skip) for that reason: the
+        # scope's error comes first, as it did when the guard was the first function fixture
         _raise_scope_failure(item.stash.get(_TEST_SCOPE, None))
         raise
     # a test without function-scoped fixtures: nothing opened its scope yet

@@ -104,8 +104,18 @@ def value():
     return 1
 
 
+@pytest.fixture
+def skips():
+    pytest.skip("a fixture that skips must not hide the bad marker")
+
+
 @pytest.mark.patch({"LlamaAttention": 42})
 def test_a_bad_marker(value):
+    pass
+
+
+@pytest.mark.patch({"LlamaAttention": 42})
+def test_a_bad_marker_and_a_skipping_fixture(skips):
     pass
 
 
@@ -119,8 +129,9 @@ def test_c_clean(value):
 """
     )
     result = pytester.runpytest("-p", "no:randomly")
-    result.assert_outcomes(passed=2, errors=1)
-    result.stdout.fnmatch_lines(["*ERROR at setup of test_a_bad_marker*", "PatchUsageError: *"])
+    result.assert_outcomes(passed=2, errors=2)
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_a_bad_marker *", "PatchUsageError: *"])
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_a_bad_marker_and_a_skipping_fixture*", "PatchUsageError: *"])
 
 
 def test_teardown_restores_when_the_run_is_interrupted(pytester: pytest.Pytester) -> None:
