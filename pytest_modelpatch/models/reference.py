@@ -76,20 +76,16 @@ class ReferenceRecord:
         modules = dict(model.named_modules())
         files = {cls.__module__ for cls in self.classes if cls.__module__.startswith("transformers.")}
         strangers = {type(m) for m in modules.values() if type(m) not in self.classes}
-        if not strangers or not all(_defined_in(cls, files) for cls in strangers):
+        if not strangers or not all(_defined_in(cls, files) for cls in strangers) or self._altered_classes():
             return False
-        if any(_code(cls).keys() != code.keys() or any(_code(cls)[k] is not v for k, v in code.items())
-               for cls, code in self.classes.items()):  # fmt: skip
+        lost = [name for name in self.hooks if _lost_hooks(modules.get(name), self.hooks[name])]
+        # only hooks of modules that are themselves new may go; lost hooks elsewhere stay a problem
+        if any(modules.get(name) is not None and type(modules[name]) not in strangers for name in lost):
             return False
         for cls in strangers:
             self.classes[cls] = _code(cls)
-        for name in list(self.hooks):
-            module = modules.get(name)
-            if module is None or len(module._forward_hooks) < self.hooks[name]:
-                # only hooks of modules that are themselves new may go; lost hooks elsewhere stay a problem
-                if module is not None and type(module) not in strangers:
-                    return False
-                del self.hooks[name]
+        for name in lost:
+            del self.hooks[name]
         return True
 
     def full_problems(self, model: torch.nn.Module) -> list[str]:
@@ -99,16 +95,21 @@ class ReferenceRecord:
         for name, module in modules.items():
             if type(module) not in self.classes:
                 found.append(f"module {name or '<root>'} is a {type(module).__qualname__}, not one of the family's classes")
+        found += self._altered_classes()
+        for name, count in self.hooks.items():
+            if _lost_hooks(modules.get(name), count):
+                found.append(f"the output-capture hooks of {name or '<root>'} are gone")
+        return found
+
+    def _altered_classes(self) -> list[str]:
+        """Methods of the build's classes rebound or deleted since."""
+        found = []
         for cls, attributes in self.classes.items():
             now = _code(cls)
             for attr in attributes.keys() | now.keys():
                 if now.get(attr) is not attributes.get(attr):
                     change = f"replaced (by {_describe(now[attr])})" if attr in now else "deleted"
                     found.append(f"{cls.__qualname__}.{attr} was {change}")
-        for name, count in self.hooks.items():
-            module = modules.get(name)
-            if module is None or len(module._forward_hooks) < count:
-                found.append(f"the output-capture hooks of {name or '<root>'} are gone")
         return found
 
 
@@ -159,6 +160,10 @@ def _code(cls: type) -> dict[str, Any]:
         name: value for name, value in vars(cls).items()
         if not name.startswith("__") and (callable(value) or isinstance(value, (staticmethod, classmethod, property)))
     }  # fmt: skip
+
+
+def _lost_hooks(module: torch.nn.Module | None, count: int) -> bool:
+    return module is None or len(module._forward_hooks) < count
 
 
 def _defined_in(cls: type, files: set[str]) -> bool:
