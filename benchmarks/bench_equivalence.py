@@ -36,6 +36,7 @@ if __package__ in (None, ""):  # run as a script: make `fixtures` importable fro
 
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.monkey_patching import register_patch_mapping
 
@@ -43,12 +44,12 @@ from fixtures import load_patch
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.models.checkpoints import load_pretrained
 from pytest_modelpatch.compare.outputs import compare_outputs
-from pytest_modelpatch.compare.property_checks import check_equivalence
+from pytest_modelpatch.compare.property_checks import GROUP_SIZE, check_equivalence
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.patch_spec import PatchSpec
 from pytest_modelpatch.isolation.registration import ActivePatches
-from pytest_modelpatch.models.strategies import model_inputs
+from pytest_modelpatch.models.strategies import drawn_bytes, model_inputs
 from pytest_modelpatch.compare.tolerance import resolve_tolerance
 
 
@@ -59,11 +60,18 @@ def register(patch: Any) -> None:
 
 
 def time_check(reference: Any, patched: Any, examples: int, seen: list[Mapping[str, Any]]) -> float:
+    """check_equivalence with its default inputs; ``seen`` gets the inputs it compared, each once."""
     seen.clear()
-    strategy = model_inputs(reference.config).map(lambda x: seen.append(x) or x)
-    start = time.perf_counter()
-    report = check_equivalence(reference, patched, inputs=strategy, max_examples=examples)
-    return (time.perf_counter() - start) / report.examples
+    # the patched model's calls are the inputs compared (a repeat drawn by hypothesis is not)
+    handle = patched.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
+    try:
+        start = time.perf_counter()
+        report = check_equivalence(reference, patched, max_examples=examples)
+        elapsed = time.perf_counter() - start
+    finally:
+        handle.remove()
+    assert len(seen) == report.examples, (len(seen), report.examples)
+    return elapsed / report.examples
 
 
 def time_bare(reference: Any, patched: Any, seen: list[Mapping[str, Any]]) -> float:
@@ -88,13 +96,16 @@ def time_compare(reference: Any, patched: Any, seen: list[Mapping[str, Any]]) ->
 
 
 def time_draws(config: Any, examples: int) -> float:
-    """hypothesis and ``model_inputs`` alone, no models: the floor under any property check."""
+    """hypothesis and ``model_inputs`` alone, no models, in groups as check_equivalence draws them: the floor."""
     count = [0]
 
-    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(model_inputs(config))
-    def draw_only(inputs: Mapping[str, Any]) -> None:
-        count[0] += 1
+    drawn = drawn_bytes(model_inputs(config))
+    assert drawn is not None
+
+    @settings(max_examples=-(-examples // GROUP_SIZE), deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(drawn.raw, min_size=GROUP_SIZE, max_size=GROUP_SIZE, unique=True))
+    def draw_only(raws: list[bytes]) -> None:
+        count[0] += len([drawn.build(raw) for raw in raws])
 
     start = time.perf_counter()
     draw_only()

@@ -8,7 +8,9 @@ seed and shrink toward short, unpadded batches; token ids come from a drawn seed
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,32 +68,22 @@ def model_inputs(
     if unknown or not sides:
         raise PatchUsageError(f"padding must be among {PADDING_SIDES}, not {padding!r}")
     cls = model_class or model_class_for(config)
-    shapes = _shapes(
-        batch_sizes if batch_sizes is not None else range(1, max_batch_size + 1),
-        seq_lens if seq_lens is not None else range(1, max_seq_len + 1),
-        sides,
-    )
+    batches = batch_sizes if batch_sizes is not None else range(1, max_batch_size + 1)
+    lengths = seq_lens if seq_lens is not None else range(1, max_seq_len + 1)
     allowed = ordinary_token_ids(config)
     pad_id = _pad_token_id(config)
     with_positions = "position_ids" in forward_parameters(cls) if position_ids is None else position_ids
 
-    @st.composite
-    def draw_inputs(draw: st.DrawFn) -> dict[str, torch.Tensor]:
-        batch, length, side = draw(shapes)
-        # Then one byte string: a seed for the token ids, and a pad byte per row. Hypothesis costs
-        # about as much per value drawn as a tiny model's forward, and per-token draws cost more
-        # than this whole draw; drawn the same way whatever the side, shrinking the shape keeps its
-        # meaning, and the bytes shrink towards seed 0 and no padding.
-        raw = draw(st.binary(min_size=4 + batch, max_size=4 + batch))
+    def build(batch: int, length: int, side: str, seed: int, pad_bytes: bytes) -> dict[str, torch.Tensor]:
         # the shape goes into the generator's seed too (which keeps 32 bits): hypothesis often draws
-        # the same bytes again, and the same stream of ids at every shape would vary far less
+        # the same seed again, and the same stream of ids at every shape would vary far less
         shape = ((batch << 16) + length) * len(PADDING_SIDES) + PADDING_SIDES.index(side)
-        generator = torch.Generator().manual_seed((int.from_bytes(raw[:4], "big") + shape * 0x9E3779B1) % 2**32)
+        generator = torch.Generator().manual_seed((seed + shape * 0x9E3779B1) % 2**32)
         input_ids = allowed[torch.randint(len(allowed), (batch, length), generator=generator)]
         mask = torch.ones(batch, length, dtype=torch.long)
         if side != "none":
-            # each row keeps a real token
-            pads = torch.tensor(list(raw[4:])).remainder_(length).unsqueeze(1)
+            # a pad byte per row; each row keeps a real token
+            pads = torch.tensor(list(pad_bytes[:batch])).remainder_(length).unsqueeze(1)
             slots = torch.arange(length)
             padded = slots < pads if side == "left" else slots >= length - pads
             mask = mask.masked_fill(padded, 0)
@@ -103,27 +95,70 @@ def model_inputs(
         inputs.update(text_companions(config, cls, input_ids))
         return inputs
 
-    return draw_inputs()
+    # Hypothesis costs about as much per value drawn as a tiny model's forward (per-token draws
+    # cost more than a whole input), so an input is one byte string when the shapes are listed.
+    listed = _listed_shapes(batches, lengths, sides)
+    if listed is None:
+        shapes = st.tuples(_ints(batches, "batch_sizes"), _ints(lengths, "seq_lens"), st.sampled_from(sorted(sides, key=PADDING_SIDES.index)))
+
+        @st.composite
+        def draw_inputs(draw: st.DrawFn) -> dict[str, torch.Tensor]:
+            batch, length, side = draw(shapes)
+            raw = draw(st.binary(min_size=4 + batch, max_size=4 + batch))
+            return build(batch, length, side, int.from_bytes(raw[:4], "big"), raw[4:])
+
+        return draw_inputs()
+    rows = max(batch for batch, _, _ in listed)
+    # one byte more than the shape index needs, so that no shape is much more likely than another
+    index_bytes = ((len(listed) - 1).bit_length() + 7) // 8 + 1
+
+    def from_bytes(raw: bytes) -> dict[str, torch.Tensor]:
+        # The shape's index, the seed, then a pad byte per row. Hypothesis shrinks bytes from the
+        # first, so towards the first shape (smallest batch, then length, "none" first), then
+        # seed 0, then no padding. The index is scaled, not taken modulo the count: a smaller
+        # number is never a later shape, or shrinking would stop at a wrap (0x0100 -> 0x00ff).
+        index = (int.from_bytes(raw[:index_bytes], "big") * len(listed)) >> (8 * index_bytes)
+        seed = int.from_bytes(raw[index_bytes : index_bytes + 4], "big")
+        return build(*listed[index], seed, raw[index_bytes + 4 :])
+
+    size = index_bytes + 4 + rows
+    raw = st.binary(min_size=size, max_size=size)
+    strategy = raw.map(from_bytes)
+    _BY_BYTES[strategy] = DrawnBytes(raw, from_bytes)
+    return strategy
 
 
-def _shapes(batch_sizes: IntsSpec | range, seq_lens: IntsSpec | range, sides: tuple[str, ...]) -> SearchStrategy[tuple[int, int, str]]:
-    """``(batch, length, padding side)``: one drawn index when the choices are listed, else three draws.
+@dataclass(frozen=True)
+class DrawnBytes:
+    """How a ``model_inputs`` strategy draws: one byte string per input, and the input it stands for.
 
-    The index orders the shapes by batch, then length, then side (``"none"`` first when allowed),
-    so shrinking it shrinks them in that order, as three draws would shrink, at a third of the cost.
+    Equal bytes make equal inputs, so a caller can draw many distinct inputs at once
+    (``st.lists(raw, unique=True)``) and recognise a repeat from the bytes alone.
+    """
+
+    raw: SearchStrategy[bytes]
+    build: Callable[[bytes], dict[str, torch.Tensor]]
+
+
+_BY_BYTES: weakref.WeakKeyDictionary[SearchStrategy[Any], DrawnBytes] = weakref.WeakKeyDictionary()
+
+
+def drawn_bytes(strategy: SearchStrategy[Any]) -> DrawnBytes | None:
+    """The bytes behind a ``model_inputs`` strategy (listed shapes); ``None`` for any other strategy."""
+    return _BY_BYTES.get(strategy)
+
+
+def _listed_shapes(batch_sizes: IntsSpec | range, seq_lens: IntsSpec | range, sides: tuple[str, ...]) -> list[tuple[int, int, str]] | None:
+    """Every ``(batch, length, padding side)`` allowed, ordered by batch, then length, then side.
+
+    ``"none"`` comes first among the sides when allowed, so a smaller index is a simpler shape.
+    ``None`` when a size is a strategy (then drawn as it is).
     """
     batches, lengths = _listed(batch_sizes, "batch_sizes"), _listed(seq_lens, "seq_lens")
-    ordered = tuple(sorted(sides, key=PADDING_SIDES.index))
     if batches is None or lengths is None:
-        return st.tuples(_ints(batch_sizes, "batch_sizes"), _ints(seq_lens, "seq_lens"), st.sampled_from(ordered))
-    per_batch = len(lengths) * len(ordered)
-
-    def shape(index: int) -> tuple[int, int, str]:
-        batch, rest = divmod(index, per_batch)
-        length, side = divmod(rest, len(ordered))
-        return batches[batch], lengths[length], ordered[side]
-
-    return st.integers(0, len(batches) * per_batch - 1).map(shape)
+        return None
+    ordered = sorted(sides, key=PADDING_SIDES.index)
+    return [(batch, length, side) for batch in batches for length in lengths for side in ordered]
 
 
 def _listed(spec: IntsSpec | range, name: str) -> list[int] | None:

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from fixtures import load_patch
 from pytest_modelpatch.models.checkpoints import cached_checkpoint
 from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.property_checks import check_equivalence, set_default_seed
+from pytest_modelpatch.compare.property_checks import GROUP_SIZE, check_equivalence, set_default_seed
 from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.models.strategies import model_inputs, tiny_configs
 
@@ -49,6 +49,28 @@ def test_noncausal_attention_is_caught_and_shrunk_to_two_tokens(pair: Callable[[
     assert re.search(r"\ninputs: input_ids=\[\[\d+, \d+\]\], attention_mask=\[\[1, 1\]\], position_ids=\[\[0, 1\]\]", message)
     assert "  logits: shape (1, 2, 128) float32: " in message
     assert "first diverging module: model.layers.0.self_attn" in message
+
+
+def test_inputs_are_drawn_in_groups_and_each_compared_input_is_new(pair: Callable[[str], Pair]) -> None:
+    reference, patched = pair("llama_fused_qkv")
+    compared: list[dict[str, torch.Tensor]] = []
+    handle = patched.register_forward_pre_hook(lambda _m, _a, kwargs: compared.append(dict(kwargs)), with_kwargs=True)
+    try:
+        report = check_equivalence(reference, patched, max_examples=GROUP_SIZE * 2 + 3)  # over two groups
+    finally:
+        handle.remove()
+    assert report.passed and report.examples == len(compared) == GROUP_SIZE * 2 + 3
+    keys = {tuple((k, tuple(v.shape), tuple(v.flatten().tolist())) for k, v in inputs.items()) for inputs in compared}
+    assert len(keys) == len(compared)  # no input compared twice, none counted twice
+    shapes = {tuple(inputs["input_ids"].shape) for inputs in compared}
+    assert len(shapes) > 8 and any(shape[0] > 1 for shape in shapes)
+
+
+def test_a_small_budget_still_reaches_inputs_of_more_than_one_token(pair: Callable[[str], Pair]) -> None:
+    # hypothesis' first group is its simplest inputs: they must not all be one token (where causal
+    # and non-causal attention agree), or a check of 3 examples passes the broken patch
+    with pytest.raises(AssertionError, match=r"example \d of 3 failed"):
+        check_equivalence(*pair("llama_fused_qkv_noncausal"), max_examples=3)
 
 
 def test_same_seed_same_examples_and_same_report(pair: Callable[[str], Pair]) -> None:

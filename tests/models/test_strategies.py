@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.families import tiny_config
-from pytest_modelpatch.models.strategies import model_inputs, positions_from_mask, tiny_configs
+from pytest_modelpatch.models.strategies import drawn_bytes, model_inputs, positions_from_mask, tiny_configs
 
 LLAMA = tiny_config("llama", pad_token_id=0)
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -57,6 +57,29 @@ def test_model_inputs_shrink_to_a_minimal_example() -> None:
     minimal = find(model_inputs(LLAMA), lambda x: bool((x["input_ids"] > 10).any()))
     assert minimal["input_ids"].shape == (1, 1)
     assert int(minimal["attention_mask"].sum()) == 1
+
+
+def test_model_inputs_bytes_order_shapes_so_that_shrinking_never_moves_to_a_later_shape() -> None:
+    drawn = drawn_bytes(model_inputs(LLAMA, batch_sizes=[1, 2], seq_lens=[1, 2, 3]))
+    assert drawn is not None
+    rest = bytes(len(find(drawn.raw, lambda raw: True)) - 2)  # after 2 index bytes: 4 seed bytes, a pad byte per row
+    # every index value, in order, walks the shapes in order (batch, then length), never back: taken
+    # modulo the count, 0x0100 would be an earlier shape than 0x00ff, and shrinking would stall there
+    walked = [tuple(drawn.build(v.to_bytes(2, "big") + rest)["input_ids"].shape) for v in range(0, 65536, 97)]
+    assert walked == sorted(walked) and len(set(walked)) == 6
+    simplest = drawn.build(bytes(2) + rest)
+    assert simplest["input_ids"].shape == (1, 1) and simplest["attention_mask"].tolist() == [[1]]
+    # equal bytes, equal inputs (what lets check_equivalence skip an input it compared already)
+    raw = b"\xff\xff\x00\x00\x00\x07\x02\x01"
+    first, again = drawn.build(raw), drawn.build(raw)
+    assert first["attention_mask"].sum() < first["attention_mask"].numel()  # the pad bytes padded the rows
+    assert all(torch.equal(first[k], again[k]) for k in first)
+
+
+def test_only_model_inputs_strategies_expose_their_bytes() -> None:
+    assert drawn_bytes(model_inputs(LLAMA)) is not None
+    assert drawn_bytes(model_inputs(LLAMA).map(dict)) is None  # a user's mapping may change what the bytes mean
+    assert drawn_bytes(model_inputs(LLAMA, seq_lens=st.integers(1, 4))) is None  # sizes drawn as a strategy
 
 
 def test_model_inputs_are_deterministic_for_a_given_seed() -> None:
