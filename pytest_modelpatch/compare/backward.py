@@ -239,8 +239,8 @@ def _report(
     )
     ref_grads, ref_note = checkpoint_gradients(reference, ref.gradients)
     pat_grads, pat_note = checkpoint_gradients(patched, pat.gradients)
-    gradients = compare_flat_batched(ref_grads, pat_grads, grad_spec)
-    gradients += compare_flat_batched(ref.input_gradients, pat.input_gradients, grad_spec)
+    # parameters' and input embeddings' gradients in one batched pass (their names cannot clash)
+    gradients = compare_flat_batched({**ref_grads, **ref.input_gradients}, {**pat_grads, **pat.input_gradients}, grad_spec)
     return BackwardReport(
         reference=type(reference).__name__, patched=type(patched).__name__,
         loss=loss, loss_source=ref.loss_source,

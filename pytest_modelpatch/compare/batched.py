@@ -85,19 +85,23 @@ def _compare_group(pairs: list[_Pair], spec: ToleranceSpec, tolerance: Tolerance
     margin = 64 * torch.finfo(work).eps
     sizes = [r.numel() for _, r, _ in pairs]
     ref, pat = flat_ref.to(work), flat_pat.to(work)
-    diff = (pat - ref).abs_()
+    # Few full-size buffers, each reused once spent: a training step's gradients are a few MB on a
+    # tiny model, and every fresh buffer of that size costs page faults (the allocator hands big
+    # freed blocks back to the system), as much as the comparison itself.
+    diff = torch.sub(pat, ref).abs_()
     magnitude = ref.abs()
-    # diff - rtol * (1 - margin) * |ref| >= abs_term * (1 - margin) anywhere: not cleared (rounding keeps the sign)
-    slack = torch.sub(diff, magnitude, alpha=tolerance.rtol * (1 - margin))
     # 0 where equal (0/0 is NaN), inf where only the reference is 0; a NaN difference is never cleared anyway
     rel = torch.div(diff, magnitude).nan_to_num_(nan=0.0, posinf=math.inf)
-    max_diff, amax, max_slack, max_rel = _maxima([diff, magnitude, slack, rel], sizes)
+    (amax,) = _maxima([magnitude], sizes)
+    # diff - rtol * (1 - margin) * |ref| >= abs_term * (1 - margin) anywhere: not cleared (rounding keeps the sign)
+    slack = magnitude.mul_(-tolerance.rtol * (1 - margin)).add_(diff)  # |ref| is spent: its buffer holds the slack
+    max_diff, max_slack, max_rel = _maxima([diff, slack, rel], sizes)
     abs_terms = [tolerance.abs_term(a) for a in amax]
     cleared = [
         size > 0 and math.isfinite(d) and math.isfinite(a) and s < a * (1 - margin) and a * (1 - margin) > _TINY
         for size, d, a, s in zip(sizes, max_diff, abs_terms, max_slack)
     ]  # fmt: skip
-    figures = _exact_figures(flat_ref, flat_pat, diff, rel, sizes, max_diff, max_rel, margin)
+    figures = _exact_figures(flat_ref, flat_pat, diff, rel, slack, sizes, max_diff, max_rel, margin)
     found, offset = {}, 0
     for i, ((path, r, p), size) in enumerate(zip(pairs, sizes)):
         if size == 0 or max_diff[i] == 0.0:  # equal values, signs of zero aside: what torch.equal sees
@@ -126,16 +130,23 @@ def _maxima(values: list[torch.Tensor], sizes: list[int]) -> list[list[float]]:
 
 
 def _exact_figures(
-    flat_ref: torch.Tensor, flat_pat: torch.Tensor, diff: torch.Tensor, rel: torch.Tensor, sizes: list[int],
-    max_diff: list[float], max_rel: list[float], margin: float,
+    flat_ref: torch.Tensor, flat_pat: torch.Tensor, diff: torch.Tensor, rel: torch.Tensor, scratch: torch.Tensor,
+    sizes: list[int], max_diff: list[float], max_rel: list[float], margin: float,
 ) -> list[tuple[float, float, int, float, float]]:  # fmt: skip
-    """Per tensor, in float64: max abs, max rel, the first position of the max abs and the values there."""
+    """Per tensor, in float64: max abs, max rel, the first position of the max abs and the values there.
+
+    ``rel`` and ``scratch`` (a buffer of ``diff``'s size) are overwritten.
+    """
     counts = torch.tensor(sizes, device=diff.device)
-    near_abs, near_rel = diff.clone(), rel.clone()
+    candidates = rel.isinf()
+    near_abs, near_rel = scratch.copy_(diff), rel
     torch._foreach_sub_(list(near_abs.split(sizes)), [m * (1 - margin) for m in max_diff])
     torch._foreach_sub_(list(near_rel.split(sizes)), [m * (1 - margin) for m in max_rel])
     # diff > 0: equal elements hold no maximum (a tensor whose maximum is 0 is equal and not asked for)
-    positions = (((near_abs >= 0) | (near_rel >= 0) | rel.isinf()) & (diff > 0)).nonzero().reshape(-1)
+    candidates |= near_abs >= 0
+    candidates |= near_rel >= 0
+    candidates &= diff > 0
+    positions = candidates.nonzero().reshape(-1)
     ref, pat = flat_ref[positions].to(torch.float64), flat_pat[positions].to(torch.float64)
     d = torch.where(ref == pat, 0.0, (pat - ref).abs())
     r = torch.where(d == 0, 0.0, d / ref.abs()).nan_to_num(nan=torch.inf, posinf=torch.inf)
