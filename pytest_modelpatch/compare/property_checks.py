@@ -140,7 +140,7 @@ def _inputs_strategy(reference: torch.nn.Module, inputs: Any, backward: bool = F
         from pytest_modelpatch.models.strategies import model_inputs
 
         # a causal LM's loss scores tokens after the first: one token trains nothing
-        return model_inputs(reference.config, seq_lens=range(2, 17)) if backward else model_inputs(reference.config)
+        return model_inputs(reference.config, min_seq_len=2) if backward else model_inputs(reference.config)
     if isinstance(inputs, SearchStrategy):
         return inputs
     if isinstance(inputs, Mapping):
@@ -274,7 +274,7 @@ def check_equivalence(
         raise PatchUsageError(
             "check_equivalence(backward=True): no drawn example gave the loss a token to score (a causal LM "
             "scores each token from the ones before it, so one-token rows train nothing); draw sequences of "
-            "two or more tokens, e.g. inputs=model_inputs(config, seq_lens=range(2, 17))."
+            "two or more tokens, e.g. inputs=model_inputs(config, min_seq_len=2)."
         ) from None
     except Exception as error:  # noqa: BLE001 - every failure is turned into the report
         if not last_failing:

@@ -46,13 +46,14 @@ def model_inputs(
     padding: str | Sequence[str] = PADDING_SIDES,
     max_batch_size: int = 3,
     max_seq_len: int = 16,
+    min_seq_len: int = 1,
     position_ids: bool | None = None,
     model_class: type[PreTrainedModel] | None = None,
 ) -> SearchStrategy[dict[str, torch.Tensor]]:
     """Text inputs for ``config``'s model: ids within the vocab, padded left, right or not at all.
 
     ``batch_sizes``/``seq_lens`` default to 1..``max_batch_size`` and
-    1..``max_seq_len``. Each padded row keeps at least one real token; padded
+    ``min_seq_len``..``max_seq_len``. Each padded row keeps at least one real token; padded
     slots hold the pad token when the config has one. ``position_ids`` (default:
     when the forward takes them) count real tokens only, as ``generate`` does for
     left padding. ``token_type_ids``/``decoder_input_ids`` are added as in
@@ -69,7 +70,9 @@ def model_inputs(
         raise PatchUsageError(f"padding must be among {PADDING_SIDES}, not {padding!r}")
     cls = model_class or model_class_for(config)
     batches = batch_sizes if batch_sizes is not None else range(1, max_batch_size + 1)
-    lengths = seq_lens if seq_lens is not None else range(1, max_seq_len + 1)
+    if not 1 <= min_seq_len <= max_seq_len:
+        raise PatchUsageError(f"model_inputs: need 1 <= min_seq_len <= max_seq_len, got {min_seq_len} and {max_seq_len}")
+    lengths = seq_lens if seq_lens is not None else range(min_seq_len, max_seq_len + 1)
     allowed = ordinary_token_ids(config)
     pad_id = _pad_token_id(config)
     with_positions = "position_ids" in forward_parameters(cls) if position_ids is None else position_ids

@@ -108,6 +108,15 @@ def test_model_inputs_add_token_type_ids_for_encoders_and_run_through_the_model(
         assert model(**inputs).logits.shape[:2] == inputs["input_ids"].shape
 
 
+def test_min_seq_len_bounds_the_default_lengths() -> None:
+    shortest = find(model_inputs(LLAMA, min_seq_len=2, max_seq_len=5), lambda x: True)
+    assert shortest["input_ids"].shape == (1, 2)  # the simplest input is now two tokens
+    longest = find(model_inputs(LLAMA, min_seq_len=2, max_seq_len=5), lambda x: x["input_ids"].shape[1] >= 5)
+    assert longest["input_ids"].shape[1] == 5
+    with pytest.raises(PatchUsageError, match="min_seq_len <= max_seq_len"):
+        model_inputs(LLAMA, min_seq_len=6, max_seq_len=5)
+
+
 def test_model_inputs_reject_an_unknown_padding_side() -> None:
     with pytest.raises(PatchUsageError, match="padding must be among"):
         model_inputs(LLAMA, padding="middle")
