@@ -36,7 +36,6 @@ if __package__ in (None, ""):  # run as a script: make `fixtures` importable fro
 
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.monkey_patching import register_patch_mapping
 
@@ -44,7 +43,7 @@ from fixtures import load_patch
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.models.checkpoints import load_pretrained
 from pytest_modelpatch.compare.outputs import compare_outputs
-from pytest_modelpatch.compare.property_checks import GROUP_SIZE, check_equivalence
+from pytest_modelpatch.compare.property_checks import GROUP_SIZE, check_equivalence, input_groups
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.patch_spec import PatchSpec
@@ -103,7 +102,7 @@ def time_draws(config: Any, examples: int) -> float:
     assert drawn is not None
 
     @settings(max_examples=-(-examples // GROUP_SIZE), deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(st.lists(drawn.raw, min_size=GROUP_SIZE, max_size=GROUP_SIZE, unique=True))
+    @given(input_groups(drawn))
     def draw_only(raws: list[bytes]) -> None:
         count[0] += len([drawn.build(raw) for raw in raws])
 

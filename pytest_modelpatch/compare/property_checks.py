@@ -29,7 +29,7 @@ from pytest_modelpatch.compare.timing import timing_if_enabled
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.training import has_loss_targets, with_labels
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.models.strategies import drawn_bytes
+from pytest_modelpatch.models.strategies import DrawnBytes, drawn_bytes
 from pytest_modelpatch.models.usage import patch_usage, unused_message
 
 DEFAULT_MAX_EXAMPLES = 25
@@ -188,7 +188,7 @@ def check_equivalence(
     # model_inputs' strategies draw each input from one byte string: draw groups of distinct ones
     drawn = drawn_bytes(strategy)
     if drawn is not None:
-        drawing: SearchStrategy[list[Any]] = st.lists(drawn.raw, min_size=1, max_size=GROUP_SIZE, unique=True)
+        drawing: SearchStrategy[list[Any]] = input_groups(drawn)
         make: Callable[[Any], Mapping[str, Any]] = drawn.build
     else:
         drawing, make = strategy.map(lambda example: [example]), lambda example: example
@@ -304,6 +304,11 @@ def check_equivalence(
         raise AssertionError(str(report))
     report.record()
     return report
+
+
+def input_groups(drawn: DrawnBytes) -> SearchStrategy[list[bytes]]:
+    """What one hypothesis example of ``check_equivalence`` draws: 1 to ``GROUP_SIZE`` distinct inputs' bytes."""
+    return st.lists(drawn.raw, min_size=1, max_size=GROUP_SIZE, unique=True)
 
 
 def example_report(

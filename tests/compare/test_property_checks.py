@@ -67,8 +67,8 @@ def test_inputs_are_drawn_in_groups_and_each_compared_input_is_new(pair: Callabl
 
 
 def test_a_small_budget_still_reaches_inputs_of_more_than_one_token(pair: Callable[[str], Pair]) -> None:
-    # hypothesis' first group is its simplest inputs: they must not all be one token (where causal
-    # and non-causal attention agree), or a check of 3 examples passes the broken patch
+    # hypothesis starts from its simplest input (one token, where causal and non-causal attention
+    # agree); groups that repeat it with other seeds (fixed-size lists do) pass a 3-example check
     with pytest.raises(AssertionError, match=r"example \d of 3 failed"):
         check_equivalence(*pair("llama_fused_qkv_noncausal"), max_examples=3)
 
