@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, conversion_mapping, monkey_patching
 from transformers.core_model_loading import WeightRenaming
 from transformers.models.llama import modeling_llama
+from transformers.models.mixtral import modeling_mixtral
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from pytest_modelpatch.isolation.guard import PatchStateGuard, isolated_patch_state, without_patches
@@ -133,3 +134,63 @@ def test_a_module_whose_listing_imports_does_not_crash_a_patched_load(
         model = LlamaForCausalLM.from_pretrained(checkpoint)
     assert type(model.model.layers[0].self_attn) is RecordingAttention
     assert modeling_llama.LlamaAttention is LlamaAttention
+
+
+def _append_converter() -> None:
+    conversion_mapping._checkpoint_conversion_mapping_cache["mixtral"].append(WeightRenaming("a", "b"))
+
+
+def _replace_entry() -> None:
+    conversion_mapping._checkpoint_conversion_mapping_cache["mixtral"] = [WeightRenaming("a", "b")]
+
+
+def _swap_converters() -> None:
+    converters = conversion_mapping._checkpoint_conversion_mapping_cache["mixtral"]
+    converters[0], converters[-1] = converters[-1], converters[0]
+
+
+def _rebind_mapping() -> None:
+    monkey_patching._monkey_patch_mapping_cache["LlamaAttention"] = RecordingAttention
+
+
+def _compile_pattern() -> None:
+    monkey_patching._compiled_patterns_cache["Llama.*"] = object()
+
+
+def _repoint_recorder() -> None:
+    modeling_mixtral.MixtralPreTrainedModel._can_record_outputs["router_logits"].target_class = RecordingAttention
+
+
+def _add_recorder() -> None:
+    modeling_llama.LlamaPreTrainedModel._can_record_outputs["extra"] = RecordingAttention
+
+
+def _rebind_saved_attribute() -> None:
+    LlamaAttention.forward = lambda self: None  # type: ignore[method-assign]
+
+
+def _discover_fusion() -> None:
+    fusion = pytest.importorskip("transformers.fusion_mapping", reason="fusion_mapping arrived in transformers 5.10")
+    fusion._FUSION_DISCOVERY_CACHE.setdefault("patch_embeddings", {})[LlamaForCausalLM] = {"X": RecordingAttention}
+
+
+@pytest.mark.parametrize("change", [
+    _append_converter, _replace_entry, _swap_converters, _rebind_mapping, _compile_pattern,
+    _repoint_recorder, _add_recorder, _rebind_saved_attribute, _discover_fusion,
+])  # fmt: skip
+def test_the_guards_fast_path_sees_every_change_restore_undoes(change: object) -> None:
+    # unchanged() stands in for restore()+changes() in every test that patched nothing: a change
+    # it misses is a leak never restored
+    conversion_mapping.get_checkpoint_conversion_mapping("mixtral")  # the built-in table, as after any load
+    guard = PatchStateGuard()
+    snapshot = guard.snapshot
+    snapshot.save_attribute(LlamaAttention, "forward")
+    try:
+        snapshot.settle()
+        assert snapshot.unchanged()
+        change()  # type: ignore[operator]
+        assert not snapshot.unchanged()
+    finally:
+        guard.restore()
+    snapshot.settle()
+    assert snapshot.unchanged()
