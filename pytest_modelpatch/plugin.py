@@ -262,6 +262,7 @@ class _TestScope:
         self.failure: Exception | None = None  # raised once setup is over
 
     def close(self) -> None:
+        _OPEN_SCOPES.remove(self)
         try:
             if self.reset_tolerance is not None:
                 self.reset_tolerance()
@@ -269,6 +270,9 @@ class _TestScope:
                 self.active.close()
         finally:
             _finish_guard(self.guard, self.nodeid)
+
+
+_OPEN_SCOPES: list[_TestScope] = []  # the running test's, while it is open: at most one
 
 
 _TEST_SCOPE = pytest.StashKey[_TestScope]()
@@ -287,6 +291,7 @@ def _open_test_scope(item: pytest.Item) -> _TestScope:
     """
     mode = _leak_mode(item.config)
     scope = item.stash[_TEST_SCOPE] = _TestScope(LeakGuard(mode, reuse=True) if mode != "off" else None, item.nodeid)
+    _OPEN_SCOPES.append(scope)
     item.addfinalizer(scope.close)
     try:
         # keywords hold every marker name of the node and its parents: a cheap test before the marker walk
@@ -352,6 +357,13 @@ def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.Fix
         mode = _leak_mode(request.config)
         if mode != "off":
             _SCOPED_GUARDS[fixturedef] = LeakGuard(mode)
+            # asked for from a test's body (request.getfixturevalue): what it sets up is the baseline
+            # of the tests it serves, this one included, unless the test had changed something first
+            test = _OPEN_SCOPES[-1].guard if _OPEN_SCOPES else None
+            if test is not None and test.untouched():
+                result = yield
+                test.rebase()
+                return result
     return (yield)
 
 

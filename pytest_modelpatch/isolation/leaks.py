@@ -69,7 +69,26 @@ class LeakGuard:
         if kept is not None and kept[0] == _moment():
             self._guard, self._library = PatchStateGuard(kept[1]), kept[2]
         else:
-            self._guard, self._library = PatchStateGuard(), LibraryState.take()
+            self._take()
+
+    def _take(self) -> None:
+        # settled at once: untouched() and finish()'s fast path compare with it
+        self._guard, self._library = PatchStateGuard(), LibraryState.take()
+        self._guard.snapshot.settle()
+        self._library.settle()
+
+    def untouched(self) -> bool:
+        """Nothing changed since the guard opened (as far as its fast path can tell: False when unsure)."""
+        return self._guard.snapshot.unchanged() and self._library.unchanged()
+
+    def rebase(self) -> None:
+        """Take the live state as the baseline: what a fixture of wider scope set up inside the test.
+
+        Only for a guard that was ``untouched()`` just before that fixture ran, so nothing of
+        the test's own is taken in with it.
+        """
+        self._guard.close()
+        self._take()
 
     def finish(self, nodeid: str) -> str | None:
         """Restore what leaked; in ``error`` mode return the report, in ``warn`` mode warn it."""

@@ -231,3 +231,52 @@ def test_z_sees_the_originals():
     if named:
         expected.append("*checkpoint conversions: 'my_family' was registered and not removed")
     result.stdout.fnmatch_lines_random(expected)
+
+
+def test_a_wider_fixture_requested_from_a_test_body_is_charged_to_the_fixture(pytester: pytest.Pytester) -> None:
+    # request.getfixturevalue() sets a module fixture up inside the test's guard: its patch is the
+    # baseline of every later test of the module, not a leak of the test that happened to ask first
+    pytester.makepyfile(
+        test_a_module=HEADER
+        + """
+@pytest.fixture(scope="module")
+def fast_norm():
+    modeling_llama.LlamaRMSNorm = MyNorm
+    yield
+    modeling_llama.LlamaRMSNorm = ORIGINAL_NORM
+
+
+@pytest.fixture(scope="module")
+def leaky_mlp():
+    modeling_llama.LlamaMLP.forward = fast_forward
+
+
+def test_a_asks_from_its_body(request):
+    request.getfixturevalue("fast_norm")
+    assert modeling_llama.LlamaRMSNorm is MyNorm
+
+
+def test_b_still_sees_the_fixtures_patch(fast_norm):
+    assert modeling_llama.LlamaRMSNorm is MyNorm
+
+
+def test_c_asks_for_a_leaky_fixture(request):
+    request.getfixturevalue("leaky_mlp")
+    assert modeling_llama.LlamaMLP.forward is fast_forward
+
+
+def test_d_still_sees_it():
+    assert modeling_llama.LlamaMLP.forward is fast_forward
+""",
+        test_b_module=HEADER
+        + """
+def test_z_sees_the_originals():
+    assert modeling_llama.LlamaRMSNorm is ORIGINAL_NORM
+    assert modeling_llama.LlamaMLP.forward is ORIGINAL_MLP_FORWARD
+""",
+    )
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=5, errors=1)
+    result.stdout.fnmatch_lines(["*module-scoped fixture 'leaky_mlp' leaked*", "*LlamaMLP.forward replaced"])
+    result.stdout.no_fnmatch_line("*test_*_asks_* leaked*")
+    result.stdout.no_fnmatch_line("*fast_norm*leaked*")
