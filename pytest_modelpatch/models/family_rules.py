@@ -14,6 +14,7 @@ from typing import Any
 
 from pytest_modelpatch.models.family_rules_documents import DOCUMENT_CONFIG_RULES
 from pytest_modelpatch.models.family_rules_text import TEXT_CONFIG_RULES
+from pytest_modelpatch.models.tiny_sizes import TINY_IMAGE
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
 
@@ -83,6 +84,49 @@ def _sam2_prompt_grid(level: dict[str, Any]) -> None:
     sizes = vision.get("backbone_feature_sizes")
     if isinstance(sizes, list) and sizes and isinstance(prompt.get("image_size"), int):
         prompt["patch_size"] = prompt["image_size"] // sizes[-1][0]
+
+
+# RepViT-M1's stage widths (48, 96, 192, 384) and depths (2, 2, 14, 2) divided down: widths
+# doubling per stage as in M1, two blocks per stage so both the squeeze-excite and the plain
+# RepViT block run (a stage alternates them); 0.3M parameters instead of 4.7M
+EDGETAM_REPVIT_ARGS: dict[str, list[int]] = {"embed_dim": [16, 32, 64, 128], "depth": [2, 2, 2, 2]}
+
+
+def _feature_sizes(image: int) -> list[list[int]]:
+    """The grids of a backbone's three finest stages, at strides 4, 8 and 16."""
+    return [[image // 4 >> i] * 2 for i in range(3)]
+
+
+def _edgetam_neck(level: dict[str, Any]) -> None:
+    # EdgeTAM's backbone is a timm RepViT behind a timm_wrapper sub-config: its stage widths
+    # live in model_args (passed to timm.create_model), which generic shrinking does not
+    # enter, while the FPN neck repeats them, widest first, in backbone_channel_list
+    backbone = level.get("backbone_config")
+    if not isinstance(backbone, dict):
+        return
+    # transformers 5.23's default spells the key "archirecture", so the wrapper builds its own
+    # default, a resnet50 (1024 channels at the neck's 384-channel input): EdgeTAM is RepViT
+    misspelt = backbone.get("archirecture")
+    if isinstance(misspelt, str) and backbone.get("architecture") in (None, "resnet50"):
+        backbone["architecture"] = misspelt
+    if not str(backbone.get("architecture")).startswith("repvit"):
+        return  # another timm model: its own kwargs, which this rule does not know
+    args = dict(backbone.get("model_args") or {})
+    args.update({key: list(value) for key, value in EDGETAM_REPVIT_ARGS.items()})
+    backbone["model_args"] = args
+    level["backbone_channel_list"] = list(reversed(args["embed_dim"]))
+    # the model reshapes the three finest maps to these grids (listed for a 1024-px image)
+    level["backbone_feature_sizes"] = _feature_sizes(TINY_IMAGE)
+
+
+def _edgetam_prompt_grid(level: dict[str, Any]) -> None:
+    # EdgeTAM is SAM 2 on a RepViT: the neck's grids follow the prompt encoder's image size
+    # (the input the model is fed), then the prompt grid follows the coarsest of them
+    vision, prompt = level.get("vision_config"), level.get("prompt_encoder_config")
+    if isinstance(vision, dict) and isinstance(prompt, dict) and isinstance(prompt.get("image_size"), int):
+        if isinstance(vision.get("backbone_feature_sizes"), list):
+            vision["backbone_feature_sizes"] = _feature_sizes(prompt["image_size"])
+    _sam2_prompt_grid(level)
 
 
 def _sam3_feature_sizes(level: dict[str, Any]) -> None:
@@ -279,6 +323,8 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     "sam3_tracker": _sam2_prompt_grid,
     "sam3_vision_model": _sam3_feature_sizes,
     "sam3_vit_model": _sam3_vit_windows,
+    "edgetam_vision_model": _edgetam_neck,
+    "edgetam": _edgetam_prompt_grid,
     # SegGPT's image is the prompt stacked above the query (896 x 448 by default, 2:1);
     # its decoder reads these layers' hidden states, which must come after the merge layer
     "seggpt": {"image_size": [64, 32], "intermediate_hidden_state_indices": [1], "merge_index": 0},

@@ -42,6 +42,23 @@ def test_sam3_feature_sizes_are_the_vit_grid_rescaled_by_the_fpn(model_type: str
     assert vision.backbone_feature_sizes == [[int(grid * s)] * 2 for s in vision.scale_factors[:3]]
 
 
+def test_edgetam_neck_lists_the_repvit_stage_widths_widest_first() -> None:
+    config = tiny_config("edgetam")
+    vision, prompt = config.vision_config, config.prompt_encoder_config
+    backbone = vision.backbone_config
+    assert backbone.architecture.startswith("repvit")  # not the wrapper's resnet50 default
+    assert vision.backbone_channel_list == list(reversed(backbone.model_args["embed_dim"]))
+    assert vision.backbone_feature_sizes == [[prompt.image_size // s] * 2 for s in (4, 8, 16)]
+    assert prompt.image_size // prompt.patch_size == vision.backbone_feature_sizes[-1][0]
+
+
+def test_edgetam_runs_on_its_repvit_backbone() -> None:
+    pytest.importorskip("timm")
+    model, _, outputs = _forward("edgetam")
+    assert torch.isfinite(outputs.pred_masks).all()
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+
+
 def test_omdet_turbo_widths_follow_the_text_tower_and_d_model() -> None:
     config = tiny_config("omdet-turbo")
     text = config.text_config.hidden_size
