@@ -14,6 +14,7 @@ from typing import Any
 
 from pytest_modelpatch.models.family_rules_documents import DOCUMENT_CONFIG_RULES
 from pytest_modelpatch.models.family_rules_text import TEXT_CONFIG_RULES
+from pytest_modelpatch.models.family_rules_timm import TIMM_CONFIG_RULES
 from pytest_modelpatch.models.tiny_sizes import TINY_IMAGE
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
@@ -384,6 +385,8 @@ CONFIG_RULES: dict[str, ConfigRule] = {
 CONFIG_RULES.update(TEXT_CONFIG_RULES)
 # OCR, document and dense-prediction families
 CONFIG_RULES.update(DOCUMENT_CONFIG_RULES)
+# families whose vision tower is a timm model, sized through model_args
+CONFIG_RULES.update(TIMM_CONFIG_RULES)
 
 
 def _both(first: ConfigRule, second: ConfigRule) -> ConfigRule:

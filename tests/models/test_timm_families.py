@@ -1,0 +1,30 @@
+"""Families with a timm vision tower: shrunk through model_args, parents agreeing with the tower."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_modelpatch.models.families import model_class_for, tiny_config
+
+PARAMETER_BUDGET = 5_000_000
+
+
+def test_vlm_parents_repeat_the_tiny_towers_sizes() -> None:
+    fast = tiny_config("fast_vlm").vision_config
+    assert fast.hidden_size == 2 * fast.model_args["embed_dims"][-1]  # the final conv's cls_ratio
+    perception = tiny_config("perception_lm").vision_config
+    assert perception.architecture.startswith("vit_pe_core")  # the projector reads model_args["embed_dim"]
+    assert perception.model_args["img_size"] == [perception.image_size] * 2
+    gemma = tiny_config("gemma3n")
+    side = gemma.vision_config.model_args["msfa_output_resolution"]
+    assert gemma.vision_soft_tokens_per_image == side * side
+
+
+@pytest.mark.parametrize("model_type", ["timm_wrapper", "gemma3n_vision", "fast_vlm", "perception_lm", "gemma3n"])
+def test_timm_towers_build_small_and_their_configs_still_serialise(model_type: str) -> None:
+    pytest.importorskip("timm")
+    config = tiny_config(model_type)
+    model = model_class_for(config)(config)
+    assert sum(p.numel() for p in model.parameters()) <= PARAMETER_BUDGET
+    config.to_json_string()  # timm edits MobileNetV5's block arguments in place while building
+    model_class_for(config)(config)  # and they still build a second model
