@@ -36,7 +36,8 @@ TINY_RESNET_ARGS: dict[str, Any] = {"layers": [1, 1, 1, 1], "channels": [16, 32,
 # its patch-embedding downsample
 TINY_FASTVIT_ARGS: dict[str, Any] = {"embed_dims": [16, 16, 32, 32, 64], "layers": [1, 1, 1, 1, 1]}
 # The stem (stride 4) and four downsamples: 128 px leave a 2x2 grid, 4 image tokens
-FASTVIT_MCI_IMAGE = 128
+FASTVIT_MCI_STRIDE = 64
+FASTVIT_MCI_IMAGE = 2 * FASTVIT_MCI_STRIDE
 
 # --- Perception Encoder ViT (PerceptionLM's tower) --------------------------------------------
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.models.families import model_class_for, tiny_config
+from pytest_modelpatch.models.inputs import example_inputs
+from pytest_modelpatch.models.inputs.composite import IMAGE_TOKENS_PER_IMAGE
 
 PARAMETER_BUDGET = 5_000_000
 
@@ -28,3 +32,18 @@ def test_timm_towers_build_small_and_their_configs_still_serialise(model_type: s
     assert sum(p.numel() for p in model.parameters()) <= PARAMETER_BUDGET
     config.to_json_string()  # timm edits MobileNetV5's block arguments in place while building
     model_class_for(config)(config)  # and they still build a second model
+
+
+@pytest.mark.parametrize("model_type", ["gemma3n", "fast_vlm", "perception_lm"])
+def test_the_timm_tower_runs_in_the_compared_forward(model_type: str) -> None:
+    # text-only inputs would pass every check with the tower never run: another image, other outputs
+    pytest.importorskip("timm")
+    config = tiny_config(model_type)
+    model = seeded_model(config, model_class=model_class_for(config))
+    inputs = example_inputs(config, model_class=type(model))
+    per_row = (inputs["input_ids"] == config.image_token_id).sum(dim=1).tolist()
+    assert per_row == [IMAGE_TOKENS_PER_IMAGE[model_type](config)] * inputs["input_ids"].shape[0]
+    other = {**inputs, "pixel_values": torch.randn_like(inputs["pixel_values"])}
+    with torch.no_grad():
+        first, second = model(**inputs)[0], model(**other)[0]
+    assert not torch.allclose(first, second)

@@ -15,6 +15,7 @@ from fractions import Fraction
 import torch
 from transformers import PretrainedConfig
 
+from pytest_modelpatch.models.family_rules_timm import FASTVIT_MCI_STRIDE, PE_PATCH
 from pytest_modelpatch.models.inputs.prompts import (
     class_list_inputs,
     point_prompt_inputs,
@@ -314,6 +315,11 @@ IMAGE_TOKENS_PER_IMAGE: dict[str, Callable[[PretrainedConfig], int]] = {
     "granite4_vision": _anyres_tokens,
     # Llama 4: the adapter pixel-shuffles ratio**-2 patches into one token
     "llama4": lambda c: int(_patch_grid(c) * c.vision_config.pixel_shuffle_ratio**2),
+    # the timm towers (family_rules_timm.py): MobileNetV5's fusion grid, FastViT-MCi's
+    # stride-64 grid, the Perception Encoder's patch grid pooled by the projector
+    "gemma3n": lambda c: c.vision_soft_tokens_per_image,
+    "fast_vlm": lambda c: (c.vision_config.image_size // FASTVIT_MCI_STRIDE) ** 2,
+    "perception_lm": lambda c: (c.vision_config.image_size // PE_PATCH // max(c.projector_pooling_ratio, 1)) ** 2,
 }
 
 
@@ -339,8 +345,14 @@ def _high_res_view(request: InputRequest, pixels: torch.Tensor) -> dict[str, tor
     return {"high_res_pixel_values": request.randn(pixels.shape[0], high.num_channels, high.image_size, high.image_size)}
 
 
+def _one_tile(request: InputRequest, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+    # PerceptionLM takes (batch, tiles, C, H, W) and flattens the tiles into the batch
+    return {"pixel_values": pixels.unsqueeze(1)}
+
+
 # Metadata a family's forward needs beside the spliced image: model type -> extra inputs.
 IMAGE_SIDE_INPUTS: dict[str, Callable[[InputRequest, torch.Tensor], dict[str, torch.Tensor]]] = {
+    "perception_lm": _one_tile,
     "emu3": _image_sizes,
     "deepseek_vl_hybrid": _high_res_view,
     "granite4_vision": _anyres_tiles,
