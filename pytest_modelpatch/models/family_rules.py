@@ -286,6 +286,37 @@ def _pinpoints_in_tiles(level: dict[str, Any]) -> None:
     level["image_grid_pinpoints"] = [[side // tile * vision["image_size"] for side in point] for point in pinpoints]
 
 
+# PE-Video's frame encoder: timm ``vit_pe_core_large_patch14_336`` (24 blocks x 1024 wide,
+# 300M parameters, 336-px frames). A ``timm_wrapper`` config has no sizes of its own to
+# shrink: timm.create_model takes them as ``model_args``. 2 blocks x 32 wide (2 heads of 16,
+# enough for the 2-D rope's 4 frequency bands), the attention pool 2 heads too, and 16-px
+# frames in 8-px patches: a 2x2 patch grid per frame.
+TINY_PE_FRAME_ENCODER: dict[str, Any] = {
+    "embed_dim": 32, "depth": 2, "num_heads": 2, "attn_pool_num_heads": 2, "patch_size": 8, "img_size": 16,
+}
+
+
+def _pe_video_frame_encoder(level: dict[str, Any]) -> None:
+    # keyed by pe_video_encoder, not timm_wrapper: these sizes suit the PE ViT only, and
+    # the parent is what knows its vision_config is that ViT; a user's own model_args win
+    vision = level.get("vision_config")
+    if isinstance(vision, dict) and vision.get("model_type") == "timm_wrapper":
+        vision["model_args"] = {**TINY_PE_FRAME_ENCODER, **(vision.get("model_args") or {})}
+
+
+
+def _pe_audio_video_no_frame_rope(level: dict[str, Any]) -> None:
+    # PeAudioVideoModel (transformers 5.23) ties the joint encoder's copy of the video tower to
+    # video_model's, excluding only the ViT's ``rope.pos_embed`` buffer from the tie; timm
+    # 1.0.31's rope also keeps a ``rope.bands`` buffer, which from_pretrained then looks up as
+    # a tied *parameter* and fails ("`bands` is not an nn.Parameter"). Without the rope the
+    # frame ViT has neither (learned absolute positions instead), so a saved tiny model loads.
+    video = (level.get("audio_video_config") or {}).get("video_config")
+    vision = video.get("vision_config") if isinstance(video, dict) else None
+    if isinstance(vision, dict) and vision.get("model_type") == "timm_wrapper":
+        vision["model_args"] = {**(vision.get("model_args") or {}), "use_rot_pos_emb": False}
+
+
 CONFIG_RULES: dict[str, ConfigRule] = {
     "tvp": _tvp,
     "bros": _bros,
@@ -380,6 +411,9 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     "moonshine_streaming": {"num_key_value_heads": 4},
     # kernel predictor: hidden x hidden x kernel weights per resblock layer (14.8M at 32/64)
     "univnet": {"model_hidden_channels": 8, "kernel_predictor_hidden_channels": 16, "model_in_channels": 16},
+    # PE-Video (alone or inside PE-Audio-Video): shrink the timm ViT that embeds each frame
+    "pe_video_encoder": _pe_video_frame_encoder,
+    "pe_audio_video": _pe_audio_video_no_frame_rope,
 }
 
 

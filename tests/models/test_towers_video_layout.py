@@ -8,6 +8,7 @@ import torch
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.models.families import model_class_for, tiny_config
 from pytest_modelpatch.models.inputs import example_inputs
+from pytest_modelpatch.models.inputs.video import TOWER_FRAMES
 from pytest_modelpatch.models.tiny_configs import TINY_WIDTH
 
 PARAMETER_BUDGET = 5_000_000
@@ -97,6 +98,42 @@ def test_text_video_model_gets_text_beside_the_clip() -> None:
     assert inputs["pixel_values"].dim() == 5 and inputs["pixel_values"].shape[1] == config.vision_config.num_frames
     assert "input_ids" in inputs
     assert config.vision_config.mit_hidden_size <= TINY_WIDTH
+
+
+
+@pytest.mark.parametrize("model_type", ["pe_video_encoder", "pe_video", "pe_audio_video_encoder", "pe_audio_video"])
+def test_frame_encoder_video_tower_gets_clips_at_the_encoder_size(model_type: str) -> None:
+    # PE-Video counts no frames: the clip is TOWER_FRAMES frames at the tiny timm ViT's img_size
+    config = tiny_config(model_type)
+    inputs = example_inputs(config, model_class=model_class_for(config))
+    assert inputs["pixel_values_videos"].shape == (2, TOWER_FRAMES, 3, 16, 16)
+    if model_type.startswith("pe_audio_video"):
+        assert inputs["input_values"].dim() == 3  # the audio tower's waveform beside the clip
+    assert ("input_ids" in inputs) == (not model_type.endswith("encoder"))
+
+
+def test_pe_frame_encoder_is_shrunk_through_timm_model_args() -> None:
+    config = tiny_config("pe_audio_video")
+    vision = config.audio_video_config.video_config.vision_config
+    assert vision.model_args["depth"] <= 2 and vision.model_args["embed_dim"] <= TINY_WIDTH
+    assert vision.model_args["use_rot_pos_emb"] is False  # the tie-key workaround, this family only
+    assert "use_rot_pos_emb" not in tiny_config("pe_video").video_config.vision_config.model_args
+
+
+def test_vlm_with_an_unset_video_token_gets_no_frame_encoder_clip() -> None:
+    # MiniCPM-V declares video_token_id (None by default): clips need placeholders, text only
+    config = tiny_config("minicpmv4_6")
+    assert "pixel_values_videos" not in example_inputs(config, model_class=model_class_for(config))
+
+
+@pytest.mark.parametrize("model_type", ["pe_video", "pe_audio_video"])
+def test_pe_video_families_run_every_tower_within_the_budget(model_type: str) -> None:
+    pytest.importorskip("timm")
+    model, _, outputs = _forward(model_type)
+    assert sum(p.numel() for p in model.parameters()) <= PARAMETER_BUDGET
+    names = {k for k, v in outputs.items() if v is not None}
+    expected = {"logits_video_text"} | ({"logits_audio_video", "logits_audio_text"} if "audio" in model_type else set())
+    assert expected <= names
 
 
 # -- documents -----------------------------------------------------------------
