@@ -14,7 +14,7 @@ from typing import Any
 
 from pytest_modelpatch.models.family_rules_documents import DOCUMENT_CONFIG_RULES
 from pytest_modelpatch.models.family_rules_text import TEXT_CONFIG_RULES
-from pytest_modelpatch.models.family_rules_timm import TIMM_CONFIG_RULES, TINY_RESNET_ARGS
+from pytest_modelpatch.models.family_rules_timm import TIMM_CONFIG_RULES, TINY_PE_ARGS, TINY_RESNET_ARGS
 from pytest_modelpatch.models.tiny_sizes import TINY_IMAGE
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
@@ -296,12 +296,19 @@ TINY_PE_FRAME_ENCODER: dict[str, Any] = {
 }
 
 
+# what the timm_wrapper rule gives a vit_pe_core tower (family_rules_timm._pe_tower)
+_TIMM_PE_KEYS = frozenset(TINY_PE_ARGS) | {"img_size", "ref_feat_shape"}
+
+
 def _pe_video_frame_encoder(level: dict[str, Any]) -> None:
-    # keyed by pe_video_encoder, not timm_wrapper: these sizes suit the PE ViT only, and
-    # the parent is what knows its vision_config is that ViT; a user's own model_args win
+    # keyed by pe_video_encoder: the parent is what knows its vision_config is a frame encoder,
+    # which keeps its attention pool (the timm_wrapper rule's PerceptionLM-style tower drops
+    # it) and whose frame size the clip follows; a user's overrides come after and still win
     vision = level.get("vision_config")
     if isinstance(vision, dict) and vision.get("model_type") == "timm_wrapper":
-        vision["model_args"] = {**TINY_PE_FRAME_ENCODER, **(vision.get("model_args") or {})}
+        args = {k: v for k, v in (vision.get("model_args") or {}).items() if k not in _TIMM_PE_KEYS}
+        vision["model_args"] = {**args, **TINY_PE_FRAME_ENCODER}
+        vision["image_size"] = TINY_PE_FRAME_ENCODER["img_size"]
 
 
 

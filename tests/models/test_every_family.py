@@ -7,11 +7,15 @@ with the reason; they are strict xfails, so a family that starts working (or one
 breaks) changes the outcome. By default a representative subset runs (a few of each kind
 of model); ``MODELPATCH_FAMILY_SWEEP=all`` runs every family, as CI's family-sweep step
 does, and then also checks the counts ``docs/families.md`` quotes against
-``benchmarks/model_coverage.py``.
+``benchmarks/model_coverage.py``. The families whose towers are timm models are strict
+xfails where timm cannot be imported and must pass where it can:
+``MODELPATCH_FAMILY_SWEEP=timm`` runs just them, as CI's vision step does in a venv with
+torchvision and timm, and checks their counts block too.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -69,22 +73,51 @@ def test_family(family, reference_model, patched_model):
 """
 
 
-def documented_exceptions() -> dict[str, str]:
-    """``docs/families.md``'s table of families that do not run here: type -> reason."""
-    rows = re.findall(r"^\| `([\w.-]+)` \| (\w+) \| (.+?) \|$", DOC.read_text(encoding="utf-8"), flags=re.M)
+def _documented(heading: str) -> dict[str, str]:
+    """One ``docs/families.md`` table under ``## heading``: type -> "stage: reason"."""
+    text = DOC.read_text(encoding="utf-8")
+    assert f"\n## {heading}\n" in text, f"docs/families.md has no section '## {heading}'"
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([\w.-]+)` \| (\w+) \| (.+?) \|$", section, flags=re.M)
     return {family: f"{stage}: {reason}" for family, stage, reason in rows}
+
+
+def timm_families() -> dict[str, str]:
+    """The families that need timm: type -> where and why they stop without it."""
+    return _documented("Families that need timm")
+
+
+@functools.cache
+def timm_runs() -> bool:
+    """timm imports here (it needs a torchvision built for this torch)."""
+    try:
+        import timm  # noqa: F401
+    except Exception:  # noqa: BLE001 - ImportError, or torchvision's own failure to load its operators
+        return False
+    return True
+
+
+def documented_exceptions() -> dict[str, str]:
+    """The families that do not run here, with their reasons: the timm ones too where timm does not import."""
+    found = _documented("Families that do not run here")
+    return found if timm_runs() else {**found, **timm_families()}
 
 
 def families_to_run() -> list[str]:
     every = available_model_types()
     if SWEEP == "all":
         return every
+    if SWEEP == "timm":
+        return [f for f in timm_families() if f in every]
     return [f for f in REPRESENTATIVE if f in every]
 
 
 def test_the_documented_exceptions_are_real_families() -> None:
-    unknown = sorted(set(documented_exceptions()) - set(available_model_types()))
+    listed = set(_documented("Families that do not run here")) | set(timm_families())
+    unknown = sorted(listed - set(available_model_types()))
     assert not unknown, f"docs/families.md lists families transformers does not have: {unknown}"
+    both = sorted(set(_documented("Families that do not run here")) & set(timm_families()))
+    assert not both, f"docs/families.md lists these both as needing timm and as not running at all: {both}"
     assert not set(documented_exceptions()) & set(REPRESENTATIVE), "the representative subset must be families that run"
 
 
@@ -92,7 +125,7 @@ def test_every_family_builds_tiny_and_passes_assert_equivalent_through_the_fixtu
     families = families_to_run()
     exceptions = {f: r for f, r in documented_exceptions().items() if f in families}
     pytester.makepyfile(test_families=INNER.format(families=families, exceptions=exceptions, budget=PARAMETER_BUDGET))
-    xdist = ["-n", "2"] if SWEEP == "all" else []
+    xdist = ["-n", "2"] if SWEEP in ("all", "timm") else []
     result = pytester.runpytest("-p", "no:randomly", "-q", "-rfEX", *xdist)
     outcomes = result.parseoutcomes()
     failed = outcomes.get("failed", 0) + outcomes.get("errors", 0) + outcomes.get("xpassed", 0)
@@ -101,21 +134,39 @@ def test_every_family_builds_tiny_and_passes_assert_equivalent_through_the_fixtu
     assert outcomes.get("xfailed", 0) == len(exceptions)
 
 
-@pytest.mark.skipif(SWEEP != "all", reason="runs every family (minutes): MODELPATCH_FAMILY_SWEEP=all")
-def test_the_counts_docs_quote_are_what_the_coverage_script_prints(tmp_path: Path) -> None:
+def _coverage(tmp_path: Path, *families: str) -> tuple[str, dict[str, str]]:
+    """``model_coverage.py --markdown`` over ``families`` (all when none): its block, and type -> stage."""
     rows = tmp_path / "coverage.json"
     run = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "model_coverage.py"), "--markdown", "--json", str(rows)],
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "model_coverage.py"), "--markdown", "--json", str(rows), *families],
         capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True,
     )
-    quoted = _generated_block(DOC.read_text(encoding="utf-8"))
-    assert quoted == run.stdout.strip(), "docs/families.md is stale: paste `python benchmarks/model_coverage.py --markdown`"
-    failing = {row["model_type"]: row["stage"] for row in json.loads(rows.read_text()) if row["stage"] != "ok"}
+    return run.stdout.strip(), {row["model_type"]: row["stage"] for row in json.loads(rows.read_text())}
+
+
+@pytest.mark.skipif(SWEEP != "all", reason="runs every family (minutes): MODELPATCH_FAMILY_SWEEP=all")
+def test_the_counts_docs_quote_are_what_the_coverage_script_prints(tmp_path: Path) -> None:
+    block, stages = _coverage(tmp_path)
+    quoted = _generated_block(DOC.read_text(encoding="utf-8"), "coverage")
+    assert quoted == block, "docs/families.md is stale: paste `python benchmarks/model_coverage.py --markdown`"
+    failing = {family: stage for family, stage in stages.items() if stage != "ok"}
     documented = {f: reason.split(":")[0] for f, reason in documented_exceptions().items()}
     assert failing == documented, "the families that fail are not the ones docs/families.md lists (type: stage)"
 
 
-def _generated_block(text: str) -> str:
-    match = re.search(r"<!-- coverage:begin -->\n(.*?)\n<!-- coverage:end -->", text, flags=re.S)
-    assert match, "docs/families.md has no <!-- coverage:begin --> ... <!-- coverage:end --> block"
+@pytest.mark.skipif(SWEEP != "timm", reason="needs timm and torchvision: MODELPATCH_FAMILY_SWEEP=timm, in CI's vision step")
+def test_with_timm_the_timm_families_pass_the_coverage_script_as_docs_quote(tmp_path: Path) -> None:
+    assert timm_runs(), "MODELPATCH_FAMILY_SWEEP=timm needs timm to import: bash .ci/setup .venv-vision '' vision"
+    block, stages = _coverage(tmp_path, *timm_families())
+    assert {family: stage for family, stage in stages.items() if stage != "ok"} == {}
+    quoted = _generated_block(DOC.read_text(encoding="utf-8"), "coverage-timm")
+    assert quoted == block, (
+        "docs/families.md is stale: paste `python benchmarks/model_coverage.py --markdown <the timm families>`, "
+        "run where timm imports"
+    )
+
+
+def _generated_block(text: str, name: str) -> str:
+    match = re.search(rf"<!-- {name}:begin -->\n(.*?)\n<!-- {name}:end -->", text, flags=re.S)
+    assert match, f"docs/families.md has no <!-- {name}:begin --> ... <!-- {name}:end --> block"
     return match.group(1).strip()
