@@ -311,7 +311,6 @@ def _pe_video_frame_encoder(level: dict[str, Any]) -> None:
         vision["image_size"] = TINY_PE_FRAME_ENCODER["img_size"]
 
 
-
 def _pe_audio_video_no_frame_rope(level: dict[str, Any]) -> None:
     # PeAudioVideoModel (transformers 5.23) ties the joint encoder's copy of the video tower to
     # video_model's, excluding only the ViT's ``rope.pos_embed`` buffer from the tie; timm

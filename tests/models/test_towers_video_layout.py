@@ -100,7 +100,6 @@ def test_text_video_model_gets_text_beside_the_clip() -> None:
     assert config.vision_config.mit_hidden_size <= TINY_WIDTH
 
 
-
 @pytest.mark.parametrize("model_type", ["pe_video_encoder", "pe_video", "pe_audio_video_encoder", "pe_audio_video"])
 def test_frame_encoder_video_tower_gets_clips_at_the_encoder_size(model_type: str) -> None:
     # PE-Video counts no frames: the clip is TOWER_FRAMES frames at the tiny timm ViT's img_size
