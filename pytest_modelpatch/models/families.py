@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib
 import json
 import re
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
-from transformers.models.auto import modeling_auto
+from transformers.models.auto import configuration_auto, modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 from pytest_modelpatch.errors import PatchUsageError
@@ -193,3 +194,20 @@ def _mapped_class(mapping: Any, config_class: type[PretrainedConfig]) -> type[Pr
         return mapping[config_class]
     except KeyError:
         return None
+    except ValueError:
+        return _unexported_class(mapping, config_class)
+
+
+def _unexported_class(mapping: Any, config_class: type[PretrainedConfig]) -> type[PreTrainedModel] | None:
+    # transformers 5.23 maps voxtral_realtime_text to VoxtralRealtimeTextModel, which its
+    # modeling module defines but its package does not export: the lookup raises ValueError
+    name = getattr(mapping, "_model_mapping", {}).get(config_class.model_type)
+    if not isinstance(name, str):
+        return None
+    package = configuration_auto.model_type_to_module_name(config_class.model_type)
+    try:
+        module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    except ImportError:
+        return None
+    found = getattr(module, name, None)
+    return found if isinstance(found, type) else None
