@@ -186,3 +186,27 @@ def test_audio_lm_inputs_splice_placeholders_so_the_audio_tower_shapes_the_outpu
     changed = {**inputs, "input_features": inputs["input_features"] + 1.0}
     with torch.no_grad():
         assert not torch.equal(model(**inputs)[0], model(**changed)[0])
+
+
+# -- Voxtral Realtime's text model, run alone ----------------------------------------------
+
+
+def test_a_mapped_class_its_package_does_not_export_is_taken_from_its_modeling_module() -> None:
+    from transformers.models.voxtral_realtime import modeling_voxtral_realtime
+
+    # the auto mapping names VoxtralRealtimeTextModel, which `transformers` itself does not export
+    assert model_class_for(tiny_config("voxtral_realtime_text")) is modeling_voxtral_realtime.VoxtralRealtimeTextModel
+
+
+def test_the_realtime_text_model_gets_the_delay_condition_its_parent_would_hand_it() -> None:
+    from transformers import VoxtralRealtimeConfig
+    from transformers.models.voxtral_realtime.modeling_voxtral_realtime import VoxtralRealtimeTimeEmbedding
+
+    model, inputs = _runs("voxtral_realtime_text")
+    delay = VoxtralRealtimeConfig().default_num_delay_tokens
+    expected = VoxtralRealtimeTimeEmbedding(model.config.hidden_size)(torch.full((1,), float(delay)))[None]
+    torch.testing.assert_close(inputs["t_cond"], expected)
+    with torch.no_grad():  # the condition drives the output: a patch that dropped it would not compare equal
+        plain = model(**inputs).last_hidden_state
+        shifted = model(**{**inputs, "t_cond": inputs["t_cond"] * 2}).last_hidden_state
+    assert (plain - shifted).abs().max() > 1e-3

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -25,7 +28,29 @@ def text_companions(
         extra["token_type_ids"] = torch.zeros_like(input_ids)
     if config.is_encoder_decoder and "decoder_input_ids" in params:
         extra["decoder_input_ids"] = input_ids.clone()
+    unnamed = KWARG_COMPANIONS.get(config.model_type)
+    if unnamed is not None:
+        extra.update(unnamed(config))
     return extra
+
+
+# Voxtral Realtime's parent model conditions every text layer on the audio delay: a sinusoidal
+# embedding of ``default_num_delay_tokens`` (6 by default), handed down through ``**kwargs``.
+VOXTRAL_DELAY_TOKENS = 6
+
+
+def _delay_condition(config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """``t_cond`` as ``VoxtralRealtimeModel`` computes it: without it the text model run alone cannot run."""
+    half = config.hidden_size // 2
+    inv_freq = torch.exp(-math.log(10000.0) * torch.arange(half).float() / half)
+    angles = VOXTRAL_DELAY_TOKENS * inv_freq
+    return {"t_cond": torch.cat((angles.cos(), angles.sin()))[None]}  # (1, hidden): broadcast over the batch
+
+
+# model type -> inputs its layers read from ``**kwargs``, which no forward signature names
+KWARG_COMPANIONS: dict[str, Callable[[PretrainedConfig], dict[str, torch.Tensor]]] = {
+    "voxtral_realtime_text": _delay_condition,
+}
 
 
 def text_inputs(
