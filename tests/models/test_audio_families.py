@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,3 +211,14 @@ def test_the_realtime_text_model_gets_the_delay_condition_its_parent_would_hand_
         plain = model(**inputs).last_hidden_state
         shifted = model(**{**inputs, "t_cond": inputs["t_cond"] * 2}).last_hidden_state
     assert (plain - shifted).abs().max() > 1e-3
+
+
+def test_the_delay_condition_takes_the_dtype_of_a_model_loaded_in_bfloat16(tmp_path: Path) -> None:
+    from pytest_modelpatch.compare.outputs import default_inputs
+    from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
+
+    model = ModelBuilder(tmp_path).reference(ModelRequest("voxtral_realtime_text"), dtype="bfloat16")
+    inputs = default_inputs(model)
+    assert inputs["t_cond"].dtype == torch.bfloat16
+    with torch.no_grad():
+        assert model(**inputs).last_hidden_state.isfinite().all()

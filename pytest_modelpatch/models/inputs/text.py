@@ -44,7 +44,10 @@ def _delay_condition(config: PretrainedConfig) -> dict[str, torch.Tensor]:
     half = config.hidden_size // 2
     inv_freq = torch.exp(-math.log(10000.0) * torch.arange(half).float() / half)
     angles = VOXTRAL_DELAY_TOKENS * inv_freq
-    return {"t_cond": torch.cat((angles.cos(), angles.sin()))[None]}  # (1, hidden): broadcast over the batch
+    condition = torch.cat((angles.cos(), angles.sin()))[None]  # (1, hidden): broadcast over the batch
+    # a loaded model's config holds its dtype; the condition feeds a Linear, so it must match
+    dtype = getattr(config, "dtype", None)
+    return {"t_cond": condition.to(dtype) if isinstance(dtype, torch.dtype) and dtype.is_floating_point else condition}
 
 
 # model type -> inputs its layers read from ``**kwargs``, which no forward signature names
