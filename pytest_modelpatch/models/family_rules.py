@@ -14,7 +14,7 @@ from typing import Any
 
 from pytest_modelpatch.models.family_rules_documents import DOCUMENT_CONFIG_RULES
 from pytest_modelpatch.models.family_rules_text import TEXT_CONFIG_RULES
-from pytest_modelpatch.models.family_rules_timm import TIMM_CONFIG_RULES, TINY_PE_ARGS, TINY_RESNET_ARGS
+from pytest_modelpatch.models.family_rules_timm import TIMM_CONFIG_RULES, TINY_PE_ARGS
 from pytest_modelpatch.models.tiny_sizes import TINY_IMAGE
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
@@ -102,19 +102,11 @@ def _edgetam_neck(level: dict[str, Any]) -> None:
     # EdgeTAM's backbone is a timm RepViT behind a timm_wrapper sub-config: its stage widths
     # live in model_args (passed to timm.create_model), which generic shrinking does not
     # enter, while the FPN neck repeats them, widest first, in backbone_channel_list
+    # (the timm_wrapper rule, run on the sub-config first, restored its misspelt architecture)
     backbone = level.get("backbone_config")
-    if not isinstance(backbone, dict):
-        return
-    # transformers 5.23's default spells the key "archirecture", so the wrapper builds its own
-    # default, a resnet50 (1024 channels at the neck's 384-channel input): EdgeTAM is RepViT
-    misspelt = backbone.get("archirecture")
-    args = dict(backbone.get("model_args") or {})
-    if isinstance(misspelt, str) and backbone.get("architecture") in (None, "resnet50"):
-        backbone["architecture"] = misspelt
-        # the timm_wrapper rule shrank the resnet50 it saw: its kwargs mean nothing to RepViT
-        args = {key: value for key, value in args.items() if key not in TINY_RESNET_ARGS}
-    if not str(backbone.get("architecture")).startswith("repvit"):
+    if not isinstance(backbone, dict) or not str(backbone.get("architecture")).startswith("repvit"):
         return  # another timm model: its own kwargs, which this rule does not know
+    args = dict(backbone.get("model_args") or {})
     args.update({key: list(value) for key, value in EDGETAM_REPVIT_ARGS.items()})
     backbone["model_args"] = args
     level["backbone_channel_list"] = list(reversed(args["embed_dim"]))

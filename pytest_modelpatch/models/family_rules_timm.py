@@ -107,6 +107,12 @@ def _with_args(level: dict[str, Any], args: Mapping[str, Any]) -> None:
 
 def _timm_wrapper(level: dict[str, Any]) -> None:
     """Shrink a known timm architecture through its model_args; unknown ones are left alone."""
+    # transformers 5.23's EdgeTAM default spells the key "archirecture", so the wrapper falls
+    # back to its own default, a resnet50 (1024 channels at a neck built for RepViT's 384):
+    # take the architecture the config meant before shrinking the wrong one
+    misspelt = level.get("archirecture")
+    if isinstance(misspelt, str) and level.get("architecture") in (None, "resnet50"):
+        level["architecture"] = misspelt
     architecture = str(level.get("architecture") or "")
     if architecture.startswith("resnet") and not architecture.startswith("resnetv2"):
         _with_args(level, TINY_RESNET_ARGS)

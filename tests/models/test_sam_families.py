@@ -11,6 +11,7 @@ from pytest_modelpatch.compare.equivalence import assert_equivalent
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.models.families import model_class_for, tiny_config
+from pytest_modelpatch.models.family_rules_timm import TINY_RESNET_ARGS
 from pytest_modelpatch.models.inputs import example_inputs
 
 
@@ -47,6 +48,7 @@ def test_edgetam_neck_lists_the_repvit_stage_widths_widest_first() -> None:
     vision, prompt = config.vision_config, config.prompt_encoder_config
     backbone = vision.backbone_config
     assert backbone.architecture.startswith("repvit")  # not the wrapper's resnet50 default
+    assert not set(TINY_RESNET_ARGS) & set(backbone.model_args)  # nor that resnet50's shrinking
     assert vision.backbone_channel_list == list(reversed(backbone.model_args["embed_dim"]))
     assert vision.backbone_feature_sizes == [[prompt.image_size // s] * 2 for s in (4, 8, 16)]
     assert prompt.image_size // prompt.patch_size == vision.backbone_feature_sizes[-1][0]
