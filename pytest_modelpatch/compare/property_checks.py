@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from hypothesis import HealthCheck, Phase, Verbosity, event, given, reject, settings
@@ -33,11 +33,11 @@ from pytest_modelpatch.models.strategies import DrawnBytes, drawn_bytes
 from pytest_modelpatch.models.usage import patch_usage, unused_message
 
 DEFAULT_MAX_EXAMPLES = 25
-# At most this many distinct inputs per hypothesis example, for model_inputs' strategies.
+# At most this many inputs per hypothesis example, for model_inputs' strategies.
 # hypothesis' own cost per example (its engine, seeding and restoring every PRNG, bookkeeping:
 # ~0.3 ms here) is as much as a default tiny model's forward, so a group pays it once.
-# ``max_examples`` still counts inputs compared; a failing group shrinks to its failing input
-# (hypothesis deletes the others), which is the one reported.
+# ``max_examples`` still counts inputs compared, each once; a failing group shrinks to the
+# fewest inputs that end with a failing one, and that input, shrunk too, is the one reported.
 GROUP_SIZE = 16
 _defaults: dict[str, int | None] = {"seed": None, "max_examples": None}
 
@@ -193,6 +193,7 @@ def check_equivalence(
     else:
         drawing, make = strategy.map(lambda example: [example]), lambda example: example
     passed: set[bytes] = set()  # the bytes of inputs that passed: the models are deterministic
+    differed: dict[bytes, Mapping[str, Any]] = {}  # the bytes and inputs of those that did not
     last_failing: list[Mapping[str, Any]] = []
     worst_example: list[Mapping[str, Any]] = []  # the inputs of report.worst, timed under --modelpatch-timing
     ran: set[str] = set()  # replacement classes that ran in some example
@@ -202,6 +203,13 @@ def check_equivalence(
         # hypothesis replays the minimal example last, so this ends up holding it.
         last_failing[:] = [example]
         report.first_failure = report.first_failure or report.examples
+
+    def differs(example: Mapping[str, Any]) -> NoReturn:
+        # one raise site, whether the models ran or the input was known to differ: hypothesis
+        # tells failures apart by where they were raised, and calls a replay that raises
+        # elsewhere flaky
+        remember_failure(example)
+        raise _ExampleFailed()
 
     @settings(
         # a group of inputs is one hypothesis example: max_examples groups are an upper bound,
@@ -224,13 +232,21 @@ def check_equivalence(
             if drawn is not None and item in passed:
                 usable = True  # drawn in an earlier group, and it passed
                 continue
+            if drawn is not None and item in differed:
+                # while shrinking, most candidates keep the failing input and change others
+                differs(differed[item])
             example = make(item)
             if backward:
                 example = with_labels(reference, example)
                 if not has_loss_targets(reference, example):
                     continue  # nothing for the loss to score (one token): a vacuous example, not a passing one
             usable = True
-            one_example(example)
+            try:
+                one_example(example)
+            except _ExampleFailed:
+                if drawn is not None:
+                    differed[item] = example
+                raise
             if drawn is not None:
                 passed.add(item)
                 if report.examples >= report.max_examples and not report.first_failure:
@@ -256,8 +272,7 @@ def check_equivalence(
             remember_failure(example)
             raise
         if not all(c.passed for c in comparisons):
-            remember_failure(example)
-            raise _ExampleFailed()
+            differs(example)
         worst = max((c.max_abs for c in comparisons), default=0.0)
         if report.worst is None or worst > report.worst.max_abs_error:
             report.worst = example_report(reference, patched, comparisons, spec, example)
@@ -265,6 +280,9 @@ def check_equivalence(
         report.max_abs_error = max([report.max_abs_error, *(c.max_abs for c in comparisons)])
         report.max_rel_error = max([report.max_rel_error, *(c.max_rel for c in comparisons)])
 
+    # as hypothesis.find() does: with no database the key is unused, and deriving it (a digest of
+    # one_group's tokenized source) cost every call ~2 ms, as much as ten tiny forwards
+    one_group._hypothesis_internal_database_key = None  # type: ignore[attr-defined]
     try:
         with evaluating(reference, patched):
             one_group()
@@ -308,7 +326,19 @@ def check_equivalence(
 
 def input_groups(drawn: DrawnBytes) -> SearchStrategy[list[bytes]]:
     """What one hypothesis example of ``check_equivalence`` draws: 1 to ``GROUP_SIZE`` distinct inputs' bytes."""
-    return st.lists(drawn.raw, min_size=1, max_size=GROUP_SIZE, unique=True)
+    size = drawn.size
+    # One byte string, not a list: hypothesis' cost per list element (~0.1 ms) is as much as
+    # building the input. Its first byte is the count, scaled so that shrinking it drops the
+    # inputs after a failing one; the passing ones before it shrink to zero bytes. No integer
+    # strategy: hypothesis sometimes draws integers from the literals of the modules loaded, so
+    # the same seed would draw other groups in another session.
+    length = 1 + size * GROUP_SIZE
+
+    def cut(blob: bytes) -> list[bytes]:
+        count = 1 + (blob[0] * GROUP_SIZE >> 8)
+        return [blob[start : start + size] for start in range(1, 1 + count * size, size)]
+
+    return st.binary(min_size=length, max_size=length).map(cut)
 
 
 def example_report(

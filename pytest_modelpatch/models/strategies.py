@@ -127,7 +127,7 @@ def model_inputs(
     size = index_bytes + 4 + rows
     raw = st.binary(min_size=size, max_size=size)
     strategy = raw.map(from_bytes)
-    _BY_BYTES[strategy] = DrawnBytes(raw, from_bytes)
+    _BY_BYTES[strategy] = DrawnBytes(raw, from_bytes, size)
     return strategy
 
 
@@ -141,6 +141,7 @@ class DrawnBytes:
 
     raw: SearchStrategy[bytes]
     build: Callable[[bytes], dict[str, torch.Tensor]]
+    size: int  # every input's byte string has this length
 
 
 _BY_BYTES: weakref.WeakKeyDictionary[SearchStrategy[Any], DrawnBytes] = weakref.WeakKeyDictionary()
