@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
+from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.models.families import model_class_for, tiny_config
-from pytest_modelpatch.models.inputs import example_inputs
+from pytest_modelpatch.models.inputs import InputRequest, example_inputs
+from pytest_modelpatch.models.inputs.audio_lms import AUDIO_TOKENS, spliced_ids
 from pytest_modelpatch.models.tiny_audio_configs import TINY_CODEBOOKS, shrink_audio_level
 from pytest_modelpatch.models.validator_fit import fit_validator_message
 
@@ -186,6 +188,13 @@ def test_audio_lm_inputs_splice_placeholders_so_the_audio_tower_shapes_the_outpu
     changed = {**inputs, "input_features": inputs["input_features"] + 1.0}
     with torch.no_grad():
         assert not torch.equal(model(**inputs)[0], model(**changed)[0])
+
+
+def test_a_placeholder_id_the_config_lacks_is_a_clear_error() -> None:
+    config = tiny_config("llama")  # no audio_token_id: a builder pointed at the wrong family
+    request = InputRequest(config, model_class_for(config), 2, 8, torch.Generator().manual_seed(0))
+    with pytest.raises(ModelPatchError, match="audio_token_id is None"):
+        spliced_ids(request, ("audio_token_id", AUDIO_TOKENS))
 
 
 # -- Voxtral Realtime's text model, run alone ----------------------------------------------
