@@ -16,7 +16,14 @@ import torch
 from transformers import PretrainedConfig
 
 from pytest_modelpatch.models.inputs.audio import audio_level, mel_features, waveform
-from pytest_modelpatch.models.inputs.audio_lms import qwen3_asr_inputs
+from pytest_modelpatch.models.inputs.audio_lms import (
+    csm_inputs,
+    fun_asr_nano_inputs,
+    nemotron_transcribe_inputs,
+    qwen3_asr_inputs,
+    vibevoice_asr_inputs,
+    vibevoice_inputs,
+)
 from pytest_modelpatch.models.inputs.request import InputRequest
 from pytest_modelpatch.models.inputs.text import text_inputs
 
@@ -163,4 +170,9 @@ AUDIO_INPUT_BUILDERS: dict[str, FamilyBuilder] = {
     "fastspeech2_conformer_with_hifigan": phoneme_inputs,
     # audio language models: audio for the tower, its placeholders spliced into the text
     "qwen3_asr": qwen3_asr_inputs,
+    "fun_asr_nano": fun_asr_nano_inputs,
+    "nemo_speechlm": nemotron_transcribe_inputs,
+    "vibevoice": vibevoice_inputs,
+    "vibevoice_asr": vibevoice_asr_inputs,
+    "csm": csm_inputs,
 }

@@ -13,7 +13,7 @@ import sys
 import torch
 
 from pytest_modelpatch.errors import ModelPatchError
-from pytest_modelpatch.models.inputs.audio import mel_features_for
+from pytest_modelpatch.models.inputs.audio import feature_width, mel_features_for
 from pytest_modelpatch.models.inputs.request import InputRequest
 from pytest_modelpatch.models.inputs.text import text_inputs
 
@@ -39,6 +39,10 @@ def spliced_ids(request: InputRequest, *runs: tuple[str, int]) -> dict[str, torc
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
+def _all_valid(request: InputRequest, length: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    return torch.ones(request.batch_size, length, dtype=dtype)
+
+
 def qwen3_asr_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     """Qwen3-ASR: one clip per row, as many placeholders as the encoder yields (the modeling
     module's own length formula)."""
@@ -48,3 +52,67 @@ def qwen3_asr_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     lengths = sys.modules[request.model_class.__module__]._get_feat_extract_output_lengths
     count = int(lengths(torch.tensor(frames), config.audio_config.n_window))
     return {**spliced_ids(request, ("audio_token_id", count)), **audio}
+
+
+def fun_asr_nano_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """Fun-ASR-Nano: LFR-stacked features (batch, frames, mel bins x stacked frames); the
+    encoder and adaptor keep the frame count, so one embedding per valid frame."""
+    config, frames = request.config, AUDIO_TOKENS
+    width = feature_width(config.audio_config)  # num_mel_bins * num_stacked_frames, the encoder's input_size
+    audio = {
+        "input_features": request.randn(request.batch_size, frames, width),
+        "input_features_mask": _all_valid(request, frames),
+    }
+    return {**spliced_ids(request, ("audio_token_id", frames)), **audio}
+
+
+def nemotron_transcribe_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """Nemotron 3.5 Transcribe (``nemo_speechlm``): a (batch, frames, mel bins) spectrogram of
+    whole stacks of ``subsampling_factor`` frames, one embedding per stack. The same
+    spectrogram feeds the ASR encoder and the diarization model, whose speaker activity is
+    added to every audio embedding."""
+    config = request.config
+    audio = config.audio_config
+    frames = AUDIO_TOKENS * audio.subsampling_factor
+    features = {
+        "input_features": request.randn(request.batch_size, frames, audio.asr_config.num_mel_bins),
+        "input_features_mask": _all_valid(request, frames),
+    }
+    return {**spliced_ids(request, ("audio_token_id", AUDIO_TOKENS)), **features}
+
+
+def _acoustic_waveform(request: InputRequest, hop_length: int) -> dict[str, torch.Tensor]:
+    """A mono (batch, 1, samples) clip of whole tokenizer frames, with its all-valid sample mask."""
+    samples = AUDIO_TOKENS * int(hop_length)
+    return {
+        "input_values": request.randn(request.batch_size, 1, samples),
+        "padding_mask": _all_valid(request, samples, torch.bool),
+    }
+
+
+def vibevoice_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """VibeVoice: a voice-cloning clip for the acoustic tokenizer, one embedding per
+    ``hop_length`` samples (``ceil(valid samples / hop_length)`` in the modeling code)."""
+    config = request.config
+    audio = _acoustic_waveform(request, config.audio_config.hop_length)
+    return {**spliced_ids(request, ("audio_token_id", AUDIO_TOKENS)), **audio}
+
+
+def vibevoice_asr_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """VibeVoice-ASR: the clip runs through the acoustic and the semantic tokenizer encoders,
+    one fused embedding per acoustic ``hop_length`` samples."""
+    config = request.config
+    audio = _acoustic_waveform(request, config.acoustic_tokenizer_encoder_config.hop_length)
+    return {**spliced_ids(request, ("audio_token_id", AUDIO_TOKENS)), **audio}
+
+
+def csm_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """CSM: a context clip the Mimi codec encodes into codes, one placeholder per codec frame
+    (``frame_size`` samples), the clip's end given by ``input_values_cutoffs``."""
+    config = request.config
+    samples = AUDIO_TOKENS * config.codec_config.frame_size
+    audio = {
+        "input_values": request.randn(request.batch_size, 1, samples),
+        "input_values_cutoffs": torch.full((request.batch_size, 1), samples, dtype=torch.long),
+    }
+    return {**spliced_ids(request, ("audio_token_id", AUDIO_TOKENS)), **audio}
