@@ -191,14 +191,19 @@ def test_audio_lm_inputs_splice_placeholders_so_the_audio_tower_shapes_the_outpu
 
 
 # Audio language models: each input the audio arrives in, and the placeholder whose positions
-# take it. Text-only inputs ran these models without their audio towers, so a patch of a
-# tower failed as "never ran".
+# take it. Text-only inputs ran these models without their audio towers, so a patch of a tower
+# failed as "never ran"; the TTS backbones ran their voice-prompt projection never and their
+# latent projection only on a BOS latent no position took, so a patch of it passed unchecked.
 AUDIO_LM_INPUTS = [
     ("fun_asr_nano", "input_features", "audio_token_id"),
     ("nemo_speechlm", "input_features", "audio_token_id"),
     ("vibevoice", "input_values", "audio_token_id"),
     ("vibevoice_asr", "input_values", "audio_token_id"),
     ("csm", "input_values", "audio_token_id"),
+    ("pocket_tts", "audio_prompt_latents", "audio_prompt_token_id"),
+    ("pocket_tts", "audio_latents", "audio_latent_token_id"),
+    ("gradium_phonon_tts", "audio_prompt_latents", "audio_prompt_token_id"),
+    ("gradium_phonon_tts", "audio_latents", "audio_latent_token_id"),
 ]
 
 

@@ -21,6 +21,7 @@ from pytest_modelpatch.models.inputs.audio_lms import (
     fun_asr_nano_inputs,
     nemotron_transcribe_inputs,
     qwen3_asr_inputs,
+    tts_latent_inputs,
     vibevoice_asr_inputs,
     vibevoice_inputs,
 )
@@ -175,4 +176,6 @@ AUDIO_INPUT_BUILDERS: dict[str, FamilyBuilder] = {
     "vibevoice": vibevoice_inputs,
     "vibevoice_asr": vibevoice_asr_inputs,
     "csm": csm_inputs,
+    "pocket_tts": tts_latent_inputs,
+    "gradium_phonon_tts": tts_latent_inputs,
 }

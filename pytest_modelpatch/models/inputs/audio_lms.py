@@ -4,6 +4,8 @@ Each model scatters the audio tower's output into the positions of one placehold
 checks that the counts agree, so every builder here counts the embeddings the tower will
 yield (with the modeling module's own length rule where it has one) and splices that many
 placeholders into every row's text, after two ordinary tokens.
+Text-to-speech backbones (Pocket TTS, Gradium Phonon) have no audio encoder: their forward
+reads codec latents (the voice prompt and the audio so far), spliced the same way.
 """
 
 from __future__ import annotations
@@ -116,3 +118,19 @@ def csm_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
         "input_values_cutoffs": torch.full((request.batch_size, 1), samples, dtype=torch.long),
     }
     return {**spliced_ids(request, ("audio_token_id", AUDIO_TOKENS)), **audio}
+
+
+def tts_latent_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
+    """Pocket TTS / Gradium Phonon backbones: voice-prompt latents in the prompt placeholders,
+    then the audio BOS and the audio latents generated so far, as in a training step."""
+    config = request.config
+    prompt_width = getattr(config, "audio_prompt_dim", None) or config.latent_dim  # Gradium: speaker-codec width
+    inputs = spliced_ids(
+        request,
+        ("audio_prompt_token_id", AUDIO_TOKENS),
+        ("audio_bos_token_id", 1),
+        ("audio_latent_token_id", AUDIO_TOKENS),
+    )
+    inputs["audio_prompt_latents"] = request.randn(request.batch_size, AUDIO_TOKENS, prompt_width)
+    inputs["audio_latents"] = request.randn(request.batch_size, AUDIO_TOKENS, config.latent_dim)
+    return inputs
