@@ -384,6 +384,9 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # duration noise), so two runs of the same weights differ; at zero they agree and every
     # layer still runs.
     "vibevoice_acoustic_tokenizer": {"vae_std": 0.0},
+    # VibeVoice-ASR draws its latent noise from its acoustic encoder's config (a level of this
+    # type), once its example inputs carry audio
+    "vibevoice_acoustic_tokenizer_encoder": {"vae_std": 0.0},
     # (VITS: its layer counts have names of their own, 16 posterior WaveNet layers)
     "vits": {"noise_scale": 0.0, "noise_scale_duration": 0.0, "posterior_encoder_num_wavenet_layers": 2},
     # Qwen3-ASR's conv stem widths and output projection have names of their own

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.models.families import model_class_for, tiny_config
-from pytest_modelpatch.models.inputs import example_inputs
+from pytest_modelpatch.models.inputs import InputRequest, example_inputs
+from pytest_modelpatch.models.inputs.audio_lms import AUDIO_TOKENS, spliced_ids
 from pytest_modelpatch.models.tiny_audio_configs import TINY_CODEBOOKS, shrink_audio_level
 from pytest_modelpatch.models.validator_fit import fit_validator_message
 
@@ -187,6 +189,49 @@ def test_audio_lm_inputs_splice_placeholders_so_the_audio_tower_shapes_the_outpu
     changed = {**inputs, "input_features": inputs["input_features"] + 1.0}
     with torch.no_grad():
         assert not torch.equal(model(**inputs)[0], model(**changed)[0])
+
+
+# Audio language models: each input the audio arrives in, and the placeholder whose positions
+# take it. Text-only inputs ran these models without their audio towers, so a patch of a tower
+# failed as "never ran"; the TTS backbones ran their voice-prompt projection never and their
+# latent projection only on a BOS latent no position took, so a patch of it passed unchecked.
+AUDIO_LM_INPUTS = [
+    ("fun_asr_nano", "input_features", "audio_token_id"),
+    ("nemo_speechlm", "input_features", "audio_token_id"),
+    ("vibevoice", "input_values", "audio_token_id"),
+    ("vibevoice_asr", "input_values", "audio_token_id"),
+    ("csm", "input_values", "audio_token_id"),
+    ("pocket_tts", "audio_prompt_latents", "audio_prompt_token_id"),
+    ("pocket_tts", "audio_latents", "audio_latent_token_id"),
+    ("gradium_phonon_tts", "audio_prompt_latents", "audio_prompt_token_id"),
+    ("gradium_phonon_tts", "audio_latents", "audio_latent_token_id"),
+]
+
+
+@pytest.mark.parametrize(("model_type", "name", "placeholder"), AUDIO_LM_INPUTS)
+def test_audio_lm_audio_reaches_the_output(model_type: str, name: str, placeholder: str) -> None:
+    config = tiny_config(model_type)
+    model, inputs = _runs(model_type)
+    assert (inputs["input_ids"] == getattr(config, placeholder)).any()
+    changed = {**inputs, name: inputs[name] + 1.0}
+    with torch.no_grad():
+        assert not torch.allclose(model(**inputs)[0], model(**changed)[0])
+
+
+def test_vibevoice_asr_audio_latents_are_deterministic() -> None:
+    # its forward adds N(0, vae_std) noise to the acoustic latents: two runs of one model agree
+    # (and so do a reference and a patched copy) only with the tiny config's vae_std of 0
+    model, inputs = _runs("vibevoice_asr")
+    assert model.config.acoustic_tokenizer_encoder_config.vae_std == 0.0
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], model(**inputs)[0])
+
+
+def test_a_placeholder_id_the_config_lacks_is_a_clear_error() -> None:
+    config = tiny_config("llama")  # no audio_token_id: a builder pointed at the wrong family
+    request = InputRequest(config, model_class_for(config), 2, 8, torch.Generator().manual_seed(0))
+    with pytest.raises(ModelPatchError, match="audio_token_id is None"):
+        spliced_ids(request, ("audio_token_id", AUDIO_TOKENS))
 
 
 # -- Voxtral Realtime's text model, run alone ----------------------------------------------

@@ -112,7 +112,8 @@ def example_inputs(
     vision tower (e.g. ``fusion_config={"patch_embeddings": True}``) is exercised.
     Vision towers run alone get what their processor emits (packed patches with
     ``grid_thw``, NaFlex patch rows with ``spatial_shapes``); video models get
-    ``(batch, frames, C, H, W)`` clips; document models a valid ``bbox`` per token.
+    ``(batch, frames, C, H, W)`` clips; document models a valid ``bbox`` per token;
+    audio language models audio for their tower, its placeholders spliced into the text.
     Other models with image placeholder tokens get text-only inputs.
 
     Example: ``model(**example_inputs(model.config))``.

@@ -2,20 +2,29 @@
 
 Multi-codebook token grids (MusicGen, Dia, Kyutai), contrastive text + audio pairs (CLAP,
 CLVP, PE-Audio), spectrogram patches (AST), pre-embedded sequences (SpeechT5 without its
-pre-nets), codec latents (Mimi and Pocket-TTS decoders, VibeVoice tokenizer halves).
+pre-nets), codec latents (Mimi and Pocket-TTS decoders, VibeVoice tokenizer halves); the
+audio language models' builders, which splice audio into text, live in ``audio_lms.py``.
 Keyed by ``model_type``; ``example_inputs`` consults this table before the main-input
 builders. Each builder reads every size from the (shrunk) config.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
 from transformers import PretrainedConfig
 
-from pytest_modelpatch.models.inputs.audio import audio_level, mel_features, mel_features_for, waveform
+from pytest_modelpatch.models.inputs.audio import audio_level, mel_features, waveform
+from pytest_modelpatch.models.inputs.audio_lms import (
+    csm_inputs,
+    fun_asr_nano_inputs,
+    nemotron_transcribe_inputs,
+    qwen3_asr_inputs,
+    tts_latent_inputs,
+    vibevoice_asr_inputs,
+    vibevoice_inputs,
+)
 from pytest_modelpatch.models.inputs.request import InputRequest
 from pytest_modelpatch.models.inputs.text import text_inputs
 
@@ -143,20 +152,6 @@ def phoneme_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     return _text(request, request.config.model_config)
 
 
-def qwen3_asr_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
-    """Qwen3-ASR: one clip per row, its audio placeholders spliced after two text tokens, as
-    many as the encoder yields (the modeling module's own length formula)."""
-    config, batch = request.config, request.batch_size
-    audio = mel_features_for(request, config.audio_config)
-    frames = audio["input_features"].shape[-1]
-    lengths = sys.modules[request.model_class.__module__]._get_feat_extract_output_lengths
-    count = int(lengths(torch.tensor(frames), config.audio_config.n_window))
-    text = text_inputs(config, batch, request.seq_len, request.generator)["input_ids"]
-    placeholders = torch.full((batch, count), config.audio_token_id, dtype=text.dtype)
-    ids = torch.cat([text[:, :2], placeholders, text[:, 2:]], dim=1)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **audio}
-
-
 AUDIO_INPUT_BUILDERS: dict[str, FamilyBuilder] = {
     "musicgen": music_inputs,
     "musicgen_melody": music_inputs,
@@ -174,5 +169,13 @@ AUDIO_INPUT_BUILDERS: dict[str, FamilyBuilder] = {
     "vibevoice_acoustic_tokenizer_decoder": tokenizer_decoder,
     "nemotron3_5_transcribe_word_timestamp": encoder_states,
     "fastspeech2_conformer_with_hifigan": phoneme_inputs,
+    # audio language models: audio for the tower, its placeholders spliced into the text
     "qwen3_asr": qwen3_asr_inputs,
+    "fun_asr_nano": fun_asr_nano_inputs,
+    "nemo_speechlm": nemotron_transcribe_inputs,
+    "vibevoice": vibevoice_inputs,
+    "vibevoice_asr": vibevoice_asr_inputs,
+    "csm": csm_inputs,
+    "pocket_tts": tts_latent_inputs,
+    "gradium_phonon_tts": tts_latent_inputs,
 }
