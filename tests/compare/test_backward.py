@@ -172,3 +172,27 @@ def test_training_state_sees_a_dropout_added_or_replaced_after_an_earlier_check(
         seen = (model[0].attention_dropout, model[1].p, model.training)
     assert seen == (0.0, 0.0, True)
     assert (model[0].attention_dropout, model[1].p) == (0.25, 0.3)
+
+
+def test_training_state_runs_a_modules_own_train_and_restores_every_flag() -> None:
+    # a kernel library's module may override train() (keep a frozen part in eval, re-pack weights):
+    # setting each module's flag directly, the fast path, must not skip it
+    from pytest_modelpatch.compare.training import training_state
+
+    class FrozenNorm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(2)
+
+        def train(self, mode: bool = True) -> FrozenNorm:
+            super().train(mode)
+            self.norm.eval()  # stays in eval whatever the model does
+            return self
+
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).eval()
+    frozen = torch.nn.Sequential(torch.nn.Linear(2, 2), FrozenNorm()).eval()
+    with training_state(plain):
+        assert all(m.training for m in plain.modules())
+    with training_state(frozen):
+        assert frozen.training and frozen[1].training and not frozen[1].norm.training
+    assert not any(m.training for model in (plain, frozen) for m in model.modules())
