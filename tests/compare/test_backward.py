@@ -196,3 +196,21 @@ def test_training_state_runs_a_modules_own_train_and_restores_every_flag() -> No
     with training_state(frozen):
         assert frozen.training and frozen[1].training and not frozen[1].norm.training
     assert not any(m.training for model in (plain, frozen) for m in model.modules())
+
+
+def test_parameter_gradients_name_what_named_parameters_names_after_the_model_changes() -> None:
+    from pytest_modelpatch.compare.training import parameter_gradients
+
+    def expected(model: torch.nn.Module) -> dict[str, Any]:
+        return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    model[1].weight = model[0].weight  # tied, as lm_head and embeddings are: named once
+    model[2].bias.requires_grad_(False)  # frozen: no gradient expected
+    model(torch.tensor([[1, 2]])).sum().backward()
+    assert list(parameter_gradients(model)) == list(expected(model)) and "2.bias" not in parameter_gradients(model)
+    model[2] = torch.nn.LayerNorm(4)  # replaced after a first scan
+    model.add_module("tied", model[0])  # a module under two names: its parameters once, under the first
+    model.extra = torch.nn.Linear(4, 4)  # added
+    found = parameter_gradients(model)
+    assert list(found) == list(expected(model)) and all(found[k] is v for k, v in expected(model).items())
