@@ -42,6 +42,13 @@ class Structure(Protocol):
     pp_plan: Mapping[str, Any]
 
 
+class BuiltStructure(Structure, Protocol):
+    """A :class:`Structure` built from a model class: also the class's name and ``base_model_prefix``."""
+
+    model_class: str
+    base_model_prefix: str
+
+
 class StructureBuilder(Protocol):
     """(model type, {class name: (replacement, modules binding it)}) -> (original, patched).
 
@@ -49,7 +56,7 @@ class StructureBuilder(Protocol):
     """
 
     def __call__(self, model_type: str, replacements: Mapping[str, tuple[type, tuple[str, ...]]], *,
-                 original: bool = True) -> tuple[Structure | None, Structure]: ...
+                 original: bool = True) -> tuple[BuiltStructure | None, BuiltStructure]: ...
 
 
 @dataclass(frozen=True)
@@ -249,8 +256,9 @@ class OriginalModel:
     """The original tiny model's :class:`Structure`, and the names its checkpoint holds before and after loading.
 
     The checkpoint is what ``save_pretrained`` writes: the model's names with the family's
-    built-in conversions reversed (per-expert MoE weights); ``loaded`` is what loading makes of
-    them with the built-in conversions. All of it depends only on transformers: it is cached.
+    built-in conversions reversed (per-expert MoE weights); ``loaded`` is what the built-in
+    conversions alone make of them (kept in the facts file; :func:`weight_findings` fits the names
+    to the patched model instead, as loading does). All of it depends only on transformers: it is cached.
     """
 
     tensors: Mapping[str, tuple[int, ...]]
@@ -261,8 +269,8 @@ class OriginalModel:
     loaded: tuple[str, ...]
 
     @classmethod
-    def of(cls, model_type: str, structure: Structure) -> OriginalModel:
-        builtin = _builtin_conversions(model_type)
+    def of(cls, model_type: str, structure: BuiltStructure) -> OriginalModel:
+        builtin = _builtin_conversions(model_type, structure.model_class)
         checkpoint = _renamed_all(structure.tensors, [t.reverse_transform() for t in builtin])
         return cls({n: tuple(s) for n, s in structure.tensors.items()}, dict(structure.modules),
                    dict(structure.tp_plan), dict(structure.pp_plan), tuple(checkpoint),
@@ -281,14 +289,16 @@ class OriginalModel:
                    tuple(map(str, data["checkpoint"])), tuple(map(str, data["loaded"])))
 
 
-def weight_findings(replaced: list[Replaced], model_type: str, original: OriginalModel, patched: Structure,
+def weight_findings(replaced: list[Replaced], model_type: str, original: OriginalModel, patched: BuiltStructure,
                     conversions: list[Any] | None) -> list[Finding]:
-    """Names the checkpoint holds (renamed by the conversions loading applies) that the patched model lacks, and back.
+    """Names the checkpoint holds (renamed as loading renames them) that the patched model lacks, and back.
 
     Loading applies ``conversions`` when the patch registers some for the family (they replace
-    the built-in ones), else the built-in ones (``original.loaded``).
+    the built-in ones), else the built-in ones, then fits each name to the patched model as
+    transformers does (see :func:`_loaded_names`).
     """
-    expected = original.loaded if conversions is None else _renamed_all(original.checkpoint, conversions)
+    transforms = _builtin_conversions(model_type, patched.model_class) if conversions is None else conversions
+    expected = _loaded_names(original.checkpoint, transforms, patched)
     exact = {n for n in expected if "*" not in n}
     wild = {n: re.compile(re.escape(n).replace(r"\*", r"\d+")) for n in expected if "*" in n}
     unexpected = sorted(n for n in exact if n not in patched.tensors) + sorted(
@@ -318,11 +328,62 @@ def weight_findings(replaced: list[Replaced], model_type: str, original: Origina
                     fix) for r in owners]
 
 
-def _builtin_conversions(model_type: str) -> list[Any]:
+def _builtin_conversions(model_type: str, model_class: str) -> list[Any]:
+    """The conversions loading applies to ``model_class``: its own mapping first, else the family's.
+
+    As transformers' ``get_model_conversion_mapping`` does: the family's mapping is written for
+    its ForXxx class (vibevoice_asr, llava and qwen2_audio move ``language_model`` under
+    ``model.``), and a base model class such as ``LlavaModel`` has a mapping of its own.
+    """
     # imported here: only a lint that built models (so imported transformers) gets this far
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-    return list(get_checkpoint_conversion_mapping(model_type) or [])
+    return list(get_checkpoint_conversion_mapping(model_class) or get_checkpoint_conversion_mapping(model_type) or [])
+
+
+def _loaded_names(checkpoint: Iterable[str], transforms: list[Any], model: BuiltStructure) -> list[str]:
+    """The names loading gives ``checkpoint``'s tensors in ``model``: renamed, then fitted to the model.
+
+    Mirrors transformers' loader (``core_model_loading.rename_source_key`` and its caller): a
+    renamed name that the model has only with one ``base_model_prefix`` level stripped or
+    added gets that level stripped or added, and a name the renaming took somewhere the model
+    lacks, while the model has the checkpoint's own name, keeps its own name. Without this a
+    family whose conversions add ``model.`` for its ForXxx class (llava, qwen2_audio,
+    vibevoice_asr, ...) looked as if its base model lost every weight.
+    """
+    present = _presence(model.tensors)
+    prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
+    loaded: dict[str, None] = {}
+    for name in checkpoint:
+        targets = [_fitted(t, prefix, present) for t in _renamed(name, transforms)]
+        if targets != [name] and not any(present(t) for t in targets) and present(name):
+            targets = [_fitted(name, prefix, present)]
+        loaded.update(dict.fromkeys(targets))
+    return list(loaded)
+
+
+def _fitted(name: str, prefix: str, present: Callable[[str], bool]) -> str:
+    # strip first, as transformers does: a ForXxx checkpoint loaded into its base model
+    if not prefix:
+        return name
+    if name.startswith(prefix) and present(name[len(prefix):]):
+        return name[len(prefix):]
+    if present(prefix + name):
+        return prefix + name
+    return name
+
+
+def _presence(tensors: Mapping[str, Any]) -> Callable[[str], bool]:
+    """Whether a name (``*`` standing for any layer index) is among ``tensors``."""
+    names = set(tensors)
+
+    def present(name: str) -> bool:
+        if "*" not in name:
+            return name in names
+        pattern = re.compile(re.escape(name).replace(r"\*", r"\d+"))
+        return any(pattern.fullmatch(n) for n in names)
+
+    return present
 
 
 def _renamed_all(names: Iterable[str], transforms: list[Any]) -> list[str]:

@@ -28,6 +28,8 @@ class ModelStructure:
     modules: dict[str, str]  # dotted path ("" for the root) -> class name
     tp_plan: dict[str, str] = field(default_factory=dict)
     pp_plan: dict[str, Any] = field(default_factory=dict)
+    # loading strips or adds this prefix to fit the model (a base model from a ForXxx checkpoint and back)
+    base_model_prefix: str = ""
 
 
 def meta_structures(
@@ -76,6 +78,7 @@ def _build(model_type: str, swaps: tuple[tuple[str, type, tuple[str, ...]], ...]
     return ModelStructure(
         model_class.__name__, tensors, modules,
         dict(getattr(text, "base_model_tp_plan", None) or {}), dict(getattr(text, "base_model_pp_plan", None) or {}),
+        str(getattr(model, "base_model_prefix", "") or ""),
     )  # fmt: skip
 
 

@@ -6,10 +6,12 @@ parameter a forward reads for generation, so the "accepted but never used" case 
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
+from transformers.models.vibevoice_asr.modeling_vibevoice_asr import VibeVoiceAsrMultiModalProjector
 
 from fixtures import PATCH_MODULES, load_patch
 from fixtures.patches import llama_fused_qkv
@@ -168,3 +170,83 @@ def test_a_mark_without_its_conversion_fails_at_registration_and_the_good_one_ru
     result = pytester.runpytest("-p", "no:xdist", "-p", "no:randomly", "-W", "error::pytest_modelpatch.errors.ModelPatchWarning")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*[[]WEIGHT_NAMES[]]*missing keys*qkv_proj*unexpected keys*q_proj*"])
+
+
+# Families whose built-in conversions add "model." for legacy ForXxx checkpoints: loading the base
+# model strips that level again (transformers' base_model_prefix step), so a no-op patch loads cleanly.
+PREFIXED_PROJECTORS = [
+    ("vibevoice_asr", "VibeVoiceAsrMultiModalProjector"),
+    ("qwen2_audio", "Qwen2AudioMultiModalProjector"),
+    ("llava", "LlavaMultiModalProjector"),
+]
+
+
+def no_op(family: str, class_name: str) -> type:
+    """A subclass of the family's class that changes nothing."""
+    original = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), class_name)
+    return type(f"NoOp{class_name}", (original,), {"__module__": __name__})
+
+
+@pytest.mark.parametrize(("family", "class_name"), PREFIXED_PROJECTORS)
+def test_a_no_op_patch_keeps_the_weight_names_where_conversions_add_the_base_prefix(family: str,
+                                                                                   class_name: str) -> None:
+    assert lint_patterns({class_name: no_op(family, class_name)}, families=[family], checks=("weights",),
+                         structures=meta_structures) == []
+
+
+class RenamedAcousticProjector(VibeVoiceAsrMultiModalProjector):
+    """acoustic_linear_1 renamed acoustic_in: a checkpoint's weights for it no longer load."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.acoustic_in = self.acoustic_linear_1
+        del self.acoustic_linear_1
+
+
+def test_a_renamed_weight_under_the_base_prefix_is_still_a_weight_names_finding() -> None:
+    (finding,) = lint_patterns({"VibeVoiceAsrMultiModalProjector": RenamedAcousticProjector},
+                               families=["vibevoice_asr"], checks=("weights",), structures=meta_structures)
+    assert finding.kind is Kind.WEIGHT_NAMES
+    assert "missing keys (initialised randomly at load): multi_modal_projector.acoustic_in.bias" in finding.message
+    # the names from_pretrained(..., output_loading_info=True) reports for this patch
+    assert "unexpected keys (in the checkpoint, ignored): multi_modal_projector.acoustic_linear_1.bias" \
+        in finding.message
+    assert finding.suggestion == "WeightRenaming('acoustic_linear_1', 'acoustic_in')"
+
+
+def test_a_no_op_patch_on_vibevoice_asr_runs_and_a_renaming_one_is_refused(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+        from transformers.models.vibevoice_asr import modeling_vibevoice_asr as vv
+
+        from pytest_modelpatch import assert_equivalent
+
+
+        class NoOp(vv.VibeVoiceAsrMultiModalProjector):
+            pass
+
+
+        class Renamed(vv.VibeVoiceAsrMultiModalProjector):
+            def __init__(self, config):
+                super().__init__(config)
+                self.acoustic_in = self.acoustic_linear_1
+                del self.acoustic_linear_1
+
+
+        @pytest.mark.model("vibevoice_asr")
+        @pytest.mark.patch({"VibeVoiceAsrMultiModalProjector": NoOp})
+        def test_no_op(reference_model, patched_model):
+            assert_equivalent(reference_model, patched_model)
+
+
+        @pytest.mark.model("vibevoice_asr")
+        @pytest.mark.patch({"VibeVoiceAsrMultiModalProjector": Renamed})
+        def test_renamed(reference_model, patched_model):
+            pass
+        """
+    )
+    result = pytester.runpytest("-p", "no:xdist", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_renamed*", "*[[]WEIGHT_NAMES[]]*missing keys*acoustic_in*"
+                                 "unexpected keys*acoustic_linear_1*"])
