@@ -325,7 +325,7 @@ def check_equivalence(
 
 
 def input_groups(drawn: DrawnBytes) -> SearchStrategy[list[bytes]]:
-    """What one hypothesis example of ``check_equivalence`` draws: 1 to ``GROUP_SIZE`` distinct inputs' bytes."""
+    """What one hypothesis example of ``check_equivalence`` draws: the bytes of 1 to ``GROUP_SIZE`` inputs."""
     size = drawn.size
     # One byte string, not a list: hypothesis' cost per list element (~0.1 ms) is as much as
     # building the input. Its first byte is the count, scaled so that shrinking it drops the
