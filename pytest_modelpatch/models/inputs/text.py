@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import sys
 from collections.abc import Callable
 
 import torch
@@ -30,28 +30,27 @@ def text_companions(
         extra["decoder_input_ids"] = input_ids.clone()
     unnamed = KWARG_COMPANIONS.get(config.model_type)
     if unnamed is not None:
-        extra.update(unnamed(config))
+        extra.update(unnamed(config, model_class))
     return extra
 
 
-# Voxtral Realtime's parent model conditions every text layer on the audio delay: a sinusoidal
-# embedding of ``default_num_delay_tokens`` (6 by default), handed down through ``**kwargs``.
+# Voxtral Realtime's parent model conditions every text layer on the audio delay
+# (``default_num_delay_tokens``, 6 by default), handed down through ``**kwargs``.
 VOXTRAL_DELAY_TOKENS = 6
 
 
-def _delay_condition(config: PretrainedConfig) -> dict[str, torch.Tensor]:
-    """``t_cond`` as ``VoxtralRealtimeModel`` computes it: without it the text model run alone cannot run."""
-    half = config.hidden_size // 2
-    inv_freq = torch.exp(-math.log(10000.0) * torch.arange(half).float() / half)
-    angles = VOXTRAL_DELAY_TOKENS * inv_freq
-    condition = torch.cat((angles.cos(), angles.sin()))[None]  # (1, hidden): broadcast over the batch
+def _delay_condition(config: PretrainedConfig, model_class: type[PreTrainedModel]) -> dict[str, torch.Tensor]:
+    """``t_cond`` as ``VoxtralRealtimeModel`` computes it, with its own time embedding: without it the text model
+    run alone cannot run."""
+    embedding = sys.modules[model_class.__module__].VoxtralRealtimeTimeEmbedding(config.hidden_size)
+    condition = embedding(torch.full((1,), float(VOXTRAL_DELAY_TOKENS)))[None]  # (1, hidden): broadcast over the batch
     # a loaded model's config holds its dtype; the condition feeds a Linear, so it must match
     dtype = getattr(config, "dtype", None)
     return {"t_cond": condition.to(dtype) if isinstance(dtype, torch.dtype) and dtype.is_floating_point else condition}
 
 
 # model type -> inputs its layers read from ``**kwargs``, which no forward signature names
-KWARG_COMPANIONS: dict[str, Callable[[PretrainedConfig], dict[str, torch.Tensor]]] = {
+KWARG_COMPANIONS: dict[str, Callable[[PretrainedConfig, type[PreTrainedModel]], dict[str, torch.Tensor]]] = {
     "voxtral_realtime_text": _delay_condition,
 }
 
