@@ -130,8 +130,8 @@ class _Fingerprint:
         self.getters = [operator.itemgetter(*namespace) for namespace in self.namespaces]
         self.values = [get(namespace) for get, namespace in zip(self.getters, self.namespaces)]
         self.root_hooks = record.hooks.get("", 0)
-        self.hooked = [modules[name] for name in record.hooks if name and name in modules]
-        self.hook_counts = [record.hooks[name] for name in record.hooks if name and name in modules]
+        hooked = [(modules[name], count) for name, count in record.hooks.items() if name and name in modules]
+        self.hooked, self.hook_counts = [m for m, _ in hooked], [count for _, count in hooked]
 
     def _modules_now(self, model: torch.nn.Module) -> tuple[list[list[tuple[str, Any]]], list[list[type]]]:
         tables = [model._modules, *[m._modules for m in self.others]]
@@ -155,8 +155,6 @@ class _Fingerprint:
             )
         except Exception:  # noqa: BLE001 - an entry deleted (KeyError), or a replaced one whose == raises
             return False  # full_problems() looks closer
-
-
 
 
 def _code(cls: type) -> dict[str, Any]:
