@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Iterator
-from operator import attrgetter
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 MONKEY_PATCHING = "transformers.monkey_patching"
