@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -67,102 +67,109 @@ def _same_layout(ref: Any, pat: Any) -> bool:
 def _compare_group(pairs: list[_Pair], spec: ToleranceSpec, tolerance: Tolerance) -> dict[str, TensorComparison]:
     """Compare tensors of one dtype together, with exactly the figures ``compare_tensors`` gives.
 
-    A screen in the working precision (float32, or float64 for float64 tensors) proves each
-    tensor within tolerance with a margin of 64 rounding units, far more than its few roundings
-    can err; a tensor it cannot clear, or with a non-finite value, gets ``compare_tensors``. The
-    figures of a cleared tensor are computed in float64 on the few elements that can hold its
-    largest absolute and relative differences: rounding is monotonic, so the float64 maxima lie
-    among the elements within the margin of the working-precision maxima.
-
-    On CPU an elementwise comparison (a bool result) costs 4-8x a subtraction, so the screen
-    uses arithmetic and reductions only, all maxima in one ``_foreach_max``.
+    The tensors are taken by size, so tensors of one size form a ``(k, size)`` block and every
+    figure of a block is one reduction over its rows: a model's gradients come in a handful of
+    sizes however deep it is, so the op count stays small. Each block is widened to float64, the
+    precision ``compare_tensors`` computes in, so its maxima, first worst position and the values
+    there are that function's own. A tensor is cleared when its largest ``diff - rtol * |ref|``
+    lies below its absolute term by a margin of 64 rounding units (the bound's own roundings); a
+    tensor it cannot clear, or with a non-finite value, gets ``compare_tensors``. Blocks hold at
+    most ``_BLOCK`` elements, a larger tensor is taken in pieces, and every block is worked in one
+    scratch buffer: the float64 copies stay small on large models, and a tiny model's check
+    allocates (and page-faults) one buffer, not several per block.
     """
-    flat_ref = torch.cat([r.detach().reshape(-1) for _, r, _ in pairs])
-    flat_pat = torch.cat([p.detach().reshape(-1) for _, _, p in pairs])
-    if torch.equal(flat_ref, flat_pat):  # the exact path: every tensor is equal (no NaN anywhere)
-        return {path: _equal(path, ref, tolerance) for path, ref, _ in pairs}
-    work = torch.float64 if flat_ref.dtype == torch.float64 else torch.float32
-    margin = 64 * torch.finfo(work).eps
     sizes = [r.numel() for _, r, _ in pairs]
-    ref, pat = flat_ref.to(work), flat_pat.to(work)
-    # Few full-size buffers, each reused once spent: a training step's gradients are a few MB on a
-    # tiny model, and every fresh buffer of that size costs page faults (the allocator hands big
-    # freed blocks back to the system), as much as the comparison itself.
-    diff = torch.sub(pat, ref).abs_()
-    magnitude = ref.abs()
-    # 0 where equal (0/0 is NaN), inf where only the reference is 0; a NaN difference is never cleared anyway
-    rel = torch.div(diff, magnitude).nan_to_num_(nan=0.0, posinf=math.inf)
-    # diff - rtol * (1 - margin) * |ref| >= abs_term * (1 - margin) anywhere: not cleared (rounding keeps the sign)
-    slack = torch.add(diff, magnitude, alpha=-tolerance.rtol * (1 - margin))
-    amax, max_diff, max_slack, max_rel = _maxima([magnitude, diff, slack, rel], sizes)  # one pass for all four
-    abs_terms = [tolerance.abs_term(a) for a in amax]
-    cleared = [
-        size > 0 and math.isfinite(d) and math.isfinite(a) and s < a * (1 - margin) and a * (1 - margin) > _TINY
-        for size, d, a, s in zip(sizes, max_diff, abs_terms, max_slack)
-    ]  # fmt: skip
-    figures = _exact_figures(flat_ref, flat_pat, diff, rel, slack, sizes, max_diff, max_rel, margin)
-    found, offset = {}, 0
-    for i, ((path, r, p), size) in enumerate(zip(pairs, sizes)):
-        if size == 0 or max_diff[i] == 0.0:  # equal values, signs of zero aside: what torch.equal sees
-            found[path] = _equal(path, r, tolerance)
-        elif not cleared[i]:  # over tolerance, near it, or not finite: the detailed comparison decides
-            found[path] = compare_tensors(path, r, p, spec)
+    blocks = list(_blocks(sorted(range(len(pairs)), key=sizes.__getitem__), sizes))
+    margin = 64 * torch.finfo(torch.float64).eps
+    figures: dict[int, list[float]] = {}
+    if blocks:
+        stride = max(len(members) * n for members, _, n in blocks)
+        scratch = torch.empty(4 * stride, dtype=torch.float64, device=pairs[0][1].device)
+    for members, start, n in blocks:
+        ref, pat, diff, work = (scratch[k * stride : k * stride + len(members) * n].view(len(members), n) for k in range(4))
+        whole = n == sizes[members[0]]
+        for side, out in ((1, ref), (2, pat)):
+            if whole:  # rows are whole tensors: copied and widened in one op
+                torch.cat([pairs[i][side].detach().reshape(-1) for i in members], out=out.view(-1))
+            else:  # a piece of one large tensor
+                out.view(-1).copy_(pairs[members[0]][side].detach().reshape(-1)[start : start + n])
+        if whole and torch.equal(ref, pat):
+            rows = [[0.0] * 7 for _ in members]  # all equal (a piece still counts for its tensor's max |ref|)
         else:
-            max_abs, max_rel_i, worst, worst_ref, worst_pat = figures[i]
-            found[path] = TensorComparison(
-                path, tuple(r.shape), dtype_label(r.dtype), max_abs=max_abs, max_rel=max_rel_i, over=0, total=size,
-                worst_index=_unravel(worst - offset, tuple(r.shape)), worst_reference=worst_ref, worst_patched=worst_pat,
-                bound_at_worst=abs_terms[i] + tolerance.rtol * abs(worst_ref), tolerance=tolerance,
-            )  # fmt: skip
-        offset += size
+            rows = _block_figures(ref, pat, diff, work, tolerance.rtol * (1 - margin))
+        for i, row in zip(members, rows):
+            row[1] += start
+            figures[i] = row if i not in figures else _merge(figures[i], row)
+    found = {}
+    for i, (path, r, p) in enumerate(pairs):
+        if sizes[i] == 0 or figures[i][0] == 0.0:  # equal values, signs of zero aside: what torch.equal sees
+            found[path] = _equal(path, r, tolerance)
+            continue
+        max_diff, worst, max_rel, amax, max_slack, worst_ref, worst_pat = figures[i]
+        abs_term = tolerance.abs_term(amax)
+        limit = abs_term * (1 - margin)
+        cleared = math.isfinite(max_diff) and math.isfinite(limit) and limit > _TINY and max_slack < limit
+        if not cleared:  # over tolerance, near it, or not finite: the detailed comparison decides
+            found[path] = compare_tensors(path, r, p, spec)
+            continue
+        found[path] = TensorComparison(
+            path, tuple(r.shape), dtype_label(r.dtype), max_abs=max_diff, max_rel=max_rel, over=0, total=sizes[i],
+            worst_index=_unravel(int(worst), tuple(r.shape)), worst_reference=worst_ref, worst_patched=worst_pat,
+            bound_at_worst=abs_term + tolerance.rtol * abs(worst_ref), tolerance=tolerance,
+        )  # fmt: skip
     return found
 
 
-def _maxima(values: list[torch.Tensor], sizes: list[int]) -> list[list[float]]:
-    """For each of ``values``, the largest element of each consecutive slice (NaN when the slice has one).
+_BLOCK = 1 << 20  # elements a float64 pass takes at once: the scratch is at most 32 MB
 
-    One ``_foreach_max`` and one copy to Python for all of them.
+
+def _blocks(order: list[int], sizes: list[int]) -> Iterator[tuple[list[int], int, int]]:
+    """``(tensor indices, first element, elements per row)``: whole tensors of one size, or a piece of one.
+
+    ``order`` lists the tensors by size; a tensor larger than ``_BLOCK`` is taken in pieces.
     """
-    parts = [part for v in values for part in v.split(sizes) if part.numel()]
-    flat = iter(torch.stack(torch._foreach_max(parts)).tolist() if parts else [])
-    return [[next(flat) if size else 0.0 for size in sizes] for _ in values]
+    i = 0
+    while i < len(order):
+        size, j = sizes[order[i]], i
+        while j < len(order) and sizes[order[j]] == size:
+            j += 1
+        if size == 0:  # empty tensors: nothing to reduce
+            pass
+        elif size <= _BLOCK:
+            per = _BLOCK // size
+            for a in range(i, j, per):
+                yield order[a : min(a + per, j)], 0, size
+        else:
+            for m in order[i:j]:
+                for start in range(0, size, _BLOCK):
+                    yield [m], start, min(_BLOCK, size - start)
+        i = j
 
 
-def _exact_figures(
-    flat_ref: torch.Tensor, flat_pat: torch.Tensor, diff: torch.Tensor, rel: torch.Tensor, scratch: torch.Tensor,
-    sizes: list[int], max_diff: list[float], max_rel: list[float], margin: float,
-) -> list[tuple[float, float, int, float, float]]:  # fmt: skip
-    """Per tensor, in float64: max abs, max rel, the first position of the max abs and the values there.
+def _block_figures(ref: torch.Tensor, pat: torch.Tensor, diff: torch.Tensor, work: torch.Tensor, slack_rtol: float) -> list[list[float]]:
+    """Per row, in float64: max |diff|, its first position, max rel, max |ref|, max ``diff - slack_rtol |ref|``, ref and patched there.
 
-    ``rel`` and ``scratch`` (a buffer of ``diff``'s size) are overwritten.
+    ``diff`` and ``work`` are scratch of the rows' shape; ``ref`` and ``pat`` are overwritten too.
     """
-    counts = torch.tensor(sizes, device=diff.device)
-    # Per tensor, how far below its maxima an element may lie and still hold one. A maximum of 0
-    # (or NaN: a tensor not cleared) asks for no element, so equal elements never qualify; an
-    # infinite relative maximum (a reference 0 where the patch is not) asks for the infinite
-    # elements, which alone reach the largest finite value.
-    largest = torch.finfo(rel.dtype).max
-    abs_cuts = [m * (1 - margin) if m > 0 else math.inf for m in max_diff]
-    rel_cuts = [(m * (1 - margin) if m < math.inf else largest) if m > 0 else math.inf for m in max_rel]
-    near_abs, near_rel = scratch.copy_(diff), rel
-    torch._foreach_sub_(list(near_abs.split(sizes)), abs_cuts)
-    torch._foreach_sub_(list(near_rel.split(sizes)), rel_cuts)
-    # one comparison for both (a bool-valued op costs 4-8x a subtraction on CPU)
-    positions = (torch.maximum(near_abs, near_rel, out=near_abs) >= 0).nonzero().reshape(-1)
-    ref, pat = flat_ref[positions].to(torch.float64), flat_pat[positions].to(torch.float64)
-    d = torch.where(ref == pat, 0.0, (pat - ref).abs())
-    r = torch.where(d == 0, 0.0, d / ref.abs()).nan_to_num(nan=torch.inf, posinf=torch.inf)
-    segment = torch.searchsorted(counts.cumsum(0), positions, right=True)  # which tensor each candidate is in
+    torch.sub(pat, ref, out=diff).abs_()
+    max_diff, worst = diff.max(dim=1)  # the first of equal maxima, as argmax picks
+    at = worst.unsqueeze(1)
+    values = torch.cat([ref.gather(1, at), pat.gather(1, at)], dim=1)
+    magnitude = torch.abs(ref, out=work)
+    amax = magnitude.amax(dim=1)
+    max_slack = torch.add(diff, magnitude, alpha=-slack_rtol, out=pat).amax(dim=1)
+    # 0 where equal (0/0 is NaN), inf where only the reference is 0: what compare_tensors reports
+    max_rel = torch.div(diff, magnitude, out=ref).nan_to_num_(nan=0.0, posinf=math.inf).amax(dim=1)
+    found = torch.cat([torch.stack([max_diff, worst.to(torch.float64), max_rel, amax, max_slack], dim=1), values], dim=1)
+    return found.tolist()
 
-    def per_tensor(values: torch.Tensor, reduce: str) -> torch.Tensor:
-        start = torch.zeros(len(sizes), dtype=values.dtype, device=values.device)
-        return start.scatter_reduce(0, segment, values, reduce=reduce, include_self=False)
 
-    max_abs = per_tensor(d, "amax")
-    first = per_tensor(torch.where(d == max_abs[segment], positions, diff.numel()), "amin")  # argmax's choice: the first
-    at = torch.searchsorted(positions, first).clamp(max=max(positions.numel() - 1, 0))
-    worst_ref, worst_pat = (ref[at].tolist(), pat[at].tolist()) if positions.numel() else ([], [])
-    return list(zip(max_abs.tolist(), per_tensor(r, "amax").tolist(), first.tolist(), worst_ref, worst_pat))
+def _merge(earlier: list[float], later: list[float]) -> list[float]:
+    """The figures of two pieces of one tensor: maxima of both, the first worst position; NaN wins."""
+    if any(math.isnan(v) for v in (*earlier, *later)):
+        return [math.nan] * 7
+    worst = later if later[0] > earlier[0] else earlier
+    return [worst[0], worst[1], max(earlier[2], later[2]), max(earlier[3], later[3]), max(earlier[4], later[4]), worst[5], worst[6]]
 
 
 def _equal(path: str, ref: torch.Tensor, tolerance: Tolerance) -> TensorComparison:

@@ -10,6 +10,7 @@ import torch
 from conftest import Pair
 
 from pytest_modelpatch.compare.backward import GRADIENT_POLICY, gradient_tolerance
+from pytest_modelpatch.compare import batched
 from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, default_inputs
 from pytest_modelpatch.compare.tolerance import resolve_tolerance
@@ -33,6 +34,7 @@ def _tensors(dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
         "inf": torch.tensor([float("inf"), 1.0]).to(dtype), "empty": torch.zeros(0, 2).to(dtype),
         "scalar": torch.tensor(3.0).to(dtype), "ties": torch.ones(6).to(dtype), "none": None, "only_ref": torch.ones(2).to(dtype),
         "shape": torch.ones(2, 2).to(dtype), "ints": torch.arange(4),
+        "largest_first": torch.tensor([1000.0, 1.0, 1.0, 1.0]).to(dtype),  # its largest |ref| in a piece that is equal
     }  # fmt: skip
     patched = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in reference.items() if k != "only_ref"}
     for i in range(4):  # a few ulps: passing, figures from the candidates
@@ -47,6 +49,7 @@ def _tensors(dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
     patched["inf"] = torch.tensor([float("inf"), 1.0 + 1e-6]).to(dtype)
     patched["scalar"] = reference["scalar"] + 1e-6
     patched["ties"] = reference["ties"] + torch.tensor([0.0, 1e-6, 0.0, 1e-6, 1e-6, 0.0]).to(dtype)  # the first tie is the worst
+    patched["largest_first"] = reference["largest_first"] + torch.tensor([0.0, 0.0, 0.0, torch.finfo(dtype).eps]).to(dtype)
     patched["shape"] = torch.ones(3)
     patched["only_patched"] = torch.ones(1)
     return reference, patched
@@ -54,7 +57,12 @@ def _tensors(dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("policy", [None, "strict", "sqnr"])
-def test_batched_comparison_equals_the_detailed_one_on_every_kind_of_pair(dtype: torch.dtype, policy: str | None) -> None:
+@pytest.mark.parametrize("block", [None, 2, 7], ids=["default-blocks", "pieces-of-2", "pieces-of-7"])
+def test_batched_comparison_equals_the_detailed_one_on_every_kind_of_pair(
+    dtype: torch.dtype, policy: str | None, block: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if block is not None:  # tensors larger than a block are taken in pieces, smaller ones several to a block
+        monkeypatch.setattr(batched, "_BLOCK", block)
     spec = gradient_tolerance(resolve_tolerance(None, None, policy))
     reference, patched = _tensors(dtype)
     expected = compare_flat(reference, patched, spec)
