@@ -8,6 +8,7 @@ so a session-shared reference model is left exactly as it was found.
 
 from __future__ import annotations
 
+import operator
 import sys
 import weakref
 import zlib
@@ -131,22 +132,25 @@ def _configs(holders: list[torch.nn.Module]) -> list[Any]:
     found: dict[int, Any] = {}
     for module in holders:
         config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "to_dict"):
-            found[id(config)] = config
-            for value in vars(config).values():  # text_config, vision_config, ...
-                if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-                    found[id(value)] = value
+        if config is None or id(config) in found or not hasattr(config, "to_dict"):
+            continue  # most modules share the model's config: its attributes are read once
+        found[id(config)] = config
+        for value in vars(config).values():  # text_config, vision_config, ...
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                found[id(value)] = value
     return list(found.values())
 
 
 def _set_attr(owner: Any, name: str, value: Any) -> None:
+    """Write an attribute the owner holds in its ``__dict__`` (as scanned): no validation or hooks to run."""
     if value is _ABSENT:
         owner.__dict__.pop(name, None)
     else:
-        setattr(owner, name, value)
+        owner.__dict__[name] = value
 
 
 _CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
 
 @dataclass(frozen=True)
 class _Scan:
@@ -157,34 +161,74 @@ class _Scan:
     locations: list[tuple[torch.nn.Module, str]]  # dropout attributes
     checkpointed: list[torch.nn.Module]  # modules that can checkpoint
     holders: list[torch.nn.Module]  # modules that hold a config
+    parameters: list[tuple[str, torch.nn.Parameter]]  # as named_parameters() gives them
+    # what the scan was built from: each module's __dict__ size, child dicts (with copies), parameter identities
+    _sizes: list[int]
+    _children: tuple[list[dict[str, Any]], list[dict[str, Any]]]
+    _parameter_ids: list[tuple[Any, ...]]
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> _Scan:
+        named = list(model.named_modules())
+        modules = [m for _, m in named]
+        locations: list[tuple[torch.nn.Module, str]] = []
+        for module in modules:
+            # nn.Dropout's p, and float attributes copied from the config (LlamaAttention.attention_dropout)
+            is_dropout = isinstance(module, torch.nn.modules.dropout._DropoutNd)
+            # by name only: the values, and so which are floats, are read at each use
+            locations += [(module, k) for k in vars(module) if (k == "p" and is_dropout) or "dropout" in k]
+        checkpointed = [m for m in modules if hasattr(m, "gradient_checkpointing")]
+        holders = [m for m in modules if getattr(m, "config", None) is not None]
+        seen: set[int] = set()
+        parameters: list[tuple[str, torch.nn.Parameter]] = []
+        for prefix, module in named:
+            for name, param in module._parameters.items():
+                if param is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    parameters.append((f"{prefix}.{name}" if prefix else name, param))
+        children = [m._modules for m in modules]
+        return cls(
+            named, modules, locations, checkpointed, holders, parameters,
+            _dict_sizes(modules), (children, [dict(c) for c in children]), _parameter_ids(modules),
+        )  # fmt: skip
+
+    def holds(self) -> bool:
+        """Every module still has these children and parameters, and no attribute was added or removed.
+
+        C-level comparisons (identity first; parameters by identity alone, as a tensor's ``==`` is
+        elementwise), where re-walking ``named_modules()`` costs ~0.1 ms a tiny model on each side
+        of every backward check.
+        """
+        live, saved = self._children
+        return (
+            _dict_sizes(self.modules) == self._sizes
+            and all(map(operator.eq, live, saved))
+            and _parameter_ids(self.modules) == self._parameter_ids
+        )
 
 
-_SCANS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[tuple[str, int, int], ...], _Scan]] = weakref.WeakKeyDictionary()
+def _dict_sizes(modules: list[torch.nn.Module]) -> list[int]:
+    return [len(m.__dict__) for m in modules]
+
+
+def _parameter_ids(modules: list[torch.nn.Module]) -> list[tuple[Any, ...]]:
+    return [(*m._parameters, *map(id, m._parameters.values())) for m in modules]
+
+
+_SCANS: weakref.WeakKeyDictionary[torch.nn.Module, _Scan] = weakref.WeakKeyDictionary()
 
 
 def _module_scan(model: torch.nn.Module) -> _Scan:
-    """Every module, its dropout attributes, the modules that can checkpoint and those with a config; cached per model.
+    """Every module, its dropout attributes, the modules that can checkpoint, those with a config, the parameters; cached per model.
 
-    The cache holds while the model has the same modules under the same names with the same
-    number of attributes, so a replaced or moved submodule or a dropout attribute added later is
-    seen; values are always read fresh.
+    The cache holds while every module has the same children and parameters and the same number
+    of attributes, so a replaced, added or moved submodule or parameter, or a dropout attribute
+    added later, is seen; values are always read fresh.
     """
-    named = list(model.named_modules())
-    key = tuple((name, id(m), len(m.__dict__)) for name, m in named)
     cached = _SCANS.get(model)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    modules = [m for _, m in named]
-    locations: list[tuple[torch.nn.Module, str]] = []
-    for module in modules:
-        # nn.Dropout's p, and float attributes copied from the config (LlamaAttention.attention_dropout)
-        is_dropout = isinstance(module, torch.nn.modules.dropout._DropoutNd)
-        # by name only: the values, and so which are floats, are read at each use
-        locations += [(module, k) for k in vars(module) if (k == "p" and is_dropout) or "dropout" in k]
-    checkpointed = [m for m in modules if hasattr(m, "gradient_checkpointing")]
-    holders = [m for m in modules if getattr(m, "config", None) is not None]
-    scan = _Scan(named, modules, locations, checkpointed, holders)
-    _SCANS[model] = (key, scan)
+    if cached is not None and cached.holds():
+        return cached
+    scan = _SCANS[model] = _Scan.build(model)
     return scan
 
 
@@ -194,16 +238,7 @@ def parameter_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None
     Same names, order and de-duplication of shared parameters as ``named_parameters``, whose
     generators cost ~0.1 ms a tiny model on each side of every backward check.
     """
-    seen: set[int] = set()
-    found: dict[str, torch.Tensor | None] = {}
-    for prefix, module in _module_scan(model).named:
-        for name, param in module._parameters.items():
-            if param is None or id(param) in seen:
-                continue
-            seen.add(id(param))
-            if param.requires_grad:
-                found[f"{prefix}.{name}" if prefix else name] = param.grad
-    return found
+    return {name: param.grad for name, param in _module_scan(model).parameters if param.requires_grad}
 
 
 @contextmanager
@@ -227,11 +262,11 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
     for config in _configs(holders):  # attention functions read config.attention_dropout at call time
         dropouts += [(config, k, v) for k, v in vars(config).items() if _is_dropout_attr(k, v)]
     saved += dropouts
-    grads = [(p, p.grad) for p in model.parameters()]
+    grads = [(p, p.grad) for _, p in scan.parameters]
     try:
         _train(model, modules)
         for owner, name, _ in dropouts:
-            setattr(owner, name, 0.0)
+            owner.__dict__[name] = 0.0
         for param, _ in grads:
             param.grad = None
         if checkpointing is not None:

@@ -214,3 +214,6 @@ def test_parameter_gradients_name_what_named_parameters_names_after_the_model_ch
     model.extra = torch.nn.Linear(4, 4)  # added
     found = parameter_gradients(model)
     assert list(found) == list(expected(model)) and all(found[k] is v for k, v in expected(model).items())
+    model[1].bias = torch.nn.Parameter(torch.ones(4))  # a parameter replaced on a module that stays
+    model[1].bias.grad = torch.full((4,), 7.0)
+    assert parameter_gradients(model)["1.bias"] is model[1].bias.grad
