@@ -2,11 +2,11 @@
 
 A training step yields a few dozen gradients; comparing them one by one with
 :func:`~pytest_modelpatch.compare.outputs.compare_tensors` costs a dozen tensor ops each, more
-than the step itself on a tiny model. Here the tensors of one dtype are concatenated and judged
-together: the same float64 arithmetic, reduced per tensor with ``scatter_reduce``, so every figure
-is the one ``compare_tensors`` gives. Tensors over tolerance, and anything this pass does not
-cover (SQNR and oracle tolerances, complex or integer tensors, structural problems), go through
-the detailed comparison itself.
+than the step itself on a tiny model. Here the tensors of one dtype are judged together, those
+of one size as the rows of one float64 block: the same float64 arithmetic, reduced per row, so
+every figure is the one ``compare_tensors`` gives. Tensors over tolerance, and anything this
+pass does not cover (SQNR and oracle tolerances, complex or integer tensors, structural
+problems), go through the detailed comparison itself.
 """
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ def _compare_group(pairs: list[_Pair], spec: ToleranceSpec, tolerance: Tolerance
     lies below its absolute term by a margin of 64 rounding units (the bound's own roundings); a
     tensor it cannot clear, or with a non-finite value, gets ``compare_tensors``. Blocks hold at
     most ``_BLOCK`` elements, a larger tensor is taken in pieces, and every block is worked in one
-    scratch buffer: the float64 copies stay small on large models, and a tiny model's check
-    allocates (and page-faults) one buffer, not several per block.
+    scratch buffer: the float64 copies stay small on large models.
     """
     sizes = [r.numel() for _, r, _ in pairs]
     blocks = list(_blocks(sorted(range(len(pairs)), key=sizes.__getitem__), sizes))
