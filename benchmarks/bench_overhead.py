@@ -15,13 +15,19 @@ identity comparison of transformers' registries, the watched modeling modules an
 (memory-bound: ~2,000 objects touched a test), opening the test's scope, and pytest's hook wrappers.
 The subprocesses import this checkout's package (PYTHONPATH), not an editable install's.
 
-Run: python benchmarks/bench_overhead.py [ROUNDS]
+``--instructions`` counts instead of timing, for a machine too noisy to time ~0.05 ms: the
+after-a-model-load scenario under valgrind's cachegrind (~10 min on two cores), at 200 and 1200
+tests with and without the plugin, so fixed costs (imports, collection) cancel; it prints the
+instructions and first-level data-cache misses a test costs, with and without the plugin.
+
+Run: python benchmarks/bench_overhead.py [ROUNDS] [--instructions]
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -91,7 +97,55 @@ def run(folder: Path, plugin: bool) -> tuple[float, float]:
     return float(found.group(1)), wall
 
 
+def counted(folder: Path, plugin: bool, tests: int) -> dict[str, int]:
+    """cachegrind's totals (Ir, D1mr, D1mw, ...) for one pytest run of ``tests`` trivial tests."""
+    folder.mkdir()
+    setup = SCENARIOS["after a model load (conversion table built)"]
+    (folder / "test_trivial.py").write_text(MODULE.format(tests=tests, setup=setup))
+    out = folder / "cachegrind.out"
+    args = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--cachegrind-out-file={out}", sys.executable,
+            "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    if not plugin:
+        args += ["-p", "no:modelpatch"]
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env.pop("PYTEST_ADDOPTS", None)
+    done = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0 or f"{tests} passed" not in done.stdout:
+        raise SystemExit(f"pytest under cachegrind failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    text = out.read_text()
+    events = re.search(r"^events: (.+)$", text, re.M)
+    summary = re.search(r"^summary: (.+)$", text, re.M)
+    assert events is not None and summary is not None, "no cachegrind totals"
+    return dict(zip(events.group(1).split(), map(int, summary.group(1).split())))
+
+
+def instructions() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind on PATH")
+    low, high = 200, 1200
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {(plugin, n): pool.submit(counted, Path(tmp) / f"{plugin}-{n}", plugin, n)
+                for plugin in (False, True) for n in (low, high)}  # fmt: skip
+        totals = {key: run.result() for key, run in runs.items()}
+
+    def per_test(plugin: bool, event: str) -> float:
+        return (totals[(plugin, high)][event] - totals[(plugin, low)][event]) / (high - low)
+
+    print(f"after a model load, counted by cachegrind: ({high} tests - {low} tests) / {high - low}")
+    for label, events in (("instructions", ("Ir",)), ("D1 misses", ("D1mr", "D1mw"))):
+        base = sum(per_test(False, e) for e in events)
+        with_plugin = sum(per_test(True, e) for e in events)
+        print(f"  {label:12s} a test: -p no:modelpatch {base:12,.0f} | with plugin {with_plugin:12,.0f} | "
+              f"ratio {with_plugin / base:.3f}x | +{with_plugin - base:,.0f}")
+
+
 def main() -> None:
+    if "--instructions" in sys.argv[1:]:
+        instructions()
+        return
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
