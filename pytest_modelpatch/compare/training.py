@@ -152,15 +152,21 @@ def _set_attr(owner: Any, name: str, value: Any) -> None:
 _CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
 
 
+_ROOT: Any = object()  # stands for the scanned model itself in a cached scan's lists
+
+
 @dataclass(frozen=True)
 class _Scan:
-    """What training_state and training_run look up in a model, by module (values are read fresh)."""
+    """What training_state and training_run look up in a model, by module (values are read fresh).
 
-    named: list[tuple[str, torch.nn.Module]]  # every module by name, as named_modules() gives them
-    modules: list[torch.nn.Module]
-    locations: list[tuple[torch.nn.Module, str]]  # dropout attributes
-    checkpointed: list[torch.nn.Module]  # modules that can checkpoint
-    holders: list[torch.nn.Module]  # modules that hold a config
+    The model itself is not held: the cache is keyed by it weakly, and a cached scan that held it
+    would keep every scanned model alive for the session. Its lists hold ``_ROOT`` in its place.
+    """
+
+    descendants: list[torch.nn.Module]  # every module below the model, as named_modules() gives them
+    locations: list[tuple[Any, str]]  # dropout attributes
+    checkpointed: list[Any]  # modules that can checkpoint
+    holders: list[Any]  # modules that hold a config
     parameters: list[tuple[str, torch.nn.Parameter]]  # as named_parameters() gives them
     # what the scan was built from: each module's __dict__ size, child dicts (with copies), parameter identities
     _sizes: list[int]
@@ -177,8 +183,6 @@ class _Scan:
             is_dropout = isinstance(module, torch.nn.modules.dropout._DropoutNd)
             # by name only: the values, and so which are floats, are read at each use
             locations += [(module, k) for k in vars(module) if (k == "p" and is_dropout) or "dropout" in k]
-        checkpointed = [m for m in modules if hasattr(m, "gradient_checkpointing")]
-        holders = [m for m in modules if getattr(m, "config", None) is not None]
         seen: set[int] = set()
         parameters: list[tuple[str, torch.nn.Parameter]] = []
         for prefix, module in named:
@@ -186,24 +190,35 @@ class _Scan:
                 if param is not None and id(param) not in seen:
                     seen.add(id(param))
                     parameters.append((f"{prefix}.{name}" if prefix else name, param))
-        children = [m._modules for m in modules]
+        children = [m._modules for m in modules]  # the dicts, not their owners: the model's own is fine to hold
+
+        def held(module: torch.nn.Module) -> Any:
+            return _ROOT if module is model else module
+
         return cls(
-            named, modules, locations, checkpointed, holders, parameters,
-            _dict_sizes(modules), (children, [dict(c) for c in children]), _parameter_ids(modules),
+            modules[1:], [(held(m), k) for m, k in locations],
+            [held(m) for m in modules if hasattr(m, "gradient_checkpointing")],
+            [held(m) for m in modules if getattr(m, "config", None) is not None],
+            parameters, _dict_sizes(modules), (children, [dict(c) for c in children]), _parameter_ids(modules),
         )  # fmt: skip
 
-    def holds(self) -> bool:
+    def modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """Every module of ``model``, itself first, as named_modules() gives them."""
+        return [model, *self.descendants]
+
+    def holds(self, model: torch.nn.Module) -> bool:
         """Every module still has these children and parameters, and no attribute was added or removed.
 
         C-level comparisons (identity first; parameters by identity alone, as a tensor's ``==`` is
         elementwise), where re-walking ``named_modules()`` costs ~0.1 ms a tiny model on each side
         of every backward check.
         """
+        modules = self.modules(model)
         live, saved = self._children
         return (
-            _dict_sizes(self.modules) == self._sizes
+            _dict_sizes(modules) == self._sizes
             and all(map(operator.eq, live, saved))
-            and _parameter_ids(self.modules) == self._parameter_ids
+            and _parameter_ids(modules) == self._parameter_ids
         )
 
 
@@ -226,7 +241,7 @@ def _module_scan(model: torch.nn.Module) -> _Scan:
     added later, is seen; values are always read fresh.
     """
     cached = _SCANS.get(model)
-    if cached is not None and cached.holds():
+    if cached is not None and cached.holds(model):
         return cached
     scan = _SCANS[model] = _Scan.build(model)
     return scan
@@ -254,7 +269,10 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
             model(**inputs).loss.backward()
     """
     scan = _module_scan(model)
-    modules, locations, checkpointed, holders = scan.modules, scan.locations, scan.checkpointed, scan.holders
+    modules = scan.modules(model)
+    locations = [(model if m is _ROOT else m, k) for m, k in scan.locations]
+    checkpointed = [model if m is _ROOT else m for m in scan.checkpointed]
+    holders = [model if m is _ROOT else m for m in scan.holders]
     flags = [(m, m.training) for m in modules]
     saved: list[tuple[Any, str, Any]] = [(m, k, m.__dict__.get(k, _ABSENT)) for m in checkpointed for k in _CHECKPOINT_ATTRS]
     current = [(m, k, m.__dict__.get(k, _ABSENT)) for m, k in locations]

@@ -174,6 +174,25 @@ def test_training_state_sees_a_dropout_added_or_replaced_after_an_earlier_check(
     assert (model[0].attention_dropout, model[1].p) == (0.25, 0.3)
 
 
+def test_a_scanned_model_is_not_kept_alive_by_the_scan_cache() -> None:
+    # the cache is keyed by the model weakly: a cached scan that held the model kept every model a
+    # backward check had seen alive for the session, defeating the model cache's bound
+    import gc
+    import weakref
+
+    from pytest_modelpatch.compare.training import parameter_gradients, training_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    model.attention_dropout = 0.1  # a dropout attribute on the model itself
+    with training_state(model):
+        assert model.attention_dropout == 0.0 and model[1].p == 0.0
+    assert model.attention_dropout == 0.1 and list(parameter_gradients(model)) == ["0.weight", "0.bias"]
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
 def test_training_state_runs_a_modules_own_train_and_restores_every_flag() -> None:
     # a kernel library's module may override train() (keep a frozen part in eval, re-pack weights):
     # setting each module's flag directly, the fast path, must not skip it
