@@ -300,7 +300,7 @@ def weight_findings(replaced: list[Replaced], model_type: str, original: Origina
     transforms = _builtin_conversions(model_type, patched.model_class) if conversions is None else conversions
     expected = _loaded_names(original.checkpoint, transforms, patched)
     exact = {n for n in expected if "*" not in n}
-    wild = {n: re.compile(re.escape(n).replace(r"\*", r"\d+")) for n in expected if "*" in n}
+    wild = {n: _pattern(n) for n in expected if "*" in n}
     unexpected = sorted(n for n in exact if n not in patched.tensors) + sorted(
         n for n, p in wild.items() if not any(p.fullmatch(t) for t in patched.tensors))
     missing = sorted(n for n in patched.tensors if n not in exact and not any(p.fullmatch(n) for p in wild.values()))
@@ -380,7 +380,7 @@ def _presence(tensors: Mapping[str, Any]) -> Callable[[str], bool]:
     def present(name: str) -> bool:
         if "*" not in name:
             return name in names
-        pattern = re.compile(re.escape(name).replace(r"\*", r"\d+"))
+        pattern = _pattern(name)
         return any(pattern.fullmatch(n) for n in names)
 
     return present
