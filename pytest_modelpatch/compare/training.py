@@ -206,6 +206,17 @@ class _Scan:
         """Every module of ``model``, itself first, as named_modules() gives them."""
         return [model, *self.descendants]
 
+    def of(self, model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[tuple[Any, str]], list[Any], list[Any]]:
+        """``modules``, ``locations``, ``checkpointed`` and ``holders`` for ``model``, itself in ``_ROOT``'s place."""
+
+        def module(m: Any) -> Any:
+            return model if m is _ROOT else m
+
+        return (
+            self.modules(model), [(module(m), k) for m, k in self.locations],
+            [module(m) for m in self.checkpointed], [module(m) for m in self.holders],
+        )  # fmt: skip
+
     def holds(self, model: torch.nn.Module) -> bool:
         """Every module still has these children and parameters, and no attribute was added or removed.
 
@@ -269,10 +280,7 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
             model(**inputs).loss.backward()
     """
     scan = _module_scan(model)
-    modules = scan.modules(model)
-    locations = [(model if m is _ROOT else m, k) for m, k in scan.locations]
-    checkpointed = [model if m is _ROOT else m for m in scan.checkpointed]
-    holders = [model if m is _ROOT else m for m in scan.holders]
+    modules, locations, checkpointed, holders = scan.of(model)
     flags = [(m, m.training) for m in modules]
     saved: list[tuple[Any, str, Any]] = [(m, k, m.__dict__.get(k, _ABSENT)) for m in checkpointed for k in _CHECKPOINT_ATTRS]
     current = [(m, k, m.__dict__.get(k, _ABSENT)) for m, k in locations]
