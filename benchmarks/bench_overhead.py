@@ -78,18 +78,25 @@ def pytest_runtestloop(session):
 """
 
 
-def run(folder: Path, plugin: bool) -> tuple[float, float]:
-    """(test loop seconds, process wall seconds) of one pytest run."""
+def pytest_args(plugin: bool) -> list[str]:
+    """The pytest command of every run: quiet, one process, with or without the plugin."""
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist"]
-    if not plugin:
-        args += ["-p", "no:modelpatch"]
-    # this checkout's package, not whichever one the venv has installed (an editable install
-    # points at one worktree only)
+    return args if plugin else [*args, "-p", "no:modelpatch"]
+
+
+def pytest_env() -> dict[str, str]:
+    """One thread, and this checkout's package, not whichever one the venv has installed (an
+    editable install points at one worktree only)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def run(folder: Path, plugin: bool) -> tuple[float, float]:
+    """(test loop seconds, process wall seconds) of one pytest run."""
     start = time.perf_counter()
-    done = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(pytest_args(plugin), cwd=folder, env=pytest_env(), capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     found = re.search(r"LOOP_SECONDS=([\d.]+)", done.stdout)
     if done.returncode != 0 or found is None or f"{TESTS} passed" not in done.stdout:
@@ -103,14 +110,8 @@ def counted(folder: Path, plugin: bool, tests: int) -> dict[str, int]:
     setup = SCENARIOS["after a model load (conversion table built)"]
     (folder / "test_trivial.py").write_text(MODULE.format(tests=tests, setup=setup))
     out = folder / "cachegrind.out"
-    args = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--cachegrind-out-file={out}", sys.executable,
-            "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist"]
-    if not plugin:
-        args += ["-p", "no:modelpatch"]
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    env.pop("PYTEST_ADDOPTS", None)
-    done = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, check=False)
+    args = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--cachegrind-out-file={out}", *pytest_args(plugin)]
+    done = subprocess.run(args, cwd=folder, env=pytest_env(), capture_output=True, text=True, check=False)
     if done.returncode != 0 or f"{tests} passed" not in done.stdout:
         raise SystemExit(f"pytest under cachegrind failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     text = out.read_text()
@@ -129,7 +130,7 @@ def instructions() -> None:
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=2) as pool:
         runs = {(plugin, n): pool.submit(counted, Path(tmp) / f"{plugin}-{n}", plugin, n)
                 for plugin in (False, True) for n in (low, high)}  # fmt: skip
-        totals = {key: run.result() for key, run in runs.items()}
+        totals = {key: future.result() for key, future in runs.items()}
 
     def per_test(plugin: bool, event: str) -> float:
         return (totals[(plugin, high)][event] - totals[(plugin, low)][event]) / (high - low)
