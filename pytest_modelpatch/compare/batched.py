@@ -67,46 +67,20 @@ def _same_layout(ref: Any, pat: Any) -> bool:
 def _compare_group(pairs: list[_Pair], spec: ToleranceSpec, tolerance: Tolerance) -> dict[str, TensorComparison]:
     """Compare tensors of one dtype together, with exactly the figures ``compare_tensors`` gives.
 
-    The tensors are taken by size, so tensors of one size form a ``(k, size)`` block and every
-    figure of a block is one reduction over its rows: a model's gradients come in a handful of
-    sizes however deep it is, so the op count stays small. Each block is widened to float64, the
-    precision ``compare_tensors`` computes in, so its maxima, first worst position and the values
-    there are that function's own. A tensor is cleared when its largest ``diff - rtol * |ref|``
-    lies below its absolute term by a margin of 64 rounding units (the bound's own roundings); a
-    tensor it cannot clear, or with a non-finite value, gets ``compare_tensors``. Blocks hold at
-    most ``_BLOCK`` elements, a larger tensor is taken in pieces, and every block is worked in one
-    scratch buffer: the float64 copies stay small on large models.
+    The tensors are cut into rows of one width, the last row of each padded with zeros, and
+    the rows go in float64 blocks, the precision ``compare_tensors`` computes in. Every figure
+    is one reduction over a block's rows, and a tensor's figures are the maxima over its rows,
+    its worst position in the first row holding its largest difference: its maxima, first
+    worst position and the values there are ``compare_tensors``' own. A tiny model's gradients
+    make one block of a few dozen rows, so the op count stays small however many tensors there
+    are; blocks hold at most ``_BLOCK`` elements and share one scratch buffer, so the float64
+    copies stay small on large models. A tensor is cleared when its largest ``diff - rtol * |ref|``
+    lies below its absolute term by a margin of 64 rounding units (the bound's own roundings);
+    a tensor it cannot clear, or with a non-finite value, gets ``compare_tensors``.
     """
     sizes = [r.numel() for _, r, _ in pairs]
-    blocks = list(_blocks(sorted(range(len(pairs)), key=sizes.__getitem__), sizes))
     margin = 64 * torch.finfo(torch.float64).eps
-    figures: dict[int, list[float]] = {}
-    if blocks:
-        stride = max(len(members) * n for members, _, n in blocks)
-        device, dtype = pairs[0][1].device, pairs[0][1].dtype
-        scratch = torch.empty(4 * stride, dtype=torch.float64, device=device)
-        # concatenating in the tensors' own dtype, then widening, is ~40% faster than one widening cat
-        gathered = torch.empty(stride, dtype=dtype, device=device) if dtype != torch.float64 else None
-    for members, start, n in blocks:
-        ref, pat, diff, work = (scratch[k * stride : k * stride + len(members) * n].view(len(members), n) for k in range(4))
-        whole = n == sizes[members[0]]
-        for side, out in ((1, ref), (2, pat)):
-            flat = out.view(-1)
-            if not whole:  # a piece of one large tensor
-                flat.copy_(pairs[members[0]][side].detach().reshape(-1)[start : start + n])
-            elif len(members) == 1:
-                flat.copy_(pairs[members[0]][side].detach().reshape(-1))
-            elif gathered is None:
-                torch.cat([pairs[i][side].detach().reshape(-1) for i in members], out=flat)
-            else:
-                flat.copy_(torch.cat([pairs[i][side].detach().reshape(-1) for i in members], out=gathered[: flat.numel()]))
-        if whole and torch.equal(ref, pat):
-            rows = [[0.0] * 7 for _ in members]  # all equal (a piece still counts for its tensor's max |ref|)
-        else:
-            rows = _block_figures(ref, pat, diff, work, tolerance.rtol * (1 - margin))
-        for i, row in zip(members, rows):
-            row[1] += start
-            figures[i] = row if i not in figures else _merge(figures[i], row)
+    figures = _figures(pairs, sizes, tolerance.rtol * (1 - margin))
     found = {}
     for i, (path, r, p) in enumerate(pairs):
         if sizes[i] == 0 or figures[i][0] == 0.0:  # equal values, signs of zero aside: what torch.equal sees
@@ -128,29 +102,87 @@ def _compare_group(pairs: list[_Pair], spec: ToleranceSpec, tolerance: Tolerance
 
 
 _BLOCK = 1 << 20  # elements a float64 pass takes at once: the scratch is at most 32 MB
+_MIN_WIDTH = 1  # the narrowest row (tests widen it, to put ties and pads inside rows)
 
 
-def _blocks(order: list[int], sizes: list[int]) -> Iterator[tuple[list[int], int, int]]:
-    """``(tensor indices, first element, elements per row)``: whole tensors of one size, or a piece of one.
+def _figures(pairs: list[_Pair], sizes: list[int], slack_rtol: float) -> dict[int, list[float]]:
+    """Each non-empty tensor's ``[max |diff|, its first position, max rel, max |ref|, max slack, ref and patched there]``."""
+    total = sum(sizes)
+    if not total:
+        return {}
+    width = _width(total, sum(1 for n in sizes if n))
+    per_block = max(1, _BLOCK // width)
+    blocks = list(_blocks(sizes, width, per_block))
+    device, dtype = pairs[0][1].device, pairs[0][1].dtype
+    stride = max(rows for _, rows in blocks) * width
+    scratch = torch.empty(4 * stride, dtype=torch.float64, device=device)
+    # concatenating in the tensors' own dtype, then widening, is ~40% faster than one widening cat
+    gathered = torch.empty(stride, dtype=dtype, device=device) if dtype != torch.float64 else None
+    padding = torch.zeros(width, dtype=dtype, device=device)
+    # no detach: this runs under no_grad, and reshape(-1) of a contiguous tensor is a view
+    flat = [[t.reshape(-1) for t in side] for side in ([p[1] for p in pairs], [p[2] for p in pairs])]
+    figures: dict[int, list[float]] = {}
+    for runs, rows in blocks:
+        ref, pat, diff, work = (scratch[k * stride : k * stride + rows * width].view(rows, width) for k in range(4))
+        for side, out in zip(flat, (ref, pat)):
+            parts = []
+            for i, start, n in runs:
+                parts.append(side[i] if n == sizes[i] else side[i][start : start + n])
+                if n % width:  # zeros on both sides: no difference, no |ref|, no slack above a real row's
+                    parts.append(padding[: width - n % width])
+            _gather(out.view(-1), parts, gathered)
+        # all equal says every tensor here is equal, unless one has elements in another block too
+        if all(n == sizes[i] for i, _, n in runs) and torch.equal(ref, pat):
+            figures.update((i, [0.0] * 7) for i, _, _ in runs)
+            continue
+        found = iter(_block_figures(ref, pat, diff, work, slack_rtol))
+        for i, start, n in runs:
+            for offset in range(start, start + n, width):
+                row = next(found)
+                row[1] += offset
+                _merge(figures, i, row)
+    return figures
 
-    ``order`` lists the tensors by size; a tensor larger than ``_BLOCK`` is taken in pieces.
+
+def _blocks(sizes: list[int], width: int, per_block: int) -> Iterator[tuple[list[tuple[int, int, int]], int]]:
+    """``(runs, rows)`` per block: runs are ``(tensor, first element, elements)``, each in whole rows of ``width``.
+
+    A tensor's last row is padded; a tensor longer than a block's free rows continues in the next.
     """
-    i = 0
-    while i < len(order):
-        size, j = sizes[order[i]], i
-        while j < len(order) and sizes[order[j]] == size:
-            j += 1
-        if size == 0:  # empty tensors: nothing to reduce
-            pass
-        elif size <= _BLOCK:
-            per = _BLOCK // size
-            for a in range(i, j, per):
-                yield order[a : min(a + per, j)], 0, size
-        else:
-            for m in order[i:j]:
-                for start in range(0, size, _BLOCK):
-                    yield [m], start, min(_BLOCK, size - start)
-        i = j
+    runs: list[tuple[int, int, int]] = []
+    rows = 0
+    for i, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            if rows == per_block:
+                yield runs, rows
+                runs, rows = [], 0
+            n = min(size - start, (per_block - rows) * width)
+            runs.append((i, start, n))
+            rows += -(-n // width)
+            start += n
+    if runs:
+        yield runs, rows
+
+
+def _width(total: int, tensors: int) -> int:
+    """Row width: the power of two at or above a quarter of the mean tensor size, at most a block.
+
+    Rows then number at most ``total / width + tensors`` (about nine a tensor) and pads at most
+    ``tensors * width`` elements (under half the total).
+    """
+    width = max(_MIN_WIDTH, total // (4 * tensors), 1)
+    return min(1 << (width - 1).bit_length(), _BLOCK)
+
+
+def _gather(flat: torch.Tensor, parts: list[torch.Tensor], gathered: torch.Tensor | None) -> None:
+    """Copy ``parts``, one after the other, into the float64 ``flat``."""
+    if len(parts) == 1:
+        flat.copy_(parts[0])
+    elif gathered is None:
+        torch.cat(parts, out=flat)
+    else:
+        flat.copy_(torch.cat(parts, out=gathered[: flat.numel()]))
 
 
 def _block_figures(ref: torch.Tensor, pat: torch.Tensor, diff: torch.Tensor, work: torch.Tensor, slack_rtol: float) -> list[list[float]]:
@@ -171,12 +203,21 @@ def _block_figures(ref: torch.Tensor, pat: torch.Tensor, diff: torch.Tensor, wor
     return found.tolist()
 
 
-def _merge(earlier: list[float], later: list[float]) -> list[float]:
-    """The figures of two pieces of one tensor: maxima of both, the first worst position; NaN wins."""
-    if any(math.isnan(v) for v in (*earlier, *later)):
-        return [math.nan] * 7
-    worst = later if later[0] > earlier[0] else earlier
-    return [worst[0], worst[1], max(earlier[2], later[2]), max(earlier[3], later[3]), max(earlier[4], later[4]), worst[5], worst[6]]
+def _merge(figures: dict[int, list[float]], i: int, row: list[float]) -> None:
+    """Fold one row's figures into tensor ``i``'s: maxima of both, the first worst position.
+
+    A NaN difference sticks, so the tensor goes to ``compare_tensors``; the other figures are
+    read only when every difference is finite, and then every value is.
+    """
+    held = figures.get(i)
+    if held is None:
+        figures[i] = row
+        return
+    if row[0] > held[0] or row[0] != row[0]:
+        held[0], held[1], held[5], held[6] = row[0], row[1], row[5], row[6]
+    for k in (2, 3, 4):
+        if row[k] > held[k]:
+            held[k] = row[k]
 
 
 def _equal(path: str, ref: torch.Tensor, tolerance: Tolerance) -> TensorComparison:

@@ -31,6 +31,7 @@ def _tensors(dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
         **base, "equal": torch.randn(5, generator=g).to(dtype), "signed_zero": torch.tensor([0.0, 1.0]).to(dtype),
         "far": torch.randn(3, 3, generator=g).to(dtype), "zero_ref": torch.tensor([0.0, 2.0, 0.0]).to(dtype),
         "nan_both": torch.tensor([float("nan"), 1.0]).to(dtype), "nan_one": torch.tensor([1.0, 1.0]).to(dtype),
+        "nan_late": torch.ones(6).to(dtype),  # a NaN in a later row than a finite difference
         "inf": torch.tensor([float("inf"), 1.0]).to(dtype), "empty": torch.zeros(0, 2).to(dtype),
         "scalar": torch.tensor(3.0).to(dtype), "ties": torch.ones(6).to(dtype), "none": None, "only_ref": torch.ones(2).to(dtype),
         "shape": torch.ones(2, 2).to(dtype), "ints": torch.arange(4),
@@ -46,6 +47,7 @@ def _tensors(dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
     patched["zero_ref"] = torch.tensor([1e-7, 2.0, 0.0]).to(dtype)  # rel inf, within atol
     patched["nan_both"] = torch.tensor([float("nan"), 1.0 + 1e-6]).to(dtype)
     patched["nan_one"] = torch.tensor([float("nan"), 1.0]).to(dtype)
+    patched["nan_late"] = torch.tensor([1.0 + 1e-6, 1.0, 1.0, 1.0, 1.0, float("nan")]).to(dtype)
     patched["inf"] = torch.tensor([float("inf"), 1.0 + 1e-6]).to(dtype)
     patched["scalar"] = reference["scalar"] + 1e-6
     patched["ties"] = reference["ties"] + torch.tensor([0.0, 1e-6, 0.0, 1e-6, 1e-6, 0.0]).to(dtype)  # the first tie is the worst
@@ -57,12 +59,20 @@ def _tensors(dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("policy", [None, "strict", "sqnr"])
-@pytest.mark.parametrize("block", [None, 2, 7], ids=["default-blocks", "pieces-of-2", "pieces-of-7"])
+@pytest.mark.parametrize(
+    ("block", "width"),
+    [(None, None), (None, 4), (16, 4), (7, 4), (2, None)],
+    ids=["one-block", "rows-of-4", "blocks-of-4-rows", "one-row-blocks", "rows-of-2"],
+)
 def test_batched_comparison_equals_the_detailed_one_on_every_kind_of_pair(
-    dtype: torch.dtype, policy: str | None, block: int | None, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, policy: str | None, block: int | None, width: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if block is not None:  # tensors larger than a block are taken in pieces, smaller ones several to a block
+    # Rows of 4 put ties, NaN and the zero padding inside rows; small blocks make tensors continue
+    # from one block into the next.
+    if block is not None:
         monkeypatch.setattr(batched, "_BLOCK", block)
+    if width is not None:
+        monkeypatch.setattr(batched, "_MIN_WIDTH", width)
     spec = gradient_tolerance(resolve_tolerance(None, None, policy))
     reference, patched = _tensors(dtype)
     expected = compare_flat(reference, patched, spec)
