@@ -5,8 +5,11 @@ leak guard has a modeling module and the attention registries to watch). Baselin
 same run with ``-p no:modelpatch``, measured in the same invocation, alternating, best of
 ``ROUNDS``. Printed: the test loop's time (first setup to last teardown, from a conftest
 hook, so torch's import does not dilute the ratio) and the whole process's wall time.
-Goal: loop ratio <= 1.02x. The baseline loop costs ~0.6-0.7 ms a test here, so that is ~0.013 ms a
-test. The guard runs from hooks (``plugin._open_test_scope``), not from an autouse fixture, whose
+Goals (issues #14, #19): the run of 1000 tests at most 1.02x as long with the plugin as without it,
+which is the process line (the issues measured 1.10-1.15x there, 0.7-1.1 ms a test, when they were
+filed), and at most about 0.1 ms a test, which is the test loop's difference. The loop ratio itself
+is printed too: the baseline loop costs ~0.6-0.7 ms a test, so 0.1 ms is ~1.15x there. The guard
+runs from hooks (``plugin._open_test_scope``), not from an autouse fixture, whose
 set-up and tear-down alone cost every test ~0.025 ms. Two scenarios: a bare import, and a session
 that has loaded a model, whose conversion table (251 entries, 1390 converters on 5.23) the guard
 also watches; a per-entry Python loop over it cost every test 0.31 ms (1.44x) until the guard's
@@ -147,7 +150,7 @@ def main() -> None:
     if "--instructions" in sys.argv[1:]:
         instructions()
         return
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 5
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         (folder / "conftest.py").write_text(CONFTEST)
@@ -164,9 +167,9 @@ def main() -> None:
         with_loop, with_wall = min(r[0] for r in with_plugin), min(r[1] for r in with_plugin)
         print(f"{scenario}")
         print(f"  test loop: -p no:modelpatch {base_loop:.3f} s | with plugin {with_loop:.3f} s | "
-              f"ratio {with_loop / base_loop:.3f}x | {(with_loop - base_loop) / TESTS * 1e3:.3f} ms/test (goal <= 1.02x)")
+              f"ratio {with_loop / base_loop:.3f}x | {(with_loop - base_loop) / TESTS * 1e3:.3f} ms/test (goal: about 0.1 ms)")
         print(f"  process:   -p no:modelpatch {base_wall:.3f} s | with plugin {with_wall:.3f} s | "
-              f"ratio {with_wall / base_wall:.3f}x")
+              f"ratio {with_wall / base_wall:.3f}x (goal <= 1.02x)")
 
 
 if __name__ == "__main__":
