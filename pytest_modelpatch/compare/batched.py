@@ -174,7 +174,7 @@ def _blocks(sizes: list[int], width: int, per_block: int) -> Iterator[tuple[list
 def _width(total: int, tensors: int) -> int:
     """Row width: the power of two at or above a quarter of the mean tensor size, at most a block.
 
-    Rows then number at most ``total / width + tensors`` (about nine a tensor) and pads at most
+    Rows then number at most ``total / width + tensors`` (about five a tensor) and pads at most
     ``tensors * width`` elements (under half the total).
     """
     width = max(_MIN_WIDTH, total // (4 * tensors), 1)

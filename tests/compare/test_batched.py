@@ -62,7 +62,7 @@ def _tensors(dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
 @pytest.mark.parametrize(
     ("block", "width"),
     [(None, None), (None, 4), (16, 4), (7, 4), (2, None)],
-    ids=["one-block", "rows-of-4", "blocks-of-4-rows", "one-row-blocks", "rows-of-2"],
+    ids=["one-block", "rows-of-4", "blocks-of-4-rows-of-4", "blocks-of-1-row-of-4", "blocks-of-2-rows-of-1"],
 )
 def test_batched_comparison_equals_the_detailed_one_on_every_kind_of_pair(
     dtype: torch.dtype, policy: str | None, block: int | None, width: int | None, monkeypatch: pytest.MonkeyPatch
