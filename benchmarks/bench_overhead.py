@@ -19,7 +19,7 @@ identity comparison of transformers' registries, the watched modeling modules an
 The subprocesses import this checkout's package (PYTHONPATH), not an editable install's, and
 cache bytecode as Python does by default (in a temporary folder, even where PYTHONDONTWRITEBYTECODE
 is set): otherwise every run compiles the plugin and pytest rewrites its asserts again, ~0.1 s a
-run, which counted 1.022x for the whole run of 1200 tests where the cached run counts less. An
+run, which counted 1.022x for the whole run of 1200 tests where the cached run counts 1.019x. An
 untimed run of each kind fills the cache first.
 
 ``--instructions`` counts instead of timing, for a machine too noisy to time ~0.05 ms: the
