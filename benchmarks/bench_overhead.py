@@ -63,9 +63,10 @@ for i in range({tests}):
 
 # A session that has loaded a model has transformers' conversion table built (251 entries, 1390
 # converters on 5.23): the guard watches it, so it is measured apart from a bare import.
+AFTER_LOAD = "after a model load (conversion table built)"
 SCENARIOS = {
     "modeling module imported": "",
-    "after a model load (conversion table built)": (
+    AFTER_LOAD: (
         "from transformers.conversion_mapping import get_checkpoint_conversion_mapping\n"
         "get_checkpoint_conversion_mapping('llama')"
     ),
@@ -92,9 +93,18 @@ def pytest_args(plugin: bool) -> list[str]:
     return args if plugin else [*args, "-p", "no:modelpatch"]
 
 
-def pytest_env(pycache: Path) -> dict[str, str]:
+def write_suite(folder: Path, tests: int, setup: str) -> Path:
+    """``folder`` with the trivial test module and the loop-timing conftest in it."""
+    folder.mkdir()
+    (folder / "conftest.py").write_text(CONFTEST)
+    (folder / "test_trivial.py").write_text(MODULE.format(tests=tests, setup=setup))
+    return folder
+
+
+def pytest_env(folder: Path) -> dict[str, str]:
     """One thread, this checkout's package (not whichever one the venv has installed: an editable
-    install points at one worktree only), and bytecode cached in ``pycache``.
+    install points at one worktree only), and bytecode cached beside ``folder`` (shared by every
+    suite of one benchmark run).
 
     Python caches bytecode, and pytest the assertion-rewritten plugin and test modules, unless
     PYTHONDONTWRITEBYTECODE is set (as on the machine these figures come from). Without the cache
@@ -102,7 +112,7 @@ def pytest_env(pycache: Path) -> dict[str, str]:
     the prefix keeps the cache out of the checkout.
     """
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONPYCACHEPREFIX": str(pycache)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONPYCACHEPREFIX": str(folder.parent / "pycache")}
     env.pop("PYTEST_ADDOPTS", None)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
@@ -111,8 +121,7 @@ def pytest_env(pycache: Path) -> dict[str, str]:
 def run(folder: Path, plugin: bool) -> tuple[float, float]:
     """(test loop seconds, process wall seconds) of one pytest run."""
     start = time.perf_counter()
-    env = pytest_env(folder.parent / "pycache")
-    done = subprocess.run(pytest_args(plugin), cwd=folder, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(pytest_args(plugin), cwd=folder, env=pytest_env(folder), capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     found = re.search(r"LOOP_SECONDS=([\d.]+)", done.stdout)
     if done.returncode != 0 or found is None or f"{TESTS} passed" not in done.stdout:
@@ -122,12 +131,10 @@ def run(folder: Path, plugin: bool) -> tuple[float, float]:
 
 def counted(folder: Path, plugin: bool, tests: int) -> dict[str, int]:
     """cachegrind's totals (Ir, D1mr, D1mw, ...) for one pytest run of ``tests`` trivial tests."""
-    folder.mkdir()
-    setup = SCENARIOS["after a model load (conversion table built)"]
-    (folder / "test_trivial.py").write_text(MODULE.format(tests=tests, setup=setup))
+    write_suite(folder, tests, SCENARIOS[AFTER_LOAD])
     out = folder / "cachegrind.out"
     args = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--cachegrind-out-file={out}", *pytest_args(plugin)]
-    done = subprocess.run(args, cwd=folder, env=pytest_env(folder.parent / "pycache"), capture_output=True, text=True, check=False)
+    done = subprocess.run(args, cwd=folder, env=pytest_env(folder), capture_output=True, text=True, check=False)
     if done.returncode != 0 or f"{tests} passed" not in done.stdout:
         raise SystemExit(f"pytest under cachegrind failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     text = out.read_text()
@@ -144,10 +151,7 @@ def instructions() -> None:
         raise SystemExit("--instructions needs valgrind on PATH")
     low, high = 200, 1200
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=2) as pool:
-        warm = Path(tmp) / "warm-up"  # fills the bytecode cache the counted runs share
-        warm.mkdir()
-        (warm / "test_trivial.py").write_text(MODULE.format(tests=TESTS, setup=SCENARIOS["after a model load (conversion table built)"]))
-        (warm / "conftest.py").write_text(CONFTEST)
+        warm = write_suite(Path(tmp) / "warm-up", TESTS, SCENARIOS[AFTER_LOAD])  # fills the bytecode cache the counted runs share
         for plugin in (False, True):
             run(warm, plugin)
         runs = {(plugin, n): pool.submit(counted, Path(tmp) / f"{plugin}-{n}", plugin, n)
@@ -178,10 +182,7 @@ def main() -> None:
         folders = {}
         for k, (scenario, setup) in enumerate(SCENARIOS.items()):
             # a folder each, so no run compiles a test module another run changed
-            folder = folders[scenario] = Path(tmp) / f"scenario-{k}"
-            folder.mkdir()
-            (folder / "conftest.py").write_text(CONFTEST)
-            (folder / "test_trivial.py").write_text(MODULE.format(tests=TESTS, setup=setup))
+            folder = folders[scenario] = write_suite(Path(tmp) / f"scenario-{k}", TESTS, setup)
             for plugin in (False, True):
                 run(folder, plugin)  # untimed: fills the bytecode cache
         results: dict[tuple[str, bool], list[tuple[float, float]]] = {}
