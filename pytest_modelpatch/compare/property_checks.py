@@ -230,6 +230,12 @@ def check_equivalence(
     @given(drawing)
     def one_group(items: list[Any]) -> None:
         usable = False
+        # Until an input fails, a group runs to its end: build its new inputs before any model
+        # runs. Built just after a forward, an input costs ~2.5x as much (~0.13 against ~0.05 ms
+        # for a tiny Llama), its memory gone cold. While shrinking, a group stops at the failing
+        # input, and what comes after it is not built.
+        ahead = drawn is not None and not last_failing and len(items) > 1
+        built = {item: make(item) for item in items if item not in passed and item not in differed} if ahead else {}
         for item in items:
             if drawn is not None and item in passed:
                 usable = True  # drawn in an earlier group, and it passed
@@ -237,7 +243,7 @@ def check_equivalence(
             if drawn is not None and item in differed:
                 # while shrinking, most candidates keep the failing input and change others
                 differs(differed[item])
-            example = make(item)
+            example = built[item] if ahead else make(item)
             if backward:
                 example = with_labels(reference, example)
                 if not has_loss_targets(reference, example):
