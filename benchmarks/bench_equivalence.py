@@ -13,10 +13,13 @@ a cost no pytest user pays):
 - per-example reload: a hand-written ``@given`` test that loads both models with ``from_pretrained``
   in every example and compares logits with ``torch.testing.assert_close``, as such tests are written today.
 
+Printed at the default tiny size users get, and the ratio again at hidden size 256 (intermediate
+512), where the forwards weigh more against the check's fixed cost per input.
+
 Usage::
 
-    python benchmarks/bench_equivalence.py                      # llama_fused_qkv, 50 examples, default tiny size
-    python benchmarks/bench_equivalence.py --config hidden_size=256,intermediate_size=512
+    python benchmarks/bench_equivalence.py                      # llama_fused_qkv, 50 examples, both sizes
+    python benchmarks/bench_equivalence.py --config hidden_size=256,intermediate_size=512,num_hidden_layers=4
     python benchmarks/bench_equivalence.py --patch qwen2_moe --examples 100
 """
 
@@ -134,6 +137,49 @@ def time_reload(path: Path, patch: Any, examples: int) -> float:
     return (time.perf_counter() - start) / len(runs)
 
 
+LARGER = "hidden_size=256,intermediate_size=512"
+
+
+def parse_overrides(text: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (item.split("=") for item in text.split(",") if item)}
+
+
+def measure(builder: ModelBuilder, request: ModelRequest, patch: Any, examples: int, repeats: int) -> dict[str, Any]:
+    """Interleaved rounds of check, bare forwards, draws and comparison, on models built as a session builds them."""
+    # the test's marks, registered as @pytest.mark.patch registers them, open while the check runs
+    active = ActivePatches(PatchSpec(mapping=dict(patch.MAPPING), conversions=dict(patch.CONVERSIONS), overwrite=True))
+    try:
+        reference = builder.reference(request)
+        patched = builder.patched(request)
+        seen: list[Mapping[str, Any]] = []
+        time_check(reference, patched, 5, seen)  # warm-up: first forwards, hypothesis imports
+        checks, bares, draws, compares = [], [], [], []
+        for _ in range(repeats):  # interleaved: load on a shared machine drifts
+            checks.append(time_check(reference, patched, examples, seen))
+            bares.append(time_bare(reference, patched, seen))  # one timing each, as the check gets
+            draws.append(time_draws(reference.config, examples))
+            compares.append(time_compare(reference, patched, seen))
+    finally:
+        active.close()
+    return {
+        "model": type(reference).__name__,
+        "check": statistics.median(checks),
+        "bare": statistics.median(bares),
+        # each check against the bare forwards of its own examples timed just after it: load on a
+        # shared machine drifts over seconds, so paired ratios vary far less than either timing
+        "ratios": sorted(c / b for c, b in zip(checks, bares)),
+        "draw": statistics.median(draws),
+        "compare": statistics.median(compares),
+        # per round, then the median: a difference of medians taken apart goes negative on a noisy machine
+        "rest": statistics.median(c - b - d - m for c, b, d, m in zip(checks, bares, draws, compares)),
+    }
+
+
+def ratio_text(measured: dict[str, Any]) -> str:
+    ratios = measured["ratios"]
+    return f"check/bare = {statistics.median(ratios):.2f}x median of {len(ratios)} paired runs ({ratios[0]:.2f}x-{ratios[-1]:.2f}x"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--patch", default="llama_fused_qkv", help="example patch under fixtures/patches")
@@ -142,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument(
         "--config", default="", metavar="K=V,...",
-        help="tiny-config overrides, e.g. hidden_size=256,intermediate_size=512,num_hidden_layers=4: "
-        "the fixed per-example cost of hypothesis weighs less as the forward grows",
+        help="tiny-config overrides, e.g. hidden_size=256,intermediate_size=512,num_hidden_layers=4, measured "
+        f"instead of the default size (and {LARGER}, which is measured too when this is not given)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -151,48 +197,31 @@ def main(argv: list[str] | None = None) -> int:
     patch = load_patch(args.patch)
     hold_for_session(True)  # as the plugin does from pytest_configure to pytest_unconfigure
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = {k: int(v) for k, v in (item.split("=") for item in args.config.split(",") if item)}
         builder = ModelBuilder(Path(tmp))
-        request = ModelRequest(patch.MODEL_TYPE, overrides)
-        # the test's marks, registered as @pytest.mark.patch registers them, open while the check runs
-        active = ActivePatches(PatchSpec(mapping=dict(patch.MAPPING), conversions=dict(patch.CONVERSIONS), overwrite=True))
-        try:
-            reference = builder.reference(request)
-            patched = builder.patched(request)
-            seen: list[Mapping[str, Any]] = []
-            time_check(reference, patched, 5, seen)  # warm-up: first forwards, hypothesis imports
-            checks, bares, draws, compares = [], [], [], []
-            for _ in range(args.repeats):  # interleaved: load on a shared machine drifts
-                checks.append(time_check(reference, patched, args.examples, seen))
-                bares.append(time_bare(reference, patched, seen))  # one timing each, as the check gets
-                draws.append(time_draws(reference.config, args.examples))
-                compares.append(time_compare(reference, patched, seen))
-        finally:
-            active.close()
-        # each check against the bare forwards of its own examples timed just after it: load on a
-        # shared machine drifts over seconds, so paired ratios vary far less than either timing
-        ratios = sorted(c / b for c, b in zip(checks, bares))
-        check, bare = statistics.median(checks), statistics.median(bares)
-        draw, compare = statistics.median(draws), statistics.median(compares)
-        path = builder.checkpoint(request)
-        reload = time_reload(path, patch, args.reload_examples)
+        request = ModelRequest(patch.MODEL_TYPE, parse_overrides(args.config))
+        measured = measure(builder, request, patch, args.examples, args.repeats)
+        larger = None
+        if not args.config:  # the same check on a wider model: hypothesis' fixed cost per input weighs less
+            larger = measure(builder, ModelRequest(patch.MODEL_TYPE, parse_overrides(LARGER)), patch, args.examples, args.repeats)
+        reload = time_reload(builder.checkpoint(request), patch, args.reload_examples)
     hold_for_session(False)
 
+    check = measured["check"]
     print(
-        f"model: {type(reference).__name__} ({args.patch}{', ' + args.config if args.config else ''}), "
+        f"model: {measured['model']} ({args.patch}{', ' + args.config if args.config else ''}), "
         f"{args.examples} examples, median of {args.repeats} interleaved runs"
     )
     print(f"check_equivalence        {check * 1e3:8.2f} ms/example")
-    print(
-        f"two bare forwards        {bare * 1e3:8.2f} ms/example   check/bare = {statistics.median(ratios):.2f}x median "
-        f"of {len(ratios)} paired runs ({ratios[0]:.2f}x-{ratios[-1]:.2f}x; goal <= 1.3x)"
-    )
-    print(f"  drawing inputs         {draw * 1e3:8.2f} ms/example   (hypothesis + model_inputs, no models)")
-    print(f"  comparing outputs      {compare * 1e3:8.2f} ms/example   (compare_outputs alone)")
-    # per round, then the median: a difference of medians taken apart goes negative on a noisy machine
-    rest = statistics.median(c - b - d - m for c, b, d, m in zip(checks, bares, draws, compares))
-    print(f"  the rest               {rest * 1e3:8.2f} ms/example   (hypothesis running the test, cache effects)")
+    print(f"two bare forwards        {measured['bare'] * 1e3:8.2f} ms/example   {ratio_text(measured)}; goal <= 1.3x)")
+    print(f"  drawing inputs         {measured['draw'] * 1e3:8.2f} ms/example   (hypothesis + model_inputs, no models)")
+    print(f"  comparing outputs      {measured['compare'] * 1e3:8.2f} ms/example   (compare_outputs alone)")
+    print(f"  the rest               {measured['rest'] * 1e3:8.2f} ms/example   (hypothesis running the test, cache effects)")
     print(f"reload per example       {reload * 1e3:8.2f} ms/example   reload/check = {reload / check:.1f}x")
+    if larger is not None:
+        print(
+            f"at {LARGER}: check {larger['check'] * 1e3:.2f} ms/example, two bare forwards "
+            f"{larger['bare'] * 1e3:.2f} ms/example, {ratio_text(larger)})"
+        )
     return 0
 
 
