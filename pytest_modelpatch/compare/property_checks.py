@@ -240,7 +240,7 @@ def check_equivalence(
         if drawn is not None and not last_failing:
             budget = report.max_examples - report.examples
             for item in items:
-                if len(built) == budget:
+                if len(built) >= budget:
                     break
                 if item not in passed and item not in differed and item not in built:
                     built[item] = make(item)
