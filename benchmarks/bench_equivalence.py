@@ -144,8 +144,11 @@ def parse_overrides(text: str) -> dict[str, int]:
     return {k: int(v) for k, v in (item.split("=") for item in text.split(",") if item)}
 
 
-def measure(builder: ModelBuilder, request: ModelRequest, patch: Any, examples: int, repeats: int) -> dict[str, Any]:
-    """Interleaved rounds of check, bare forwards, draws and comparison, on models built as a session builds them."""
+def measure(
+    builder: ModelBuilder, request: ModelRequest, patch: Any, examples: int, repeats: int, *, breakdown: bool = True
+) -> dict[str, Any]:
+    """Interleaved rounds of check and bare forwards (and, with ``breakdown``, draws and comparison alone),
+    on models built as a session builds them."""
     # the test's marks, registered as @pytest.mark.patch registers them, open while the check runs
     active = ActivePatches(PatchSpec(mapping=dict(patch.MAPPING), conversions=dict(patch.CONVERSIONS), overwrite=True))
     try:
@@ -157,27 +160,30 @@ def measure(builder: ModelBuilder, request: ModelRequest, patch: Any, examples: 
         for _ in range(repeats):  # interleaved: load on a shared machine drifts
             checks.append(time_check(reference, patched, examples, seen))
             bares.append(time_bare(reference, patched, seen))  # one timing each, as the check gets
-            draws.append(time_draws(reference.config, examples))
-            compares.append(time_compare(reference, patched, seen))
+            if breakdown:
+                draws.append(time_draws(reference.config, examples))
+                compares.append(time_compare(reference, patched, seen))
     finally:
         active.close()
-    return {
+    measured = {
         "model": type(reference).__name__,
         "check": statistics.median(checks),
         "bare": statistics.median(bares),
         # each check against the bare forwards of its own examples timed just after it: load on a
         # shared machine drifts over seconds, so paired ratios vary far less than either timing
         "ratios": sorted(c / b for c, b in zip(checks, bares)),
-        "draw": statistics.median(draws),
-        "compare": statistics.median(compares),
-        # per round, then the median: a difference of medians taken apart goes negative on a noisy machine
-        "rest": statistics.median(c - b - d - m for c, b, d, m in zip(checks, bares, draws, compares)),
     }
+    if breakdown:
+        measured["draw"], measured["compare"] = statistics.median(draws), statistics.median(compares)
+        # per round, then the median: a difference of medians taken apart goes negative on a noisy machine
+        measured["rest"] = statistics.median(c - b - d - m for c, b, d, m in zip(checks, bares, draws, compares))
+    return measured
 
 
-def ratio_text(measured: dict[str, Any]) -> str:
+def ratio_text(measured: dict[str, Any], note: str = "") -> str:
     ratios = measured["ratios"]
-    return f"check/bare = {statistics.median(ratios):.2f}x median of {len(ratios)} paired runs ({ratios[0]:.2f}x-{ratios[-1]:.2f}x"
+    spread = f"{ratios[0]:.2f}x-{ratios[-1]:.2f}x{note}"
+    return f"check/bare = {statistics.median(ratios):.2f}x median of {len(ratios)} paired runs ({spread})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         measured = measure(builder, request, patch, args.examples, args.repeats)
         larger = None
         if not args.config:  # the same check on a wider model: hypothesis' fixed cost per input weighs less
-            larger = measure(builder, ModelRequest(patch.MODEL_TYPE, parse_overrides(LARGER)), patch, args.examples, args.repeats)
+            larger_request = ModelRequest(patch.MODEL_TYPE, parse_overrides(LARGER))
+            larger = measure(builder, larger_request, patch, args.examples, args.repeats, breakdown=False)
         reload = time_reload(builder.checkpoint(request), patch, args.reload_examples)
     hold_for_session(False)
 
@@ -212,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.examples} examples, median of {args.repeats} interleaved runs"
     )
     print(f"check_equivalence        {check * 1e3:8.2f} ms/example")
-    print(f"two bare forwards        {measured['bare'] * 1e3:8.2f} ms/example   {ratio_text(measured)}; goal <= 1.3x)")
+    print(f"two bare forwards        {measured['bare'] * 1e3:8.2f} ms/example   {ratio_text(measured, '; goal <= 1.3x')}")
     print(f"  drawing inputs         {measured['draw'] * 1e3:8.2f} ms/example   (hypothesis + model_inputs, no models)")
     print(f"  comparing outputs      {measured['compare'] * 1e3:8.2f} ms/example   (compare_outputs alone)")
     print(f"  the rest               {measured['rest'] * 1e3:8.2f} ms/example   (hypothesis running the test, cache effects)")
@@ -220,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if larger is not None:
         print(
             f"at {LARGER}: check {larger['check'] * 1e3:.2f} ms/example, two bare forwards "
-            f"{larger['bare'] * 1e3:.2f} ms/example, {ratio_text(larger)})"
+            f"{larger['bare'] * 1e3:.2f} ms/example, {ratio_text(larger)}"
         )
     return 0
 
