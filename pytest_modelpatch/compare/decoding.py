@@ -21,6 +21,7 @@ import torch
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
 from pytest_modelpatch.compare.outputs import (
     TensorComparison,
+    cache_keyword,
     compare_tensors,
     describe_inputs,
     describe_tolerances,
@@ -28,6 +29,7 @@ from pytest_modelpatch.compare.outputs import (
     model_device,
     move_inputs,
     placement,
+    unfilled_cache_hint,
 )
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
@@ -143,7 +145,14 @@ class PairDecoder:
             self.positions = self.positions[:, -1:] + 1
             shared = {"input_ids": tokens[:, None], "attention_mask": self.mask, "position_ids": self.positions,
                       "use_cache": True}  # fmt: skip
-        return {**shared, "past_key_values": self.reference_cache}, {**shared, "past_key_values": self.patched_cache}
+        return ({**shared, cache_keyword(self.reference): self.reference_cache},
+                {**shared, cache_keyword(self.patched): self.patched_cache})
+
+    def cache_hint(self) -> str:
+        """A hint when the patched cache is still empty and the reference's is not (a forward skipped the update)."""
+        if self.patched_cache.get_seq_length() == 0 < self.reference_cache.get_seq_length():
+            return unfilled_cache_hint(self.patched, "after the prefill")
+        return ""
 
     def run(self, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of both models; their logits."""
@@ -184,8 +193,11 @@ def judge_step(step: int, reference: torch.Tensor, patched: torch.Tensor, mask: 
 def decode_pair(
     reference: torch.nn.Module, patched: torch.nn.Module, prompts: Mapping[str, Any], *, max_new_tokens: int,
     cache_implementation: str | None, spec: ToleranceSpec,
-) -> list[DecodeStep]:  # fmt: skip
-    """Greedy decoding of both, teacher-forced on the reference's tokens; stops after the first failing step."""
+) -> tuple[list[DecodeStep], str]:  # fmt: skip
+    """Greedy decoding of both, teacher-forced on the reference's tokens; stops after the first failing step.
+
+    Returns the steps and, when a step failed with the patched cache still empty, a hint why.
+    """
     length = prompts["input_ids"].shape[-1]
     decoder = PairDecoder(reference, patched, prompts, length + max_new_tokens, cache_implementation)
     steps: list[DecodeStep] = []
@@ -196,9 +208,9 @@ def decode_pair(
             ref_logits, pat_logits = decoder.run(tokens)
             steps.append(judge_step(step, ref_logits, pat_logits, mask, spec))
             if not steps[-1].passed:
-                break
+                return steps, decoder.cache_hint()
             tokens = ref_logits[:, -1].argmax(-1)
-    return steps
+    return steps, ""
 
 
 def locate_step(
@@ -238,6 +250,7 @@ class DecodingReport:
     dtype: str = ""
     divergence: Divergence | None = None
     duration_s: float = 0.0
+    hint: str = ""  # why it failed, when that can be told (a patched cache left empty)
 
     @property
     def passed(self) -> bool:
@@ -282,6 +295,7 @@ class DecodingReport:
         lines = [
             f"patched {self.patched} decodes differently from reference {self.reference}{where}: "
             f"first diverging step: {failed.name} (of {self.max_new_tokens} new tokens), batch row {self._row(failed)}",
+            *([self.hint] if self.hint else []),
             f"inputs: {self.inputs}",
             *describe_tolerances([failed.logits]),
             f"  {failed.logits}",
@@ -340,10 +354,10 @@ def compare_decoding(
     """Decode both greedily from ``prompts`` and compare; on a failure, find the step's first diverging module."""
     start = time.perf_counter()
     options = {"max_new_tokens": max_new_tokens, "cache_implementation": cache_implementation, "spec": spec}
-    steps = decode_pair(reference, patched, prompts, **options)
+    steps, hint = decode_pair(reference, patched, prompts, **options)
     report = DecodingReport(
         type(reference).__name__, type(patched).__name__, steps, spec, max_new_tokens, cache_implementation,
-        inputs=describe_inputs(prompts), **placement(reference),
+        inputs=describe_inputs(prompts), hint=hint, **placement(reference),
     )  # fmt: skip
     if locate and not report.passed:
         report.divergence = locate_step(reference, patched, prompts, steps, **options)

@@ -117,7 +117,7 @@ def check_generation(
     def one_example(example: Mapping[str, Any], new_tokens: int) -> None:
         report.examples += 1
         try:
-            steps = decode_pair(reference, patched, example, max_new_tokens=new_tokens,
+            steps, _ = decode_pair(reference, patched, example, max_new_tokens=new_tokens,
                                 cache_implementation=cache_implementation, spec=spec)  # fmt: skip
         except Exception:
             failing[:] = [(example, new_tokens)]

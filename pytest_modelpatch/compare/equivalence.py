@@ -18,6 +18,7 @@ from pytest_modelpatch.compare.divergence import Divergence, first_divergence
 from pytest_modelpatch.compare.outputs import (
     ComparedTensors,
     TensorComparison,
+    cache_hint_for,
     default_inputs,
     describe_inputs,
     describe_tolerances,
@@ -128,6 +129,8 @@ def compare_models(
         tolerance=spec, inputs=describe_inputs(inputs), routing=routing,
         **placement(reference),
     )  # fmt: skip
+    if not report.passed and (hint := cache_hint_for(patched, comparisons)):
+        report.extra.append(hint)
     if locate and not report.passed:
         report.divergence = first_divergence(reference, patched, inputs, spec)
     report.duration_s = time.perf_counter() - start

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
+import re
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -54,7 +56,7 @@ def flatten_outputs(value: Any, path: str = "", *, caches: bool = True) -> Itera
 
     Example::
 
-        dict(flatten_outputs(model(**inputs)))["logits"]  # also "past_key_values.layers[0].keys"
+        dict(flatten_outputs(model(**inputs)))["logits"]  # also "cache.layers[0].keys" (past_key_values before 5.24)
     """
     if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str)):
         yield path, value
@@ -443,3 +445,42 @@ def forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Any:
         return model(**move_inputs(inputs, device))
     finally:
         generator.set_state(state)
+
+
+# ---------------------------------------------------------------------------
+# The cache keyword (transformers 5.24 renamed past_key_values to cache)
+# ---------------------------------------------------------------------------
+
+_CACHE_KEYWORDS: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
+_CACHE_LEAF = re.compile(r"^(cache|past_key_values)\.layers\[\d+\]\.(keys|values)$")
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword ``model.forward`` takes its KV cache by: ``cache`` from transformers 5.24, else ``past_key_values``."""
+    cls = type(model)
+    keyword = _CACHE_KEYWORDS.get(cls)
+    if keyword is None:
+        try:
+            params = inspect.signature(cls.forward).parameters  # follows deprecate_kwarg's __wrapped__
+        except (TypeError, ValueError):
+            params = {}
+        keyword = _CACHE_KEYWORDS[cls] = "cache" if "cache" in params else "past_key_values"
+    return keyword
+
+
+def unfilled_cache_hint(model: torch.nn.Module, where: str) -> str:
+    """Why a patched model's cache stays empty, for a failure message: usually the ``cache`` rename."""
+    rename = (
+        " transformers passes it as `cache=` since 5.24 (it was `past_key_values=`): a replacement forward that "
+        "names only `past_key_values` receives it in **kwargs and skips the update. Accept `cache`, or both "
+        "spellings (`cache = cache if cache is not None else past_key_values`); `modelpatch lint` names the class."
+        if cache_keyword(model) == "cache" else
+        " Pass the cache on (`past_key_values`) and call its `update(...)` as the original forward does."
+    )  # fmt: skip
+    return f"hint: the patched model's cache stayed empty {where} while the reference's was filled.{rename}"
+
+
+def cache_hint_for(model: torch.nn.Module, comparisons: list[TensorComparison]) -> str:
+    """:func:`unfilled_cache_hint` when a failure is a cache layer the patched model never wrote, else ``""``."""
+    empty = [c.path for c in comparisons if c.problem and _CACHE_LEAF.match(c.path) and "patched is absent" in c.problem]
+    return unfilled_cache_hint(model, f"({', '.join(empty[:2])}{', ...' if len(empty) > 2 else ''})") if empty else ""
