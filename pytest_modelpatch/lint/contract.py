@@ -86,7 +86,7 @@ def signature_findings(replaced: Replaced, scope_modules: Iterable[str]) -> list
     original = source.method_params(replaced.module, replaced.name, "forward")
     findings += _forward_findings(replaced, original, runs)
     if original is not None:
-        findings += _unused_findings(replaced, original)
+        findings += _unused_findings(replaced, original, runs)
     return findings
 
 
@@ -138,7 +138,7 @@ def _forward_findings(replaced: Replaced, original: source.Params | None, runs: 
                      f"{'; '.join(problems)}. Accept the same parameters ({wanted}).", suggestion=wanted)]
 
 
-def _unused_findings(replaced: Replaced, original: source.Params) -> list[Finding]:
+def _unused_findings(replaced: Replaced, original: source.Params, runs: list[CallSite]) -> list[Finding]:
     forward = getattr(replaced.replacement, "forward", None)
     signature = _signature(forward, drop_self=True) if forward is not None else None
     if signature is None or not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
@@ -148,11 +148,49 @@ def _unused_findings(replaced: Replaced, original: source.Params) -> list[Findin
         return []  # forward is transformers' own, or its source cannot be read
     swallowed = [n for n in original.names if n in original.read and n not in signature.parameters
                  and n not in mentioned]
-    return [_finding(Kind.UNUSED_ARGUMENT, replaced, f"{_who(replaced)}: forward accepts {name!r} through "
-                     f"**kwargs but never reads it, while {replaced.name}.forward uses it ({replaced.module}). A "
-                     f"forward over the whole sequence still matches; generation with a cache may not. Take "
-                     f"{name} as a parameter and use it as {replaced.name} does.", suggestion=name)
-            for name in swallowed]
+    return [_unused_finding(replaced, name, *_old_name(name, signature, original, runs)) for name in swallowed]
+
+
+def _old_name(
+    name: str, signature: inspect.Signature, original: source.Params, runs: list[CallSite]
+) -> tuple[str | None, bool]:
+    """The replacement's parameter that stands for ``name``, and whether transformers says it was renamed.
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` (``deprecate_kwarg``): a forward
+    written before names the old spelling, and its callers now pass the new one, which ``**kwargs``
+    swallows. Without such a decorator, the one parameter the original does not take and no
+    caller names is the likely old spelling.
+    """
+    ours = [p for p, v in signature.parameters.items() if v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)]
+    renamed = [old for old, new in original.renamed if new == name and old in ours]
+    if renamed:
+        return renamed[0], True
+    if not runs:
+        return None, False
+    passed = {k for site in runs for k in site.keywords}
+    reached = max(site.positional for site in runs)  # parameters before this are passed by position
+    stale = [p for i, p in enumerate(ours) if i >= reached and p not in original.names and p not in passed]
+    return (stale[0], False) if len(stale) == 1 else (None, False)
+
+
+def _unused_finding(replaced: Replaced, name: str, old: str | None, renamed: bool) -> Finding:
+    head = f"{_who(replaced)}: forward accepts {name!r} through **kwargs but never reads it"
+    effect = "A forward over the whole sequence still matches; generation with a cache may not."
+    both = (f"`def forward(self, ..., {name}=None, {old}=None, **kwargs)` and "
+            f"`{name} = {name} if {name} is not None else {old}`")
+    if old is None:
+        message = (f"{head}, while {replaced.name}.forward uses it ({replaced.module}). {effect} Take {name} as "
+                   f"a parameter and use it as {replaced.name} does.")
+    elif renamed:
+        message = (f"{_who(replaced)}: forward names {old!r}, which transformers renamed to {name!r}: "
+                   f"{replaced.name}.forward ({replaced.module}) takes {name!r} and its callers pass {name}=..., "
+                   f"which this forward accepts through **kwargs and never reads, while its {old!r} stays None. "
+                   f"{effect} Accept {name!r}, or both spellings to support older transformers: {both}.")
+    else:
+        message = (f"{head}, while {replaced.name}.forward uses it ({replaced.module}); its own {old!r} is a "
+                   f"parameter {replaced.name}.forward does not take and no caller passes. {effect} If {old!r} is "
+                   f"what {name!r} was called before, accept {name!r}, or both spellings: {both}.")
+    return _finding(Kind.UNUSED_ARGUMENT, replaced, message, suggestion=name)
 
 
 def _mentioned(cls: type) -> set[str] | None:

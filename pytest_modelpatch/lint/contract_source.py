@@ -26,12 +26,17 @@ METHODS = ("forward", "__init__")  # the methods whose parameters the contract l
 
 @dataclass(frozen=True)
 class Params:
-    """The named parameters of a function (``self`` left out) and what its body reads."""
+    """The named parameters of a function (``self`` left out), what its body reads, and renamed keywords.
+
+    ``renamed``: ``(old, new)`` for each ``@deprecate_kwarg(old, ..., new_name=new)`` on it, as
+    transformers 5.24 put ``("past_key_values", "cache")`` on every attention and decoder layer.
+    """
 
     names: tuple[str, ...]
     required: tuple[str, ...]
     var_keyword: bool
     read: frozenset[str]
+    renamed: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,8 @@ class ModuleFacts:
 
         return {"constructions": sites(self.calls.constructions), "forwards": sites(self.calls.forwards),
                 "no_split": self.no_split,
-                "params": {k: [list(p.names), list(p.required), p.var_keyword, sorted(p.read)]
+                "params": {k: [list(p.names), list(p.required), p.var_keyword, sorted(p.read),
+                               [list(pair) for pair in p.renamed]]
                            for k, p in self.params.items()}}
 
     @classmethod
@@ -95,8 +101,9 @@ class ModuleFacts:
             return {str(name): [CallSite(str(p), str(m), int(line), int(n), tuple(map(str, kw)), bool(u))
                                 for p, m, line, n, kw, u in found] for name, found in table.items()}
 
-        params = {str(k): Params(tuple(map(str, names)), tuple(map(str, required)), bool(var), frozenset(map(str, read)))
-                  for k, (names, required, var, read) in data["params"].items()}
+        params = {str(k): Params(tuple(map(str, names)), tuple(map(str, required)), bool(var), frozenset(map(str, read)),
+                                 tuple((str(old), str(new)) for old, new in renamed))
+                  for k, (names, required, var, read, renamed) in data["params"].items()}
         no_split = {str(k): [str(v) for v in names] for k, names in data["no_split"].items()}
         return cls(ModuleCalls(sites(data["constructions"]), sites(data["forwards"])), no_split, params)
 
@@ -165,7 +172,20 @@ def params_of(function: ast.FunctionDef) -> Params:
         n.value for statement in function.body for n in ast.walk(statement)
         if isinstance(n, ast.Constant) and isinstance(n.value, str)
     )  # fmt: skip
-    return Params(tuple(a.arg for a in named), tuple(required), args.kwarg is not None, read)
+    return Params(tuple(a.arg for a in named), tuple(required), args.kwarg is not None, read, _renamed(function))
+
+
+def _renamed(function: ast.FunctionDef) -> tuple[tuple[str, str], ...]:
+    """``(old, new)`` of each ``@deprecate_kwarg("old", "version", new_name="new")`` decorator."""
+    found = []
+    for decorator in function.decorator_list:
+        if not (isinstance(decorator, ast.Call) and getattr(decorator.func, "id", getattr(decorator.func, "attr", ""))
+                == "deprecate_kwarg" and decorator.args and isinstance(decorator.args[0], ast.Constant)):
+            continue
+        new = next((k.value for k in decorator.keywords if k.arg == "new_name"), None)
+        if isinstance(new, ast.Constant) and isinstance(new.value, str) and isinstance(decorator.args[0].value, str):
+            found.append((decorator.args[0].value, new.value))
+    return tuple(found)
 
 
 def module_calls(module: str) -> ModuleCalls:
