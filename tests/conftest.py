@@ -128,3 +128,10 @@ def records() -> Any:
     previous = set_record_sink(rows.append)
     yield rows
     set_record_sink(previous)
+
+
+def cache_field() -> str:
+    """The KV cache's name in model outputs and forwards: ``cache`` from transformers 5.24, ``past_key_values`` before."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"

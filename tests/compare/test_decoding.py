@@ -89,6 +89,35 @@ def test_new_kv_only_attention_passes_a_forward_and_fails_at_the_first_decode_st
     assert [(r.outcome, r.output) for r in decode] == [("failed", "step 1 logits")]
 
 
+CACHE_RENAMED = "cache" in __import__("inspect").signature(
+    __import__("transformers").models.llama.modeling_llama.LlamaAttention.forward).parameters
+
+
+@pytest.mark.skipif(not CACHE_RENAMED, reason="transformers < 5.24 passes past_key_values, which this forward takes")
+def test_a_forward_written_before_the_cache_rename_fails_and_the_hint_names_the_rename(pair: Callable[..., Pair]) -> None:
+    reference, patched = pair("llama_past_key_values_only")
+    with pytest.raises(AssertionError) as decoding:
+        assert_generates_equivalent(reference, patched)
+    with pytest.raises(AssertionError) as forward:
+        assert_equivalent(reference, patched)
+    for message in (str(decoding.value), str(forward.value)):
+        assert "hint: the patched model's cache stayed empty" in message
+        assert "transformers passes it as `cache=` since 5.24 (it was `past_key_values=`)" in message
+    assert "first diverging step: step 1 (of 8 new tokens)" in str(decoding.value)
+    assert "(cache.layers[0].keys, cache.layers[0].values, ...)" in str(forward.value)
+
+
+def test_the_same_forward_taking_both_spellings_decodes_like_the_model(pair: Callable[..., Pair]) -> None:
+    # CacheStepAttention, the base of the stale example, resolves `cache` or `past_key_values`
+    from fixtures.patches._decode_attention import CacheStepAttention
+
+    reference, patched = pair("llama_past_key_values_only")
+    for layer in patched.model.layers:
+        layer.self_attn.__class__ = CacheStepAttention
+    assert assert_generates_equivalent(reference, patched).passed
+    assert assert_equivalent(reference, patched, allow_unused=True).passed
+
+
 def test_mask_drop_on_single_token_steps_hides_from_an_unpadded_batch(pair: Callable[..., Pair]) -> None:
     reference, patched = pair("llama_decode_mask_drop")
     prompts = default_prompts(reference)

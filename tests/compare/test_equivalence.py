@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import Pair
+from conftest import Pair, cache_field
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from pytest_modelpatch.compare.equivalence import assert_equivalent
@@ -28,7 +28,7 @@ def test_fused_qkv_patch_passes_and_returns_the_report(pair: Callable[..., Pair]
     assert report.passed
     paths = [c.path for c in report.comparisons]
     assert paths[0] == "logits"
-    assert "past_key_values.layers[1].values" in paths
+    assert f"{cache_field()}.layers[1].values" in paths
     assert str(report).startswith("patched LlamaForCausalLM matches reference LlamaForCausalLM (float32 on cpu)")
 
 
@@ -89,7 +89,7 @@ def test_every_output_tensor_gets_a_readable_path(pair: Callable[..., Pair]) -> 
     paths = [path for path, _ in flatten_outputs(output)]
     assert paths[:2] == ["loss", "logits"]
     assert "hidden_states[2]" in paths
-    assert "past_key_values.layers[0].keys" in paths
+    assert f"{cache_field()}.layers[0].keys" in paths
 
 
 def test_none_versus_tensor_and_missing_fields_are_mismatches() -> None:

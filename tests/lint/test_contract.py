@@ -1,7 +1,8 @@
 """The contract lint on real transformers classes: signatures, weight names, parallelism plans.
 
-transformers 5.23's attentions no longer take ``cache_position``; ``past_key_values`` is the
-parameter a forward reads for generation, so the "accepted but never used" case is shown on it.
+transformers 5.23's attentions no longer take ``cache_position``; the cache (``past_key_values``,
+``cache`` from 5.24) is the parameter a forward reads for generation, so the "accepted but never
+used" case is shown on it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import importlib
 from typing import Any
 
 import pytest
+import inspect
+
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
 from transformers.models.vibevoice_asr.modeling_vibevoice_asr import VibeVoiceAsrMultiModalProjector
 
@@ -21,16 +24,20 @@ from pytest_modelpatch.errors import ModelPatchWarning, PatchUsageError
 from pytest_modelpatch.models.structure import meta_structures
 
 
+# transformers 5.24 renamed the attention's past_key_values to cache
+CACHE = "cache" if "cache" in inspect.signature(LlamaAttention.forward).parameters else "past_key_values"
+
+
 class NoPositionIdsAttention(LlamaAttention):
     """No **kwargs: the decoder layer's position_ids= and use_cache= raise TypeError."""
 
     def forward(self, hidden_states: Any, position_embeddings: Any = None, attention_mask: Any = None,
-                past_key_values: Any = None) -> Any:
-        return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values)
+                cache: Any = None) -> Any:
+        return super().forward(hidden_states, position_embeddings, attention_mask, cache)
 
 
 class IgnoresCacheAttention(LlamaAttention):
-    """past_key_values falls into **kwargs and is never read: fine for one forward, wrong for generate."""
+    """The cache falls into **kwargs and is never read: fine for one forward, wrong for generate."""
 
     def forward(self, hidden_states: Any, position_embeddings: Any = None, attention_mask: Any = None,
                 **kwargs: Any) -> Any:
@@ -77,8 +84,34 @@ def test_forward_missing_a_keyword_the_parent_passes_is_a_signature_finding() ->
 def test_kwargs_that_swallow_the_cache_get_the_unused_argument_warning() -> None:
     (finding,) = contract({"LlamaAttention": IgnoresCacheAttention}, checks=("signature",))
     assert finding.kind is Kind.UNUSED_ARGUMENT
-    assert "accepts 'past_key_values' through **kwargs but never reads it" in finding.message
-    assert finding.suggestion == "past_key_values"
+    assert f"accepts {CACHE!r} through **kwargs but never reads it" in finding.message
+    assert finding.suggestion == CACHE
+
+
+@pytest.mark.skipif(CACHE != "cache", reason="transformers < 5.24 passes past_key_values")
+def test_a_forward_naming_past_key_values_gets_the_cache_rename_named() -> None:
+    stale = load_patch("llama_past_key_values_only")
+    (finding,) = contract(stale.MAPPING, checks=("signature",))
+    assert finding.kind is Kind.UNUSED_ARGUMENT and finding.suggestion == "cache"
+    assert "forward names 'past_key_values', which transformers renamed to 'cache'" in finding.message
+    assert "Accept 'cache', or both spellings" in finding.message
+    fixed = {"LlamaAttention": load_patch("llama_new_kv_only").MAPPING["LlamaAttention"].__mro__[1]}
+    assert contract(fixed, checks=("signature",)) == []  # CacheStepAttention takes both spellings
+
+
+class RenamedWithoutDecorator(LlamaAttention):
+    """A parameter no caller passes while **kwargs swallows the one they do: the rename is guessed."""
+
+    def forward(self, hidden_states: Any, position_embeddings: Any = None, attention_mask: Any = None,
+                kv: Any = None, **kwargs: Any) -> Any:
+        return super().forward(hidden_states, position_embeddings, attention_mask, kv)
+
+
+def test_a_parameter_no_caller_passes_is_named_as_the_old_spelling() -> None:
+    (finding,) = contract({"LlamaAttention": RenamedWithoutDecorator}, checks=("signature",))
+    assert finding.kind is Kind.UNUSED_ARGUMENT
+    assert f"its own 'kv' is a parameter LlamaAttention.forward does not take and no caller passes" in finding.message
+    assert f"If 'kv' is what {CACHE!r} was called before, accept {CACHE!r}, or both spellings" in finding.message
 
 
 def test_kwargs_passed_on_to_super_forward_are_not_unused() -> None:

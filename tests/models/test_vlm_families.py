@@ -23,7 +23,26 @@ def _model_and_inputs(model_type: str) -> tuple[torch.nn.Module, dict[str, torch
     return model, example_inputs(config, model_class=type(model))
 
 
-@pytest.mark.parametrize("model_type", SPLICED_VLMS + GRID_VLMS)
+def _llama4_reads_a_field_its_language_model_lacks() -> bool:
+    """transformers 5.24's Llama4ForConditionalGeneration.forward reads ``outputs.image_outputs`` off its text model's output."""
+    import inspect
+
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+    from transformers.models.llama4 import modeling_llama4
+
+    source = inspect.getsource(modeling_llama4.Llama4ForConditionalGeneration.forward)
+    return "outputs.image_outputs" in source and "image_outputs" not in MoeCausalLMOutputWithPast.__dataclass_fields__
+
+
+LLAMA4_BROKEN = pytest.mark.xfail(
+    _llama4_reads_a_field_its_language_model_lacks(), raises=AttributeError, strict=True,
+    reason="transformers' Llama4ForConditionalGeneration.forward reads outputs.image_outputs, which its text model does not return",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model_type", [pytest.param(t, marks=LLAMA4_BROKEN) if t == "llama4" else t for t in SPLICED_VLMS + GRID_VLMS]
+)
 def test_the_image_reaches_the_compared_outputs(model_type: str) -> None:
     # another image, other outputs: a patch of the vision tower would be compared
     model, inputs = _model_and_inputs(model_type)
