@@ -15,7 +15,7 @@ import pytest
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.errors import PatchLeakError, PatchUsageError
 from pytest_modelpatch.isolation.interception import hold_for_session
-from pytest_modelpatch.isolation.leaks import LeakGuard, parse_leak_mode, scope_changed
+from pytest_modelpatch.isolation.leaks import LeakGuard, LeakTally, parse_leak_mode, scope_changed
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 from pytest_modelpatch.models.model_cache import parse_model_cache
 from pytest_modelpatch.reporting.records import set_record_sink
@@ -89,11 +89,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("modelpatch_atol", "absolute tolerance for equivalence checks (default: per-dtype policy)")
     parser.addini("modelpatch_rtol", "relative tolerance for equivalence checks (default: per-dtype policy)")
     parser.addini("modelpatch_tolerance_policy", "named tolerance policy: default, strict, loose, sqnr, sqnr:DB, oracle or oracle:FACTOR", default="")
-    parser.addini(
-        "modelpatch_leaks",
-        "what to do when a test leaves transformers patch state changed: error (default), warn or off",
-        default="error",
-    )
+    leaks_help = ("what to do when a test leaves transformers patch state changed: error, warn or off "
+                  "(default: error for tests that use a modelpatch marker or fixture, warn for the rest)")
+    parser.addini("modelpatch_leaks", leaks_help, default="")
+    group.addoption("--modelpatch-leaks", dest="modelpatch_leaks", default=None, metavar="MODE",
+                    help=f"{leaks_help}; overrides the modelpatch_leaks ini key")
     group.addoption("--modelpatch-seed", dest="modelpatch_seed", type=_seed_option, default=None, metavar="N",
                     help="session seed for property checks, sent to every xdist worker (default: ini modelpatch_seed, else 0)")
     group.addoption("--modelpatch-report", dest="modelpatch_report", default=None, metavar="PATH",
@@ -126,7 +126,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS.values():
         config.addinivalue_line("markers", line)
     try:
-        parse_leak_mode(config.getini("modelpatch_leaks"))
+        _leak_mode(config)
         parse_model_cache(config.getini("modelpatch_model_cache"))
         devices.requested_device(config.getoption("modelpatch_device"))
     except PatchUsageError as exc:
@@ -134,6 +134,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from pytest_modelpatch.reporting import session  # torch-free: reads options, registers the report hooks
 
     session.configure(config)
+    config.pluginmanager.register(LeakTally(_leak_mode(config)), "modelpatch-leak-tally")
     hold_for_session(True)
     if config.get_verbosity() > 0:
         from pytest_modelpatch.models.quiet import set_verbose_loads  # torch-free
@@ -212,6 +213,10 @@ def _resolve_device(item: pytest.Item, requested: str) -> str:
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
+    leaks = item.stash.get(_LEAKS, None)
+    if leaks:
+        LeakTally.stamp(report, leaks)
+        leaks.clear()
     if item.user_properties:
         from pytest_modelpatch.reporting.session import stamp_intent
 
@@ -253,10 +258,10 @@ def dtype(request: pytest.FixtureRequest) -> Any:
 class _TestScope:
     """What the plugin holds open for one test: its leak guard, its patches, its tolerance."""
 
-    __slots__ = ("active", "failure", "guard", "nodeid", "reset_tolerance")
+    __slots__ = ("active", "failure", "guard", "item", "reset_tolerance")
 
-    def __init__(self, guard: LeakGuard | None, nodeid: str) -> None:
-        self.guard, self.nodeid = guard, nodeid
+    def __init__(self, guard: LeakGuard | None, item: pytest.Item) -> None:
+        self.guard, self.item = guard, item
         self.active: ActivePatches | None = None
         self.reset_tolerance: Any = None
         self.failure: Exception | None = None  # raised once setup is over
@@ -269,7 +274,7 @@ class _TestScope:
             if self.active is not None:
                 self.active.close()
         finally:
-            _finish_guard(self.guard, self.nodeid)
+            _finish_guard(self.guard, self.item.nodeid, self.item, lambda: _uses_plugin(self.item))
 
 
 _OPEN_SCOPES: list[_TestScope] = []  # the running test's, while it is open: at most one
@@ -290,7 +295,7 @@ def _open_test_scope(item: pytest.Item) -> _TestScope:
     fixture ran, it would leave pytest's fixture cache inconsistent for every later test.
     """
     mode = _leak_mode(item.config)
-    scope = item.stash[_TEST_SCOPE] = _TestScope(LeakGuard(mode, reuse=True) if mode != "off" else None, item.nodeid)
+    scope = item.stash[_TEST_SCOPE] = _TestScope(LeakGuard(mode, reuse=True) if mode != "off" else None, item)
     _OPEN_SCOPES.append(scope)
     item.addfinalizer(scope.close)
     try:
@@ -335,14 +340,26 @@ def _raise_scope_failure(scope: _TestScope | None) -> None:
 
 _SCOPED_GUARDS: dict[Any, LeakGuard] = {}
 _LEAK_MODE = pytest.StashKey[str]()
+_LEAKS = pytest.StashKey[list[str]]()  # this phase's leak outcomes, for its report
+# what a test uses to opt in to the plugin, and so to leaks failing it by default
+PLUGIN_FIXTURES = frozenset({"device", "dtype", "model_builder", "reference_model", "patched_model", "roundtrip",
+                             "patch_registry"})  # fmt: skip
 
 
 def _leak_mode(config: pytest.Config) -> str:
-    """``modelpatch_leaks``, parsed once per session (pytest_configure validated it)."""
+    """``--modelpatch-leaks``, else ``modelpatch_leaks``, parsed once per session; ``"auto"`` when neither is set."""
     mode = config.stash.get(_LEAK_MODE, None)
     if mode is None:
-        mode = config.stash[_LEAK_MODE] = parse_leak_mode(config.getini("modelpatch_leaks"))
+        value = config.getoption("modelpatch_leaks", None) or config.getini("modelpatch_leaks")
+        mode = config.stash[_LEAK_MODE] = parse_leak_mode(value)
     return mode
+
+
+def _uses_plugin(item: pytest.Item) -> bool:
+    """The test uses one of the plugin's markers or fixtures (asked only after a leak)."""
+    return any(mark.name in MARKERS for mark in item.iter_markers()) or not PLUGIN_FIXTURES.isdisjoint(
+        getattr(item, "fixturenames", ())
+    )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -372,13 +389,16 @@ def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef[Any], request: p
         scope_changed()
     guard = _SCOPED_GUARDS.pop(fixturedef, None)
     if guard is not None:
-        _finish_guard(guard, f"{fixturedef.scope}-scoped fixture {fixturedef.argname!r}")
+        uses = lambda: not PLUGIN_FIXTURES.isdisjoint((fixturedef.argname, *fixturedef.argnames))  # noqa: E731
+        _finish_guard(guard, f"{fixturedef.scope}-scoped fixture {fixturedef.argname!r}", request.node, uses)
 
 
-def _finish_guard(guard: LeakGuard | None, nodeid: str) -> None:
+def _finish_guard(guard: LeakGuard | None, nodeid: str, item: pytest.Item, opted_in: Any) -> None:
     if guard is None:
         return
-    message = guard.finish(nodeid)
+    outcome, message = guard.finish(nodeid, opted_in)
+    if outcome:
+        item.stash.setdefault(_LEAKS, []).append(outcome)
     if message is not None:
         raise PatchLeakError(message)
 

@@ -6,11 +6,18 @@ globals, their classes' attributes, attention and mask functions); whatever is
 different after the test's own fixtures are torn down leaked. It is restored, then
 reported according to ``modelpatch_leaks``. A fixture of wider scope gets its own
 guard, from its setup to its teardown, so its patches are charged to it.
+
+The plugin loads wherever it is installed, so by default (``modelpatch_leaks`` unset) a
+leak fails only a test that opted in, by using one of the plugin's markers or fixtures;
+any other test's leak is restored and warned, and its outcome stays what it was.
+:class:`LeakTally` counts the leaks either way for the terminal summary.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 from pytest_modelpatch.errors import ModelPatchWarning, PatchUsageError
 from pytest_modelpatch.isolation.guard import PatchStateGuard
@@ -18,24 +25,65 @@ from pytest_modelpatch.isolation.library_state import LibraryState, executions
 from pytest_modelpatch.isolation.snapshot import PatchStateSnapshot
 
 LEAK_MODES = ("error", "warn", "off")
+AUTO = "auto"  # unset: error for tests that use the plugin, warn for the rest
 
 
-def parse_leak_mode(value: str) -> str:
-    """Validate the ``modelpatch_leaks`` ini value."""
-    mode = (value or "error").strip().lower()
+def parse_leak_mode(value: str | None) -> str:
+    """Validate ``--modelpatch-leaks``/``modelpatch_leaks``; unset is ``"auto"``."""
+    mode = (value or "").strip().lower()
+    if not mode:
+        return AUTO
     if mode not in LEAK_MODES:
         raise PatchUsageError(f"modelpatch_leaks = {value!r}: use one of {', '.join(LEAK_MODES)}.")
     return mode
 
 
-def leak_message(nodeid: str, changes: list[str]) -> str:
+def leak_message(nodeid: str, changes: list[str], *, opted_in: bool = True) -> str:
     """The report for one leaking test or fixture: which one, and every leaked key or class."""
     lines = "\n".join(f"  - {change}" for change in changes)
+    policy = (
+        "Set modelpatch_leaks = warn or off to relax this check." if opted_in else
+        "It uses none of pytest-modelpatch's markers or fixtures, so this is a warning and its outcome is "
+        "unchanged: set modelpatch_leaks = error to fail such tests, or off to stop checking them."
+    )  # fmt: skip
     return (
         f"{nodeid} leaked transformers patch state (restored now, so later tests are unaffected):\n{lines}\n"
         "Register patches with @pytest.mark.patch(...) or the patch_registry fixture, which clean up after "
-        "themselves, or undo them in a finally block. Set modelpatch_leaks = warn or off to relax this check."
+        f"themselves, or undo them in a finally block. {policy}"
     )
+
+
+class LeakTally:
+    """Leaks per outcome (``error``/``warn``), counted on the reports so xdist's controller sees the workers'.
+
+    Registered as a plugin: ``pytest_runtest_logreport`` reads ``report.modelpatch_leaks``
+    (set on a report by :meth:`stamp`), ``pytest_terminal_summary`` prints the count.
+    """
+
+    ATTRIBUTE = "modelpatch_leaks"
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.counts = {"error": 0, "warn": 0}
+
+    @classmethod
+    def stamp(cls, report: Any, leaks: list[str]) -> None:
+        """Carry this phase's leaks (``"error"``/``"warn"`` each) on its report; xdist serializes the attribute."""
+        setattr(report, cls.ATTRIBUTE, list(leaks))
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        for mode in getattr(report, self.ATTRIBUTE, ()):
+            self.counts[mode] += 1
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        errors, warned = self.counts["error"], self.counts["warn"]
+        if errors or warned:
+            why = (" (tests that use no modelpatch marker or fixture; modelpatch_leaks = error fails them too)"
+                   if warned and self.mode == AUTO else "")  # fmt: skip
+            terminalreporter.write_line(
+                f"modelpatch: {errors + warned} leak(s) of transformers patch state restored: {errors} failed their "
+                f"test, {warned} warned{why}"
+            )
 
 
 # Snapshots a finished test guard left equal to the live state, and the moment they are valid
@@ -90,8 +138,12 @@ class LeakGuard:
         self._guard.close()
         self._take()
 
-    def finish(self, nodeid: str) -> str | None:
-        """Restore what leaked; in ``error`` mode return the report, in ``warn`` mode warn it."""
+    def finish(self, nodeid: str, opted_in: Callable[[], bool] = lambda: True) -> tuple[str, str | None]:
+        """Restore what leaked and judge it: ``(outcome, message to raise)``.
+
+        ``outcome`` is ``""`` (nothing leaked), ``"error"`` (the message is returned) or ``"warn"``
+        (warned here). In ``auto`` mode ``opted_in()`` decides, asked only when something leaked.
+        """
         snapshot, library = self._guard.snapshot, self._library
         # The common test changes nothing: a comparison with the state the last restore left
         # stands in for restoring and diffing (both idempotent, so they would find nothing).
@@ -109,9 +161,10 @@ class LeakGuard:
         if self._reuse and library.executions == executions():
             _REUSABLE["test"] = (_moment(), snapshot, library)
         if not changes:
-            return None
-        message = leak_message(nodeid, changes)
-        if self.mode == "error":
-            return message
+            return "", None
+        chosen = self.mode if self.mode != AUTO else ("error" if opted_in() else "warn")
+        message = leak_message(nodeid, changes, opted_in=self.mode != AUTO or chosen == "error")
+        if chosen == "error":
+            return chosen, message
         warnings.warn(message, ModelPatchWarning, stacklevel=2)
-        return None
+        return chosen, None

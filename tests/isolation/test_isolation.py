@@ -258,7 +258,7 @@ def test_after():
     assert get_patch_mapping() == {}
 """
     )
-    result = pytester.runpytest(*xdist_args)
+    result = pytester.runpytest(*xdist_args, "-o", "modelpatch_leaks=error")  # a plain test: errors only when asked
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(
         [
@@ -308,7 +308,7 @@ def test_leaky(llama_checkpoint):
         clear_patch_mapping()
 """
     )
-    result = pytester.runpytest()
+    result = pytester.runpytest("-o", "modelpatch_leaks=error")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*LlamaPreTrainedModel._can_record_outputs?'attentions'? is *MyAttention (was *LlamaAttention)"])
 

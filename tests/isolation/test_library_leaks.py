@@ -66,7 +66,7 @@ def test_z_sees_the_originals():
     assert modeling_gpt2.GPT2MLP.forward is not fast_forward
 """
     )
-    result = pytester.runpytest()
+    result = pytester.runpytest("-o", "modelpatch_leaks=error")  # plain tests: explicit, as a suite opts in
     result.assert_outcomes(passed=5, errors=5, xfailed=1)
     result.stdout.fnmatch_lines_random(
         [
@@ -113,7 +113,7 @@ def test_b_sees_the_original_classes():
     assert type(AutoModelForCausalLM.from_config(config)) is LlamaForCausalLM
 """
     )
-    result = pytester.runpytest()
+    result = pytester.runpytest("-o", "modelpatch_leaks=error")  # plain tests: explicit, as a suite opts in
     result.assert_outcomes(passed=2)
 
 
@@ -174,7 +174,7 @@ def test_uses_the_leaky_fixture(leaky_module_fixture):
     pass
 """
     )
-    result = pytester.runpytest()
+    result = pytester.runpytest("-o", "modelpatch_leaks=error")  # plain tests: explicit, as a suite opts in
     result.assert_outcomes(passed=3, errors=1)
     result.stdout.fnmatch_lines(
         ["*module-scoped fixture 'leaky_module_fixture' leaked transformers patch state*", "*LlamaMLP.forward replaced"]
@@ -225,7 +225,7 @@ def test_z_sees_the_originals():
     from transformers import conversion_mapping
 
     named = hasattr(conversion_mapping, "USER_REGISTERED_MAPPINGS")  # transformers 5.3 has no such set
-    result = pytester.runpytest("-p", "no:randomly")
+    result = pytester.runpytest("-p", "no:randomly", "-o", "modelpatch_leaks=error")
     result.assert_outcomes(passed=6 if named else 5, skipped=0 if named else 1, errors=3 if named else 2)
     expected = ["*modeling_llama.renamed_* added*", "*_can_record_outputs?'attentions'? is *MyNorm*"]
     if named:
@@ -275,7 +275,7 @@ def test_z_sees_the_originals():
     assert modeling_llama.LlamaMLP.forward is ORIGINAL_MLP_FORWARD
 """,
     )
-    result = pytester.runpytest("-p", "no:randomly")
+    result = pytester.runpytest("-p", "no:randomly", "-o", "modelpatch_leaks=error")
     result.assert_outcomes(passed=5, errors=1)
     result.stdout.fnmatch_lines(["*module-scoped fixture 'leaky_mlp' leaked*", "*LlamaMLP.forward replaced"])
     result.stdout.no_fnmatch_line("*test_*_asks_* leaked*")
