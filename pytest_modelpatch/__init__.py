@@ -34,7 +34,7 @@ _EXPORTS: dict[str, str] = {
     "load_with_fusion": "roundtrip.check",
     "diff_checkpoints": "roundtrip.safetensors_diff",
     "check_reversible": "isolation.reversibility",
-    "lint_patterns": "lint.patterns",
+    "lint_patterns": "models.structure",
     "Finding": "lint.patterns",
     "meta_structures": "models.structure",
     "tiny_config": "models.families",

@@ -83,11 +83,9 @@ def _run_lint(args: argparse.Namespace) -> int:
     patterns._check_allow(mapping, allow)
     index = load_index(rebuild=args.rebuild_index)
     checks = [c for c in args.check.split(",") if c.strip()]
-    structures = None
-    if args.mapping and args.families and {"weights", "plan"} & {c.strip().lower() for c in checks}:
-        from pytest_modelpatch.models.structure import meta_structures as structures
-    findings = patterns.lint_patterns(mapping, families=args.families, index=index, conversions=conversions,
-                                      checks=checks, structures=structures)
+    from pytest_modelpatch.models.structure import lint_patterns  # the public function: the same findings
+
+    findings = lint_patterns(mapping, families=args.families, index=index, conversions=conversions, checks=checks)
     args.patterns = list(mapping)
     bad = patterns.failing(findings, allow)
     failed = {id(f) for f in bad}  # findings compare by value; thousands of them, so by identity

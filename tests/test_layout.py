@@ -29,7 +29,7 @@ ALLOWED = {
     "lint": {"errors"},
     "reporting": {"errors"},
     "isolation": {"errors", "lint"},
-    "models": {"errors", "isolation"},
+    "models": {"errors", "isolation", "lint"},
     "compare": {"errors", "isolation", "models", "reporting"},
     "roundtrip": {"errors", "isolation", "models", "compare", "reporting"},
 }

@@ -44,8 +44,9 @@ def lint_patterns(
     When the mapping's values are classes and a family is in scope, the contract checks run
     too (``checks``, default all of ``CHECKS``): ``SIGNATURE``/``UNUSED_ARGUMENT`` and the
     ``_no_split_modules`` part of ``PARALLEL_PLAN`` from the sources; ``WEIGHT_NAMES`` and the
-    TP/PP plans from tiny models that ``structures`` builds (pass
-    ``pytest_modelpatch.models.structure.meta_structures``; the lint itself builds nothing).
+    TP/PP plans from tiny models that ``structures`` builds, and only when it is given: this room
+    builds no model. The public ``pytest_modelpatch.lint_patterns``
+    (:func:`pytest_modelpatch.models.structure.lint_patterns`) passes the meta-device builder.
     ``conversions`` takes the patch marker's form, ``{model_type: [WeightConverter, ...]}``.
 
     Example::

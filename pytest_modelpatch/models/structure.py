@@ -15,8 +15,16 @@ import functools
 import importlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pytest_modelpatch.lint import patterns
+
+if TYPE_CHECKING:
+    from pytest_modelpatch.lint.contract import StructureBuilder
+    from pytest_modelpatch.lint.findings import Finding
+    from pytest_modelpatch.lint.scan_index import ScanIndex
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,33 @@ def meta_structures(
     """
     key = tuple(sorted((name, cls, tuple(modules)) for name, (cls, modules) in replacements.items()))
     return (_original(model_type) if original else None), _patched(model_type, key)
+
+
+def lint_patterns(
+    mapping_or_keys: Mapping[str, object] | Iterable[str] | str,
+    *,
+    families: Iterable[str] | None = None,
+    conversions: Mapping[str, list[Any]] | None = None,
+    checks: Iterable[str] | None = None,
+    structures: StructureBuilder | None = meta_structures,
+    index: ScanIndex | None = None,
+) -> list[Finding]:
+    """Findings for each key, matched as transformers matches them, with every check by default.
+
+    ``families`` limits the scope (matches elsewhere are ``BROAD``); with replacement classes and
+    a family in scope, the contract checks run too: ``SIGNATURE``/``UNUSED_ARGUMENT`` from the
+    sources, ``WEIGHT_NAMES`` and ``PARALLEL_PLAN`` from the family's tiny model built on the meta
+    device (once per family and replacement, cached as the patch marker's are). ``checks`` narrows
+    them (``"names"``, ``"signature"``, ``"weights"``, ``"plan"``). The patch marker, ``modelpatch
+    lint`` and this function give the same findings for the same input.
+
+    Example::
+
+        lint_patterns({"LlamaAttention": LlamaFusedQKVAttention}, families=["llama"])
+        # [WEIGHT_NAMES] ... missing keys ... qkv_proj ...; [PARALLEL_PLAN] layers.*.self_attn.q_proj ...
+    """
+    return patterns.lint_patterns(mapping_or_keys, families=families, conversions=conversions, checks=checks,
+                                  structures=structures, index=index)
 
 
 @functools.lru_cache(maxsize=64)

@@ -97,3 +97,4 @@ def test_contract_of_a_mapping_from_the_command_line() -> None:
     result = modelpatch(*fused, "--check", "weights", "--conversions", "fixtures.patches.qwen3_moe_router:CONVERSIONS")
     assert result.returncode == 1
     assert "FAIL [WEIGHT_NAMES]" in result.stdout and "No conversion is registered for 'llama'" in result.stdout
+

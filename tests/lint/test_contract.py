@@ -8,6 +8,9 @@ used" case is shown on it.
 from __future__ import annotations
 
 import importlib
+import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -283,3 +286,39 @@ def test_a_no_op_patch_on_vibevoice_asr_runs_and_a_renaming_one_is_refused(pytes
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*ERROR at setup of test_renamed*", "*[[]WEIGHT_NAMES[]]*missing keys*acoustic_in*"
                                  "unexpected keys*acoustic_linear_1*"])
+
+
+def test_the_function_the_cli_and_the_marker_give_the_same_findings(pytester: pytest.Pytester) -> None:
+    # torch and transformers are imported before pytester snapshots sys.modules (this module imports them):
+    # pytester drops what a test imported, and torch cannot be imported twice in one process
+    from pytest_modelpatch import lint_patterns
+
+    # the fused attention without its conversion: the checkpoint's q/k/v no longer load, llama's TP plan breaks
+    # (and BROAD: families other than llama bind LlamaAttention too)
+    found = lint_patterns(llama_fused_qkv.MAPPING, families=["llama"])
+    assert sorted({str(f.kind) for f in found}) == ["BROAD", "PARALLEL_PLAN", "WEIGHT_NAMES"]
+    assert len(lint_patterns(llama_fused_qkv.MAPPING, families=["llama"], structures=None)) == 1  # BROAD only
+    no_conversion = "fixtures.patches.llama_new_kv_only:CONVERSIONS"  # {}
+    cli = subprocess.run([sys.executable, "-m", "pytest_modelpatch", "lint", "--family", "llama", "--mapping", "fixtures.patches.llama_fused_qkv:MAPPING",
+                          "--conversions", no_conversion, "--json"], capture_output=True, text=True)  # fmt: skip
+    assert cli.returncode == 1, cli.stderr
+    assert [{k: v for k, v in f.items() if k != "failing"} for f in json.loads(cli.stdout)["findings"]] == [
+        f.to_json() for f in found
+    ]
+    pytester.makepyfile(
+        """
+        import pytest
+        from fixtures.patches import llama_fused_qkv
+
+
+        @pytest.mark.model("llama")
+        @pytest.mark.patch(llama_fused_qkv.MAPPING)
+        def test_without_conversion():
+            pass
+        """
+    )
+    marked = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    marked.assert_outcomes(errors=1)
+    registration = [f for f in found if str(f.kind) == "WEIGHT_NAMES"]  # what fails registration
+    for finding in registration:
+        assert str(finding) in marked.stdout.str()
