@@ -46,6 +46,18 @@ def test_flipped_weight_bytes_are_rebuilt_before_loading(entry: Path, tmp_path: 
     assert _weights(entry).read_bytes() == good
 
 
+def test_nan_bytes_of_the_same_size_are_rebuilt_in_a_fresh_session_and_load_finite(entry: Path, tmp_path: Path) -> None:
+    clean = {name: t.clone() for name, t in load_pretrained(entry).state_dict().items()}  # loads may map the file
+    weights = _weights(entry)
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-64] + b"\xff" * 64)  # same size, header intact: float32 NaNs in the last tensor
+    assert verify_entry(entry) is None  # sizes and headers cannot see it
+    assert "does not match its sha256" in verify_entry(entry, full=True)
+    loaded = load_pretrained(_fresh(tmp_path)).state_dict()  # the first use of a session hashes, and heals
+    assert all(bool(t.isfinite().all()) for t in loaded.values() if t.is_floating_point())
+    assert all(torch.equal(loaded[name], clean[name]) for name in clean)
+
+
 def test_flipped_bytes_within_a_session_are_caught_under_verify_cache(entry: Path, tmp_path: Path) -> None:
     from pytest_modelpatch.models.cache import set_full_verification
 
