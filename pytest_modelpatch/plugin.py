@@ -22,7 +22,8 @@ from pytest_modelpatch.reporting.records import set_record_sink
 from pytest_modelpatch.reporting.session import CheckSink
 
 if TYPE_CHECKING:
-    from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
+    from pytest_modelpatch.isolation.patch_spec import PatchSpec
+    from pytest_modelpatch.models.builder import LoadChoices, ModelBuilder, ModelRequest
     from pytest_modelpatch.isolation.registration import ActivePatches, PatchRegistry
 
 _GPU_SKIP = pytest.StashKey[str]()
@@ -33,9 +34,9 @@ MARKERS = {
     "gpu": "gpu: needs a CUDA GPU; skipped with a reason when there is none (a failure under --modelpatch-require-gpu)",
     "devices": "devices(*names): run the test once per device, e.g. devices('cpu', 'cuda'); sets the device fixture",
     "dtypes": "dtypes(*dtypes): run the test once per dtype, e.g. dtypes('float32', 'bfloat16'); sets the dtype fixture",
-    "model": "model(spec, *, seed=0, init='modelpatch', attn_implementation=None, fusion_config=None, "
-    "**config_overrides): the model behind reference_model and patched_model: a model type ('llama'), a "
-    "PretrainedConfig or a local checkpoint directory; an unknown keyword is a usage error",
+    "model": "model(spec, *, seed=0, init='modelpatch', attn_implementation=None, experts_implementation=None, "
+    "fusion_config=None, **config_overrides): the model behind reference_model and patched_model: a model type "
+    "('llama'), a PretrainedConfig or a local checkpoint directory; an unknown keyword is a usage error",
     "tolerance": "tolerance(*, atol=None, rtol=None, policy=None): tolerance for this test's equivalence checks "
     "(arguments > this marker > modelpatch_atol/modelpatch_rtol ini > the per-dtype policy)",
 }
@@ -258,10 +259,11 @@ def dtype(request: pytest.FixtureRequest) -> Any:
 class _TestScope:
     """What the plugin holds open for one test: its leak guard, its patches, its tolerance."""
 
-    __slots__ = ("active", "failure", "guard", "item", "reset_tolerance")
+    __slots__ = ("active", "failure", "guard", "item", "reset_tolerance", "spec")
 
     def __init__(self, guard: LeakGuard | None, item: pytest.Item) -> None:
         self.guard, self.item = guard, item
+        self.spec: PatchSpec | None = None
         self.active: ActivePatches | None = None
         self.reset_tolerance: Any = None
         self.failure: Exception | None = None  # raised once setup is over
@@ -300,7 +302,7 @@ def _open_test_scope(item: pytest.Item) -> _TestScope:
     item.addfinalizer(scope.close)
     try:
         # keywords hold every marker name of the node and its parents: a cheap test before the marker walk
-        spec = collect_patch_spec(item) if "patch" in item.keywords else None
+        spec = scope.spec = collect_patch_spec(item) if "patch" in item.keywords else None
         if spec is not None:
             from pytest_modelpatch.isolation.registration import ActivePatches
 
@@ -488,10 +490,43 @@ def _required_model_request(request: pytest.FixtureRequest) -> ModelRequest:
     return model_request
 
 
+def _load_choices(request: pytest.FixtureRequest) -> LoadChoices | None:
+    """The patch marks' load choices and transforms (for the patched load; the reference's follow from them)."""
+    scope = request.node.stash.get(_TEST_SCOPE, None)
+    spec = scope.spec if scope is not None else None
+    if spec is None or not spec.load_choices:
+        return None
+    from pytest_modelpatch.models.builder import LoadChoices
+
+    return LoadChoices(dict(spec.load_kwargs), tuple(spec.transforms))
+
+
+def _warn_shared_implementations(model_request: ModelRequest, nodeid: str) -> None:
+    """A user's implementation on the model marker runs in both models: the comparison cannot judge it."""
+    from pytest_modelpatch.models.builder import IMPLEMENTATIONS, is_transformers_own
+
+    for axis in IMPLEMENTATIONS:
+        name = getattr(model_request, axis)
+        if not is_transformers_own(axis, name):
+            import warnings
+
+            from pytest_modelpatch.errors import ModelPatchWarning
+
+            warnings.warn(
+                f"{nodeid}: @pytest.mark.model({axis}={name!r}) loads both models with {name!r}, so the comparison "
+                f"cannot judge it (it would pass with any bug in it). To verify it, put it on the patch marker: "
+                f"@pytest.mark.patch({axis}={name!r}) loads only the patched model with it, the reference with "
+                "transformers' eager one.",
+                ModelPatchWarning, stacklevel=2,
+            )  # fmt: skip
+
+
 @pytest.fixture
 def reference_model(model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest) -> Any:
     """The unpatched model of ``@pytest.mark.model``, loaded with ``from_pretrained``; shared, do not modify."""
-    return model_builder.reference(_required_model_request(request), dtype=dtype, device=device)
+    model_request = _required_model_request(request)
+    _warn_shared_implementations(model_request, request.node.nodeid)
+    return model_builder.reference(model_request, dtype=dtype, device=device, choices=_load_choices(request))
 
 
 @pytest.fixture
@@ -504,7 +539,7 @@ def patched_model(
     model_request = _required_model_request(request)
     guard = PatchStateGuard()  # fusion_config registers global patches while loading
     try:
-        yield model_builder.patched(model_request, dtype=dtype, device=device)
+        yield model_builder.patched(model_request, dtype=dtype, device=device, choices=_load_choices(request))
     finally:
         guard.restore()
 

@@ -26,6 +26,7 @@ from pytest_modelpatch.compare.outputs import (
     describe_inputs,
     describe_tolerances,
     evaluating,
+    implementations_line,
     model_device,
     move_inputs,
     placement,
@@ -355,6 +356,7 @@ def compare_decoding(
     start = time.perf_counter()
     options = {"max_new_tokens": max_new_tokens, "cache_implementation": cache_implementation, "spec": spec}
     steps, hint = decode_pair(reference, patched, prompts, **options)
+    hint = "\n".join(line for line in (implementations_line(reference, patched), hint) if line)
     report = DecodingReport(
         type(reference).__name__, type(patched).__name__, steps, spec, max_new_tokens, cache_implementation,
         inputs=describe_inputs(prompts), hint=hint, **placement(reference),

@@ -20,6 +20,7 @@ from pytest_modelpatch.compare.outputs import (
     TensorComparison,
     cache_hint_for,
     default_inputs,
+    implementations_line,
     describe_inputs,
     describe_tolerances,
     evaluating,
@@ -129,8 +130,8 @@ def compare_models(
         tolerance=spec, inputs=describe_inputs(inputs), routing=routing,
         **placement(reference),
     )  # fmt: skip
-    if not report.passed and (hint := cache_hint_for(patched, comparisons)):
-        report.extra.append(hint)
+    if not report.passed:
+        report.extra += [line for line in (implementations_line(reference, patched), cache_hint_for(patched, comparisons)) if line]
     if locate and not report.passed:
         report.divergence = first_divergence(reference, patched, inputs, spec)
     report.duration_s = time.perf_counter() - start

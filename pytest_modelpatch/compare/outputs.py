@@ -484,3 +484,14 @@ def cache_hint_for(model: torch.nn.Module, comparisons: list[TensorComparison]) 
     """:func:`unfilled_cache_hint` when a failure is a cache layer the patched model never wrote, else ``""``."""
     empty = [c.path for c in comparisons if c.problem and _CACHE_LEAF.match(c.path) and "patched is absent" in c.problem]
     return unfilled_cache_hint(model, f"({', '.join(empty[:2])}{', ...' if len(empty) > 2 else ''})") if empty else ""
+
+
+def implementations_line(reference: torch.nn.Module, patched: torch.nn.Module) -> str:
+    """Each side's attention and experts implementation, when they differ (the patch marker's load choices)."""
+    sides = []
+    for label, attribute in (("attention", "_attn_implementation"), ("experts", "_experts_implementation")):
+        ours = getattr(getattr(reference, "config", None), attribute, None)
+        theirs = getattr(getattr(patched, "config", None), attribute, None)
+        if ours != theirs:
+            sides.append(f"{label} {ours} (reference) vs {theirs} (patched)")
+    return f"implementations: {'; '.join(sides)}" if sides else ""

@@ -15,10 +15,16 @@ import pytest
 from pytest_modelpatch.errors import PatchUsageError
 
 PATCH_MARKER_HELP = (
-    "patch(mapping=None, *, conversions=None, overwrite=False, methods=None, allow=None, context=None, **context_kwargs):"
-    " register transformers patches for this test and restore all global patch state afterwards"
+    "patch(mapping=None, *, conversions=None, overwrite=False, methods=None, allow=None, context=None, "
+    "attn_implementation=None, experts_implementation=None, load_kwargs=None, transform=None, **context_kwargs):"
+    " register transformers patches for this test and restore all global patch state afterwards; the load choices "
+    "and transforms reach the patched model only"
 )
-_KEYWORDS = ("mapping", "conversions", "overwrite", "methods", "allow", "context")
+_KEYWORDS = (
+    "mapping", "conversions", "overwrite", "methods", "allow", "context",
+    "attn_implementation", "experts_implementation", "load_kwargs", "transform",
+)  # fmt: skip
+IMPLEMENTATIONS = ("attn_implementation", "experts_implementation")  # the axes the reference loads as "eager"
 
 
 def _where(node: pytest.Item | pytest.Collector) -> str:
@@ -35,7 +41,15 @@ class PatchSpec:
     methods: list[Any] = field(default_factory=list)
     allow: dict[str, list[str]] = field(default_factory=dict)
     contexts: list[tuple[Callable[..., Any], dict[str, Any]]] = field(default_factory=list)
+    # from_pretrained choices for the patched load only: implementations, then any other keyword
+    load_kwargs: dict[str, Any] = field(default_factory=dict)
+    transforms: list[Callable[[Any], Any]] = field(default_factory=list)  # fn(model) -> model or None, in order
     _origin: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    @property
+    def load_choices(self) -> bool:
+        """The marks change how the patched model is loaded or transformed, not only what is registered."""
+        return bool(self.load_kwargs or self.transforms)
 
     def _merge_key(self, kind: str, target: dict[str, Any], key: str, value: Any, where: str) -> None:
         if key in target and target[key] is not value and target[key] != value:
@@ -111,6 +125,7 @@ def _merge_mark(spec: PatchSpec, mark: pytest.Mark, where: str) -> None:
         kinds_list = [kinds] if isinstance(kinds, str) else list(kinds)
         spec.allow.setdefault(key, [])
         spec.allow[key].extend(k for k in kinds_list if k not in spec.allow[key])
+    _merge_load_choices(spec, kwargs, where)
     if context is not None:
         if not callable(context):
             raise PatchUsageError(
@@ -118,3 +133,36 @@ def _merge_mark(spec: PatchSpec, mark: pytest.Mark, where: str) -> None:
                 f"(e.g. a @contextmanager function), got {context!r}."
             )
         spec.contexts.append((context, extra))
+
+
+def _merge_load_choices(spec: PatchSpec, kwargs: dict[str, Any], where: str) -> None:
+    given = kwargs.get("load_kwargs") or {}
+    if not isinstance(given, Mapping):
+        raise PatchUsageError(
+            f"@pytest.mark.patch on {where}: load_kwargs must be a dict of from_pretrained keywords, e.g. "
+            f"{{'use_kernels': True}}, got {type(given).__name__}."
+        )
+    given = dict(given)
+    for axis in IMPLEMENTATIONS:
+        value = kwargs.get(axis)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise PatchUsageError(
+                f"@pytest.mark.patch on {where}: {axis} must be a name (register a function first, e.g. "
+                f"AttentionInterface.register('my_attn', fn), then pass 'my_attn'), got {value!r}."
+            )
+        if axis in given and given[axis] != value:
+            raise PatchUsageError(f"@pytest.mark.patch on {where}: {axis} is given both directly and in load_kwargs.")
+        given[axis] = value
+    for key, value in given.items():
+        spec._merge_key("load_kwargs", spec.load_kwargs, key, value, where)
+    transforms = kwargs.get("transform") or []
+    for transform in transforms if isinstance(transforms, (list, tuple)) else [transforms]:
+        if not callable(transform):
+            raise PatchUsageError(
+                f"@pytest.mark.patch on {where}: transform must be a callable fn(model) returning a model or None "
+                f"(applied to the patched model after it loads), got {transform!r}."
+            )
+        if transform not in spec.transforms:
+            spec.transforms.append(transform)

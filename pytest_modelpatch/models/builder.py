@@ -29,7 +29,9 @@ from pytest_modelpatch.models.reference import prepare_reference, reference_prob
 
 
 # keywords of @pytest.mark.model that are not config attributes; anything else must be one
-MARKER_KEYWORDS = ("seed", "init", "fusion_config", "attn_implementation")
+MARKER_KEYWORDS = ("seed", "init", "fusion_config", "attn_implementation", "experts_implementation")
+IMPLEMENTATIONS = ("attn_implementation", "experts_implementation")
+GROUND_TRUTH = "eager"  # each axis's reference implementation: transformers' default is not (grouped_mm experts on CPU)
 DTYPE_KEYWORDS = ("dtype", "torch_dtype")
 
 
@@ -37,9 +39,11 @@ DTYPE_KEYWORDS = ("dtype", "torch_dtype")
 class ModelRequest:
     """What ``@pytest.mark.model`` (or ``--modelpatch-checkpoint``) asks for.
 
-    ``overrides`` change the config of both models; ``attn_implementation`` is passed to
-    both models' ``from_pretrained``; ``fusion_config`` to the patched model's only (a
-    fusion is a patch); ``seed`` and ``init`` shape the seeded checkpoint's weights.
+    ``overrides`` change the config of both models; ``attn_implementation`` and
+    ``experts_implementation`` are passed to both models' ``from_pretrained`` (a context for
+    class patches; to verify an implementation, put it on ``@pytest.mark.patch``);
+    ``fusion_config`` to the patched model's only (a fusion is a patch); ``seed`` and
+    ``init`` shape the seeded checkpoint's weights.
     """
 
     spec: Any
@@ -48,6 +52,7 @@ class ModelRequest:
     fusion_config: Mapping[str, Any] | None = None
     init: str = DEFAULT_INIT
     attn_implementation: str | None = None
+    experts_implementation: str | None = None
 
     @classmethod
     def from_marker(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any], where: str) -> ModelRequest:
@@ -67,12 +72,14 @@ class ModelRequest:
         seed = options.pop("seed", 0)
         fusion = options.pop("fusion_config", None)
         attn = options.pop("attn_implementation", None)
+        experts = options.pop("experts_implementation", None)
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise PatchUsageError(f"@pytest.mark.model on {where}: seed must be an int, got {seed!r}.")
         try:
             init = check_init(options.pop("init", DEFAULT_INIT))
             check_fusion_config(fusion)
             check_attn_implementation(attn)
+            check_experts_implementation(experts)
             spec = resolve_model_spec(args[0], **options)  # refuses an override that is no config field
         except PatchUsageError as exc:
             raise PatchUsageError(f"@pytest.mark.model on {where}: {exc}") from None
@@ -82,11 +89,44 @@ class ModelRequest:
                 f"@pytest.mark.model on {where}: {' and '.join(sorted(weighted))} shape the seeded tiny checkpoints, "
                 f"but {spec.source_dir} has its own weights. Drop {', '.join(sorted(weighted))}, or pass a model type."
             )
-        return cls(args[0], options, seed, fusion, init, attn)
+        return cls(args[0], options, seed, fusion, init, attn, experts)
 
     def load_kwargs(self) -> dict[str, Any]:
         """``from_pretrained`` keywords both models are loaded with."""
-        return {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
+        return {axis: getattr(self, axis) for axis in IMPLEMENTATIONS if getattr(self, axis)}
+
+
+@dataclass(frozen=True)
+class LoadChoices:
+    """How the patch marks load the patched model: ``from_pretrained`` keywords, then transforms.
+
+    ``reference_kwargs`` is what the reference loads with instead: for each implementation
+    axis the patch sets, the model marker's choice, else transformers' ground truth
+    (``"eager"``), so a custom attention or experts function is compared with the original
+    computation rather than with itself.
+    """
+
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    transforms: tuple[Any, ...] = ()
+
+    def reference_kwargs(self, request: ModelRequest) -> dict[str, Any]:
+        shared = request.load_kwargs()
+        return {**shared, **{axis: shared.get(axis, GROUND_TRUTH) for axis in IMPLEMENTATIONS if axis in self.kwargs}}
+
+    def patched_kwargs(self, request: ModelRequest) -> dict[str, Any]:
+        return {**request.load_kwargs(), **self.kwargs}
+
+    def check(self) -> None:
+        """Refuse implementation names transformers does not know, as it would, with did-you-mean."""
+        check_attn_implementation(self.kwargs.get("attn_implementation"))
+        check_experts_implementation(self.kwargs.get("experts_implementation"))
+
+    def transform(self, model: Any) -> Any:
+        """Apply the transforms in order: each returns the model to go on with, or None (changed in place)."""
+        for fn in self.transforms:
+            result = fn(model)
+            model = model if result is None else result
+        return model
 
 
 def check_fusion_config(fusion: Any) -> None:
@@ -112,6 +152,36 @@ def check_attn_implementation(value: Any) -> None:
     known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
     if not isinstance(value, str) or ("/" not in value and value not in known):
         raise PatchUsageError(f"attn_implementation={value!r} is not an attention implementation{_did_you_mean(str(value), known)}")
+
+
+def check_experts_implementation(value: Any) -> None:
+    """Refuse an ``experts_implementation`` transformers' ``ExpertsInterface`` does not know."""
+    if value is None:
+        return
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # transformers before the experts interface: from_pretrained says what it accepts
+        return
+    known = ["eager", *ALL_EXPERTS_FUNCTIONS.valid_keys()]
+    if not isinstance(value, str) or value not in known:
+        raise PatchUsageError(
+            f"experts_implementation={value!r} is not an experts implementation{_did_you_mean(str(value), known)}"
+        )
+
+
+def is_transformers_own(axis: str, name: str | None) -> bool:
+    """``name`` is one of transformers' own implementations (not a function a user registered)."""
+    if name is None or name == GROUND_TRUTH or "/" in name:
+        return True
+    if axis == "attn_implementation":
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as functions
+    else:
+        try:
+            from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS as functions
+        except ImportError:
+            return True
+    function = functions.get(name)
+    return function is None or getattr(function, "__module__", "").startswith("transformers")
 
 
 def _did_you_mean(name: str, valid: list[str]) -> str:
@@ -144,7 +214,9 @@ class ModelBuilder:
             spec.config, dtype=dtype_name(dtype), seed=request.seed, cache_dir=self.cache_dir, init=request.init
         )
 
-    def reference(self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu") -> torch.nn.Module:
+    def reference(
+        self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu", choices: LoadChoices | None = None
+    ) -> torch.nn.Module:
         """The unpatched model, built once per (checkpoint, dtype, device) and shared: do not modify it.
 
         Kept in memory under ini ``modelpatch_model_cache`` (least recently used released first);
@@ -154,30 +226,43 @@ class ModelBuilder:
         that is no longer pristine is rebuilt.
         """
         path = self.checkpoint(request, dtype=dtype)
-        key = (str(path), dtype_name(dtype), str(device), str(request.attn_implementation))
+        load = choices.reference_kwargs(request) if choices is not None else request.load_kwargs()
+        key = (str(path), dtype_name(dtype), str(device), repr(sorted(load.items())))
         cached = self._references.get(key)
         if cached is not None and not reference_problems(cached):
             return cached
         with pristine():
-            model = prepare_reference(load_pretrained(path, dtype=dtype, device=device, **request.load_kwargs()))
+            model = prepare_reference(load_pretrained(path, dtype=dtype, device=device, **load))
         self._references.put(key, model)
         return model
 
-    def patched(self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu") -> torch.nn.Module:
-        """The model loaded with whatever patches and conversions are registered now."""
+    def patched(
+        self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu", choices: LoadChoices | None = None
+    ) -> torch.nn.Module:
+        """The model loaded with whatever patches and conversions are registered now, and the test's load choices.
+
+        ``choices`` (the patch marks' ``attn_implementation``, ``experts_implementation``,
+        ``load_kwargs`` and ``transform``) reach this load only; transforms run last, in order.
+        """
         from transformers import monkey_patching
 
+        if choices is not None:
+            choices.check()
         path = self.checkpoint(request, dtype=dtype)
         keys = list(monkey_patching.get_patch_mapping())
         extra = {"fusion_config": dict(request.fusion_config)} if request.fusion_config else {}
-        extra.update(request.load_kwargs())
+        extra.update(choices.patched_kwargs(request) if choices is not None else request.load_kwargs())
         model = load_pretrained(path, dtype=dtype, device=device, **extra)
         scope = current_scope()
         if scope is not None:
             scope.settle()  # a loader wrapper may have patched while loading
         if keys:
-            check_keys_applied(keys, self.reference(request, dtype=dtype, device=device), model)
+            check_keys_applied(keys, self.reference(request, dtype=dtype, device=device, choices=choices), model)
         track_patch_usage(model, set(monkey_patching.get_patch_mapping().values()))
+        if choices is not None and choices.transforms:
+            model = choices.transform(model)
+            if scope is not None:
+                scope.settle()  # an instance patcher may rebind class or module attributes
         return model
 
 

@@ -1,0 +1,205 @@
+"""The patched side's load choices: implementations, from_pretrained keywords and transforms on the patch marker.
+
+Each reaches the patched load only; for an implementation axis the patch sets, the reference
+loads with transformers' ground truth (``"eager"``), so a custom function is compared with the
+original computation, not with itself. Each scenario has a broken twin that must fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+ATTENTION = """
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from pytest_modelpatch import assert_equivalent
+
+
+def good_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def wrong_scale_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling * 1.5, dropout=dropout, **kwargs)
+
+
+AttentionInterface.register("good_attn", good_attention)
+AttentionInterface.register("wrong_scale_attn", wrong_scale_attention)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(attn_implementation="good_attn")
+def test_good(reference_model, patched_model):
+    assert reference_model.config._attn_implementation == "eager"
+    assert patched_model.config._attn_implementation == "good_attn"
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(attn_implementation="wrong_scale_attn")
+def test_wrong_scale(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llama", attn_implementation="sdpa")
+@pytest.mark.patch(attn_implementation="good_attn")
+def test_reference_on_the_model_markers_choice(reference_model, patched_model):
+    assert reference_model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.model("llama", attn_implementation="wrong_scale_attn")
+def test_shared_on_the_model_marker_warns(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)  # vacuous: both run it
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(attn_implementation="good_atn")
+def test_typo(patched_model):
+    pass
+"""
+
+
+def test_a_custom_attention_is_judged_against_eager_and_a_wrong_scale_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_attention=ATTENTION)
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result.assert_outcomes(passed=3, failed=1, errors=1, warnings=1)
+    result.stdout.fnmatch_lines(["*implementations: attention eager (reference) vs wrong_scale_attn (patched)*"])
+    result.stdout.fnmatch_lines(["FAILED test_attention.py::test_wrong_scale*"])
+    result.stdout.fnmatch_lines(["*test_shared_on_the_model_marker_warns: @pytest.mark.model(attn_implementation='wrong_scale_attn') loads both models*cannot judge it*"])
+    result.stdout.fnmatch_lines(["*attn_implementation='good_atn' is not an attention implementation. Did you mean 'good_attn'*"])
+
+
+EXPERTS = """
+import pytest
+import torch
+from transformers.integrations.moe import ExpertsInterface, batched_mm_experts_forward
+from pytest_modelpatch import assert_equivalent
+
+
+def wrong_router_experts(self, hidden_states, top_k_index, top_k_weights):
+    # each token's weights go to the wrong experts: the first weight to the second expert and so on
+    return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights.flip(-1))
+
+
+ExpertsInterface.register("wrong_router", wrong_router_experts)
+
+
+@pytest.mark.model("qwen3_moe")
+@pytest.mark.patch(experts_implementation="batched_mm")
+def test_batched_mm(reference_model, patched_model):
+    assert reference_model.config._experts_implementation == "eager"
+    assert patched_model.config._experts_implementation == "batched_mm"
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("qwen3_moe")
+@pytest.mark.patch(experts_implementation="wrong_router")
+def test_wrong_router(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("qwen3_moe", experts_implementation="batched_mm")
+def test_model_marker_takes_experts_implementation(reference_model, patched_model):
+    assert reference_model.config._experts_implementation == patched_model.config._experts_implementation == "batched_mm"
+"""
+
+
+def test_batched_mm_experts_pass_and_experts_that_route_to_the_wrong_experts_fail(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_experts=EXPERTS)
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*implementations: experts eager (reference) vs wrong_router (patched)*"])
+    result.stdout.fnmatch_lines(["FAILED test_experts.py::test_wrong_router*"])
+
+
+TRANSFORMS = """
+import types
+
+import pytest
+import torch
+from pytest_modelpatch import assert_equivalent, assert_generates_equivalent
+
+SEEN = []
+
+
+def spy_kwargs(model):
+    SEEN.append(model.config._attn_implementation)
+
+
+def bump_a_weight(model):
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] += 1.0
+
+
+def rebind_rmsnorm_forward(model):
+    # an instance patcher: every RMSNorm's forward rebound to an equivalent function
+    for module in model.modules():
+        if type(module).__name__ == "LlamaRMSNorm":
+            def forward(self, hidden_states):
+                variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+                normed = hidden_states.to(torch.float32) * torch.rsqrt(variance + self.variance_epsilon)
+                return self.weight * normed.to(hidden_states.dtype)
+            module.forward = types.MethodType(forward, module)
+    return model
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(load_kwargs={"attn_implementation": "sdpa"}, transform=spy_kwargs)
+def test_load_kwargs_reach_the_patched_load_only(reference_model, patched_model):
+    assert SEEN == ["sdpa"] and reference_model.config._attn_implementation == "eager"
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(transform=bump_a_weight)
+def test_weight_changed(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(transform=[rebind_rmsnorm_forward, spy_kwargs])
+def test_instance_patcher(reference_model, patched_model):
+    assert all(type(m).__name__ != "LlamaRMSNorm" or "forward" in vars(m) for m in patched_model.modules())
+    assert not any("forward" in vars(m) for m in reference_model.modules())
+    assert_equivalent(reference_model, patched_model)
+    assert_generates_equivalent(reference_model, patched_model, max_new_tokens=3)
+"""
+
+
+def test_transforms_reach_the_patched_model_only_and_a_changed_weight_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_transforms=TRANSFORMS)
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_transforms.py::test_weight_changed*"])
+    result.stdout.fnmatch_lines(["*first diverging module: model.layers.0.mlp.down_proj*"])
+
+
+def test_bad_load_choices_are_usage_errors(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+
+        @pytest.mark.model("llama")
+        @pytest.mark.patch(transform="not callable")
+        def test_bad_transform(patched_model):
+            pass
+
+
+        @pytest.mark.model("qwen3_moe")
+        @pytest.mark.patch(experts_implementation="batchd_mm")
+        def test_bad_experts(patched_model):
+            pass
+
+
+        @pytest.mark.patch(load_kwargs=["use_kernels"])
+        def test_bad_load_kwargs():
+            pass
+        """
+    )
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result.assert_outcomes(errors=3)
+    result.stdout.fnmatch_lines(["*transform must be a callable fn(model) returning a model or None*"])
+    result.stdout.fnmatch_lines(["*experts_implementation='batchd_mm' is not an experts implementation. Did you mean 'batched_mm'*"])
+    result.stdout.fnmatch_lines(["*load_kwargs must be a dict of from_pretrained keywords*"])
