@@ -29,6 +29,7 @@ from pytest_modelpatch.compare.outputs import (
     describe_tolerances,
     flatten_outputs,
     placement,
+    unwrapped,
 )
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import (
@@ -313,7 +314,7 @@ def assert_backward_equivalent(
         reference, patched, inputs, resolve_tolerance(atol, rtol, policy),
         loss=loss, checkpointing=checkpointing, checkpointing_label=label,
     )  # fmt: skip
-    unused = [u.replacement for u in unused_replacements(patched)]
+    unused = [u.replacement for u in unused_replacements(unwrapped(patched))]
     if unused and not allow_unused:
         report.unused = unused_message(unused, where="the compared training step")
     report.record()

@@ -31,6 +31,7 @@ from pytest_modelpatch.compare.outputs import (
     move_inputs,
     placement,
     unfilled_cache_hint,
+    unwrapped,
 )
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
@@ -135,7 +136,7 @@ class PairDecoder:
             self.positions = (self.mask.long().cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
         with pristine():  # the reference's cache is built in the unpatched world too
             self.reference_cache = new_cache(reference, cache_implementation, max_cache_len)
-        self.patched_cache = new_cache(patched, cache_implementation, max_cache_len)
+        self.patched_cache = new_cache(unwrapped(patched), cache_implementation, max_cache_len)
 
     def step_inputs(self, tokens: torch.Tensor | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """The reference's and the patched model's inputs for the next forward (the prompt when ``tokens`` is None)."""

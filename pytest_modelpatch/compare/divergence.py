@@ -30,6 +30,7 @@ from pytest_modelpatch.compare.outputs import (
     flatten_outputs,
     forward,
     placement,
+    unwrapped,
 )
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.training import training_state
@@ -103,8 +104,10 @@ def record_module_calls(model: torch.nn.Module, inputs: Mapping[str, Any], *, tr
 
         return module, before, after
 
-    # The root is skipped: its output is the model output, compared already.
-    run_with_hooks(model, inputs, [hooks(name, module) for name, module in model.named_modules() if name], train=train)
+    # The root is skipped: its output is the model output, compared already. A wrapper (PEFT) runs,
+    # and its modules are named as inside the model it wraps, so they pair with the reference's.
+    named = unwrapped(model).named_modules()
+    run_with_hooks(model, inputs, [hooks(name, module) for name, module in named if name], train=train)
     return calls
 
 

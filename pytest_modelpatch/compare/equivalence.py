@@ -25,6 +25,7 @@ from pytest_modelpatch.compare.outputs import (
     describe_tolerances,
     evaluating,
     placement,
+    unwrapped,
 )
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
@@ -165,10 +166,10 @@ def assert_equivalent(
     elif isinstance(inputs, torch.Tensor):
         inputs = {"input_ids": inputs}
     report = compare_models(reference, patched, inputs, resolve_tolerance(atol, rtol, policy))
-    unused = [u.replacement for u in unused_replacements(patched)]
+    unused = [u.replacement for u in unused_replacements(unwrapped(patched))]
     if unused and not allow_unused:
         report.unused = unused_message(unused, where="the compared forward")
-    report.coverage = coverage_lines(patched)
+    report.coverage = coverage_lines(unwrapped(patched))
     report.timing = timing_if_enabled(reference, patched, inputs)
     report.record()
     if not report.passed:

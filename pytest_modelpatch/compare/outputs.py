@@ -389,6 +389,20 @@ def class_pair(reference_class: str, patched_class: str) -> str:
     return f"{reference_class} in the reference, {patched_class} in the patched model"
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a wrapper exposes with ``get_base_model()`` (PEFT's ``PeftModel``), else ``model`` itself.
+
+    Checks run the wrapper (its forward is what users call) and name modules, compare configs
+    and read patch usage on the model inside it, whose module names are the reference's.
+    """
+    get = getattr(model, "get_base_model", None)
+    if callable(get):
+        base = get()
+        if isinstance(base, torch.nn.Module) and base is not model:
+            return base
+    return model
+
+
 def placement(model: torch.nn.Module) -> dict[str, str]:
     """``{"device": "cpu", "dtype": "float32"}`` from the model's first parameter (empty strings when it has none).
 
@@ -457,7 +471,7 @@ _CACHE_LEAF = re.compile(r"^(cache|past_key_values)\.layers\[\d+\]\.(keys|values
 
 def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword ``model.forward`` takes its KV cache by: ``cache`` from transformers 5.24, else ``past_key_values``."""
-    cls = type(model)
+    cls = type(unwrapped(model))  # a wrapper's forward hands its keywords on
     keyword = _CACHE_KEYWORDS.get(cls)
     if keyword is None:
         try:

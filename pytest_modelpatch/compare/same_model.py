@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare.outputs import unwrapped
 from pytest_modelpatch.errors import ModelMismatchError
 
 # sizes a patch never changes; compared on the text config when both models have them
@@ -25,10 +26,12 @@ SHAPE_KEYS = (
 def check_same_model(reference: torch.nn.Module, patched: torch.nn.Module, check: str) -> None:
     """Raise ``ModelMismatchError`` when ``reference`` and ``patched`` are different models.
 
-    Plain modules without a config are left to the comparison itself.
+    Plain modules without a config are left to the comparison itself; a wrapper that exposes
+    ``get_base_model()`` (PEFT's ``PeftModel``) is judged by the model inside it.
     Example: ``check_same_model(reference_model, patched_model, "assert_equivalent")``.
     """
     __tracebackhide__ = True
+    reference, patched = unwrapped(reference), unwrapped(patched)
     ref_config, pat_config = getattr(reference, "config", None), getattr(patched, "config", None)
     if not (_is_config(ref_config) and _is_config(pat_config)):
         return

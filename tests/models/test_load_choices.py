@@ -203,3 +203,60 @@ def test_bad_load_choices_are_usage_errors(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["*transform must be a callable fn(model) returning a model or None*"])
     result.stdout.fnmatch_lines(["*experts_implementation='batchd_mm' is not an experts implementation. Did you mean 'batched_mm'*"])
     result.stdout.fnmatch_lines(["*load_kwargs must be a dict of from_pretrained keywords*"])
+
+
+PEFT = """
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from pytest_modelpatch import assert_equivalent, assert_generates_equivalent
+
+
+def zero_lora(model):
+    return get_peft_model(model, LoraConfig(target_modules=["v_proj"], r=4))  # lora_B starts at zero: the model
+
+
+def random_lora(model):
+    wrapped = zero_lora(model)
+    torch.manual_seed(0)
+    for name, parameter in wrapped.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.5)
+    return wrapped
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(transform=zero_lora)
+def test_zero_lora(reference_model, patched_model):
+    assert type(patched_model).__name__ == "PeftModel"
+    assert_equivalent(reference_model, patched_model)
+    assert_generates_equivalent(reference_model, patched_model, max_new_tokens=3)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(transform=random_lora)
+def test_random_lora(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("bert")
+def test_another_model_is_still_refused(patched_model):
+    from pytest_modelpatch.errors import ModelMismatchError
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = get_peft_model(LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                        num_attention_heads=2, vocab_size=64)),
+                           LoraConfig(target_modules=["v_proj"], r=2))
+    with pytest.raises(ModelMismatchError, match="model_type 'bert' vs 'llama'"):
+        assert_equivalent(patched_model, llama)
+"""
+
+
+def test_a_zero_lora_passes_and_a_random_lora_fails_naming_the_adapted_projection(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("peft")
+    pytester.makepyfile(test_peft=PEFT)
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA", "-W", "ignore::FutureWarning")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_peft.py::test_random_lora*"])
+    # PEFT's LoRA layer is a class named Linear too; the name is the wrapped model's, as in the reference
+    result.stdout.fnmatch_lines(["*first diverging module: model.layers.0.self_attn.v_proj (Linear)*"])
