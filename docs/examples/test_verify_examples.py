@@ -15,6 +15,7 @@ from fixtures.patches import (
     llama_fused_qkv_noncausal,
     llama_nan_guard_mlp,
     llama_past_key_values_only,
+    mechanisms,
     qwen2_moe,
     qwen3_moe_router,
 )
@@ -111,3 +112,71 @@ def _cache_renamed() -> bool:
 @pytest.mark.patch(llama_past_key_values_only.MAPPING, allow={"LlamaAttention": ["UNUSED_ARGUMENT"]})
 def test_caught_attention_written_before_the_cache_rename(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
     assert_generates_equivalent(reference_model, patched_model)
+
+
+# ---------------------------------------------------------------------------
+# Implementations and transforms: the patched load only, the reference on transformers' eager code
+# ---------------------------------------------------------------------------
+
+mechanisms.register()
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(attn_implementation="fixture_sdpa")
+def test_custom_attention_function(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    print(assert_equivalent(reference_model, patched_model))
+    assert_generates_equivalent(reference_model, patched_model)  # left-padded prompts: the registered mask matters
+
+
+@pytest.mark.xfail(strict=True, reason="caught: the attention function was registered without its mask, so padding is attended to")
+@pytest.mark.model("llama")
+@pytest.mark.patch(attn_implementation="fixture_sdpa_no_mask")
+def test_caught_attention_function_without_its_mask(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    assert_generates_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.xfail(strict=True, reason="caught: the attention function scales the softmax by 1.5x")
+@pytest.mark.model("llama")
+@pytest.mark.patch(attn_implementation="fixture_wrong_scale")
+def test_caught_attention_function_with_a_wrong_scale(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("qwen3_moe")
+@pytest.mark.patch(experts_implementation="batched_mm")
+def test_batched_mm_experts(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    print(assert_equivalent(reference_model, patched_model))
+
+
+@pytest.mark.xfail(strict=True, reason="caught: the experts function gives each token's weights to the wrong experts")
+@pytest.mark.model("qwen3_moe")
+@pytest.mark.patch(experts_implementation="fixture_swapped_weights")
+def test_caught_experts_function_with_swapped_weights(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(transform=mechanisms.rmsnorm_instance_patcher)
+def test_instance_patcher(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    print(assert_equivalent(reference_model, patched_model))
+    assert_generates_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.xfail(strict=True, reason="caught: the instance patcher's norm drops variance_epsilon")
+@pytest.mark.model("llama")
+@pytest.mark.patch(transform=mechanisms.rmsnorm_instance_patcher_no_eps)
+def test_caught_instance_patcher_without_epsilon(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(transform=mechanisms.zero_lora)
+def test_peft_lora_at_initialisation(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    print(assert_equivalent(reference_model, patched_model))
+
+
+@pytest.mark.xfail(strict=True, reason="caught: a trained (random) LoRA changes v_proj")
+@pytest.mark.model("llama")
+@pytest.mark.patch(transform=mechanisms.random_lora)
+def test_caught_random_lora(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    assert_equivalent(reference_model, patched_model)
