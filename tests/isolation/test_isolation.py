@@ -88,7 +88,7 @@ def test_b_module_patch_is_the_baseline(module_patch, leaks_at_teardown):
     assert get_patch_mapping() == {"LlamaMLP": MyAttention}
 """
     )
-    result = pytester.runpytest("-p", "no:randomly")
+    result = pytester.runpytest("-p", "no:randomly", "-o", "modelpatch_leaks=error")  # test_b uses no plugin feature
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*test_b_module_patch_is_the_baseline leaked transformers patch state*", "*LlamaRMSNorm*"])
     result.stdout.no_fnmatch_line("*fixture 'module_patch' leaked*")
