@@ -36,7 +36,8 @@ MARKERS = {
     "dtypes": "dtypes(*dtypes): run the test once per dtype, e.g. dtypes('float32', 'bfloat16'); sets the dtype fixture",
     "model": "model(spec, *, seed=0, init='modelpatch', attn_implementation=None, experts_implementation=None, "
     "fusion_config=None, **config_overrides): the model behind reference_model and patched_model: a model type "
-    "('llama'), a PretrainedConfig or a local checkpoint directory; an unknown keyword is a usage error",
+    "('llama'), a PretrainedConfig or a local checkpoint directory, or a list of model types to run the test "
+    "once per type; an unknown keyword is a usage error",
     "tolerance": "tolerance(*, atol=None, rtol=None, policy=None): tolerance for this test's equivalence checks "
     "(arguments > this marker > modelpatch_atol/modelpatch_rtol ini > the per-dtype policy)",
 }
@@ -156,7 +157,26 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # ---------------------------------------------------------------------------
 
 
+_FAMILY_PARAM = "_modelpatch_family"  # the parameter a list of model types in @pytest.mark.model sweeps over
+
+
+def _sweep_families(metafunc: pytest.Metafunc) -> None:
+    """``@pytest.mark.model(["llama", "gemma"])``: one test per model type, ids the model types."""
+    mark = metafunc.definition.get_closest_marker("model")
+    if mark is None or not mark.args or not isinstance(mark.args[0], (list, tuple)):
+        return
+    families = list(mark.args[0])
+    if not families or not all(isinstance(f, str) and f for f in families) or len(set(families)) != len(families):
+        raise PatchUsageError(
+            f"@pytest.mark.model({families!r}) on {metafunc.definition.nodeid}: a sweep is a list of distinct model "
+            "types, e.g. @pytest.mark.model(['llama', 'mistral'])."
+        )
+    metafunc.fixturenames.append(_FAMILY_PARAM)
+    metafunc.parametrize(_FAMILY_PARAM, families, ids=families)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    _sweep_families(metafunc)
     for marker, argname, parse in (("devices", "device", devices.parse_device), ("dtypes", "dtype", devices.dtype_name)):
         mark = metafunc.definition.get_closest_marker(marker)
         if mark is None:
@@ -412,7 +432,10 @@ def _model_request(item: pytest.Item) -> ModelRequest | None:
     found = next(iter(item.iter_markers_with_node("model")), None)
     if found is not None:
         node, mark = found
-        return ModelRequest.from_marker(mark.args, mark.kwargs, node.nodeid or node.name)
+        args = mark.args
+        if args and isinstance(args[0], (list, tuple)):  # a sweep: this item's model type
+            args = (getattr(item, "callspec", _NoCallspec).params[_FAMILY_PARAM], *args[1:])
+        return ModelRequest.from_marker(args, mark.kwargs, item.nodeid if args is not mark.args else node.nodeid or node.name)
     default = item.config.getoption("modelpatch_checkpoint")
     return ModelRequest(default) if default else None
 
@@ -423,11 +446,12 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
 
     families = None
     if item.get_closest_marker("model") is not None:
-        from pytest_modelpatch.models.checkpoints import resolve_model_spec
+        from pytest_modelpatch.models.checkpoints import config_families, resolve_model_spec
 
         request = _model_request(item)
         if request is not None:
-            families = [resolve_model_spec(request.spec, **dict(request.overrides)).model_type]
+            # a composite model's towers are other families' classes: LLaVA runs Llama's, PaliGemma Gemma's
+            families = config_families(resolve_model_spec(request.spec, **dict(request.overrides)).config)
     if families is None:
         return lambda mapping, conversions: lint_for_registration(mapping, allow=allow)
     # a family in scope: the contract checks run too, on tiny meta-device models

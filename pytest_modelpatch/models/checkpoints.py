@@ -374,6 +374,19 @@ class ModelSpec:
         return f"{self.label}: {type(self.config).__name__}{where}"
 
 
+def config_families(config: PretrainedConfig) -> list[str]:
+    """The model types a model of ``config`` is built from: its own, then its sub-configs' (LLaVA: llava, llama, clip_vision_model)."""
+    found: list[str] = []
+    todo = [config]
+    while todo:
+        current = todo.pop(0)
+        model_type = getattr(current, "model_type", "")
+        if model_type and model_type not in found:
+            found.append(model_type)
+        todo += [value for value in vars(current).values() if isinstance(value, PretrainedConfig)]
+    return found
+
+
 def resolve_model_spec(spec: str | Path | PretrainedConfig, **config_overrides: Any) -> ModelSpec:
     """Resolve a model type, a config or a local checkpoint directory to a ``ModelSpec``.
 

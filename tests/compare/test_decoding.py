@@ -111,11 +111,16 @@ def test_the_same_forward_taking_both_spellings_decodes_like_the_model(pair: Cal
     # CacheStepAttention, the base of the stale example, resolves `cache` or `past_key_values`
     from fixtures.patches._decode_attention import CacheStepAttention
 
-    reference, patched = pair("llama_past_key_values_only")
-    for layer in patched.model.layers:
-        layer.self_attn.__class__ = CacheStepAttention
-    assert assert_generates_equivalent(reference, patched).passed
-    assert assert_equivalent(reference, patched, allow_unused=True).passed
+    reference, patched = pair("llama_past_key_values_only")  # shared by the tests of this module: put back after
+    stale = type(patched.model.layers[0].self_attn)
+    try:
+        for layer in patched.model.layers:
+            layer.self_attn.__class__ = CacheStepAttention
+        assert assert_generates_equivalent(reference, patched).passed
+        assert assert_equivalent(reference, patched, allow_unused=True).passed
+    finally:
+        for layer in patched.model.layers:
+            layer.self_attn.__class__ = stale
 
 
 def test_mask_drop_on_single_token_steps_hides_from_an_unpadded_batch(pair: Callable[..., Pair]) -> None:
