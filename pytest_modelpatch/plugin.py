@@ -527,7 +527,8 @@ def _load_choices(request: pytest.FixtureRequest) -> LoadChoices | None:
 
 def _warn_shared_implementations(model_request: ModelRequest, nodeid: str) -> None:
     """A user's implementation on the model marker runs in both models: the comparison cannot judge it."""
-    from pytest_modelpatch.models.builder import IMPLEMENTATIONS, is_transformers_own
+    from pytest_modelpatch.isolation.patch_spec import IMPLEMENTATIONS
+    from pytest_modelpatch.models.builder import is_transformers_own
 
     for axis in IMPLEMENTATIONS:
         name = getattr(model_request, axis)

@@ -24,7 +24,9 @@ _KEYWORDS = (
     "mapping", "conversions", "overwrite", "methods", "allow", "context",
     "attn_implementation", "experts_implementation", "load_kwargs", "transform",
 )  # fmt: skip
-IMPLEMENTATIONS = ("attn_implementation", "experts_implementation")  # the axes the reference loads as "eager"
+# the from_pretrained choices of both markers that select an implementation; the builder loads the
+# reference with transformers' eager one on each axis only the patch marker sets
+IMPLEMENTATIONS = ("attn_implementation", "experts_implementation")
 
 
 def _where(node: pytest.Item | pytest.Collector) -> str:

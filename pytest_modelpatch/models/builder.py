@@ -24,13 +24,13 @@ from pytest_modelpatch.models.model_cache import CacheBound, ModelCache
 from pytest_modelpatch.errors import PatchNotAppliedError, PatchUsageError
 from pytest_modelpatch.models.usage import track_patch_usage
 from pytest_modelpatch.models.weights import DEFAULT_INIT
+from pytest_modelpatch.isolation.patch_spec import IMPLEMENTATIONS
 from pytest_modelpatch.isolation.pristine import current_scope, pristine
 from pytest_modelpatch.models.reference import prepare_reference, reference_problems
 
 
 # keywords of @pytest.mark.model that are not config attributes; anything else must be one
 MARKER_KEYWORDS = ("seed", "init", "fusion_config", "attn_implementation", "experts_implementation")
-IMPLEMENTATIONS = ("attn_implementation", "experts_implementation")
 GROUND_TRUTH = "eager"  # each axis's reference implementation: transformers' default is not (grouped_mm experts on CPU)
 DTYPE_KEYWORDS = ("dtype", "torch_dtype")
 
