@@ -23,7 +23,7 @@ from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import PATCH_MODULES, load_patch
 from fixtures.make_checkpoints import write_checkpoint
-from pytest_modelpatch.models.inputs import example_inputs
+from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.isolation.guard import isolated_patch_state
 
 FP32 = {"atol": 1e-5, "rtol": 1.3e-6}

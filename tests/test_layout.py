@@ -20,18 +20,19 @@ import pytest_modelpatch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = REPO_ROOT / "pytest_modelpatch"
 NAME = "pytest_modelpatch"
-SUBPACKAGES = ["compare", "isolation", "lint", "models", "reporting", "roundtrip"]
+SUBPACKAGES = ["compare", "families", "isolation", "lint", "models", "reporting", "roundtrip"]
 
 # room -> the rooms its modules may import (the wiring modules plugin, cli and reporting.session may
 # import anything); the data flow of docs/architecture.md, lowest room first
 ALLOWED = {
     "errors": set(),
+    "families": {"errors"},
     "lint": {"errors"},
     "reporting": {"errors"},
     "isolation": {"errors", "lint"},
-    "models": {"errors", "isolation", "lint"},
-    "compare": {"errors", "isolation", "models", "reporting"},
-    "roundtrip": {"errors", "isolation", "models", "compare", "reporting"},
+    "models": {"errors", "families", "isolation", "lint"},
+    "compare": {"errors", "families", "isolation", "models", "reporting"},
+    "roundtrip": {"errors", "families", "isolation", "models", "compare", "reporting"},
 }
 WIRING = {f"{NAME}.plugin", f"{NAME}.cli", f"{NAME}.__main__", f"{NAME}.reporting.session", NAME}
 

@@ -68,7 +68,7 @@ def default_prompts(model: torch.nn.Module, *, batch_size: int = 3, seq_len: int
 
 
 def default_inputs_for(model: torch.nn.Module, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
-    from pytest_modelpatch.models.inputs import example_inputs
+    from pytest_modelpatch.families.inputs import example_inputs
 
     return example_inputs(model.config, batch_size=batch_size, seq_len=seq_len, device=str(model_device(model)))
 

@@ -27,7 +27,7 @@ from pytest_modelpatch.compare.decoding import (
 from pytest_modelpatch.compare.outputs import describe_inputs
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
-from pytest_modelpatch.models.strategies import model_inputs
+from pytest_modelpatch.families.strategies import model_inputs
 
 DEFAULT_MAX_EXAMPLES = 10  # each example decodes: costlier than a forward
 

@@ -57,7 +57,7 @@ class LogitsOnly(torch.nn.Module):
 def logits_inputs(reference: torch.nn.Module, inputs: Mapping[str, Any] | torch.Tensor | None) -> dict[str, torch.Tensor]:
     """``input_ids`` and ``attention_mask`` on the model's device: from ``inputs``, else drawn from the config."""
     from pytest_modelpatch.errors import PatchUsageError
-    from pytest_modelpatch.models.inputs import example_inputs
+    from pytest_modelpatch.families.inputs import example_inputs
 
     device = model_device(reference)
     if inputs is None:
@@ -246,7 +246,7 @@ def finish(report: ParityReport, start: float) -> ParityReport:
 
 def second_shape(reference: torch.nn.Module, first: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Inputs of another batch size and sequence length, inside the model's position limit."""
-    from pytest_modelpatch.models.inputs import example_inputs
+    from pytest_modelpatch.families.inputs import example_inputs
 
     batch, length = first["input_ids"].shape
     limit = getattr(reference.config.get_text_config(), "max_position_embeddings", None) or length + 3

@@ -421,7 +421,7 @@ def move_inputs(inputs: Mapping[str, Any], device: torch.device) -> dict[str, An
 
 def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
     """Example inputs drawn from the model's config, on its device."""
-    from pytest_modelpatch.models.inputs import example_inputs
+    from pytest_modelpatch.families.inputs import example_inputs
 
     return example_inputs(model.config, device=str(model_device(model)), model_class=type(model))
 

@@ -29,7 +29,7 @@ from pytest_modelpatch.compare.timing import timing_if_enabled
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.training import has_loss_targets, with_labels
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.models.strategies import DrawnBytes, drawn_bytes
+from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes
 from pytest_modelpatch.models.usage import patch_usage, unused_message
 
 DEFAULT_MAX_EXAMPLES = 25
@@ -139,7 +139,7 @@ class PropertyReport:
 
 def _inputs_strategy(reference: torch.nn.Module, inputs: Any, backward: bool = False) -> SearchStrategy[Mapping[str, Any]]:
     if inputs is None:
-        from pytest_modelpatch.models.strategies import model_inputs
+        from pytest_modelpatch.families.strategies import model_inputs
 
         # a causal LM's loss scores tokens after the first: one token trains nothing
         return model_inputs(reference.config, min_seq_len=2) if backward else model_inputs(reference.config)
@@ -149,7 +149,7 @@ def _inputs_strategy(reference: torch.nn.Module, inputs: Any, backward: bool = F
         return st.just(inputs)
     raise PatchUsageError(
         f"check_equivalence: inputs= must be a hypothesis strategy of input dicts (got {type(inputs).__name__}); "
-        "e.g. inputs=pytest_modelpatch.models.strategies.model_inputs(config, max_seq_len=16)."
+        "e.g. inputs=pytest_modelpatch.families.strategies.model_inputs(config, max_seq_len=16)."
     )
 
 

@@ -39,7 +39,7 @@ def with_labels(model: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, 
 
     Example: ``model(**with_labels(model, {"input_ids": ids}))["loss"]``.
     """
-    from pytest_modelpatch.models.inputs import forward_parameters
+    from pytest_modelpatch.families.inputs import forward_parameters
 
     found = dict(inputs)
     ids = found.get("input_ids")

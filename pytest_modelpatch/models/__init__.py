@@ -1,8 +1,8 @@
-"""The models a check compares: tiny configs, seeded checkpoints, the reference/patched builder, inputs.
+"""The models a check compares: seeded checkpoints, the reference/patched builder, structures.
 
-Owns config shrinking (:mod:`.tiny_configs`), per-family classes and example inputs
-(:mod:`.families`), the checkpoint cache (:mod:`.checkpoints`), the session's model builder
-(:mod:`.builder`), hypothesis strategies and device/dtype selection. Imports ``errors``,
-``isolation`` (to build the reference with no patches active) and ``compare.usage`` (to
-count replacement calls); never reporting or roundtrip.
+Owns the checkpoint cache (:mod:`.checkpoints`, :mod:`.cache`), non-degenerate weights, the
+session's model builder (:mod:`.builder`) and its reference cache, device/dtype selection and the
+tiny structures the contract lint compares. What each family needs to be tiny and fed comes from
+``families``. Imports ``errors``, ``families``, ``isolation`` (to build the reference with no
+patches active) and ``lint``; never compare, reporting or roundtrip.
 """

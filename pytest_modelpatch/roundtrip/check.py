@@ -28,7 +28,7 @@ import torch
 import transformers
 
 from pytest_modelpatch.errors import CheckpointError
-from pytest_modelpatch.models.inputs import example_inputs
+from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.roundtrip.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint

@@ -149,7 +149,7 @@ def test_property_check_with_backward_compares_no_example_without_a_scored_token
     # example would pass the broken kernel, so the check never counts one
     from hypothesis import strategies as st
 
-    from pytest_modelpatch.models.strategies import model_inputs
+    from pytest_modelpatch.families.strategies import model_inputs
 
     reference, patched = pair("llama_swiglu_autograd_broken")
     one_token = model_inputs(reference.config, seq_lens=[1], padding="none")

@@ -19,7 +19,7 @@ from pytest_modelpatch.compare import property_checks
 from pytest_modelpatch.compare.equivalence import assert_equivalent
 from pytest_modelpatch.compare.property_checks import GROUP_SIZE, check_equivalence, set_default_seed
 from pytest_modelpatch.reporting.records import CheckRecord
-from pytest_modelpatch.models.strategies import DrawnBytes, drawn_bytes, model_inputs, tiny_configs
+from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs, tiny_configs
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from fixtures import load_patch
 from pytest_modelpatch.errors import ReferenceNotPristineError
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
-from pytest_modelpatch.models.inputs import example_inputs
+from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.models.reference import _RECORD
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pytest_modelpatch.models.checkpoints import seeded_model
-from pytest_modelpatch.models.families import model_class_for, tiny_config
-from pytest_modelpatch.models.inputs import example_inputs
-from pytest_modelpatch.models.inputs.composite import GRID_IMAGE_FAMILIES, IMAGE_TOKENS_PER_IMAGE, crop_tokens
+from pytest_modelpatch.families.families import model_class_for, tiny_config
+from pytest_modelpatch.families.inputs import example_inputs
+from pytest_modelpatch.families.inputs.composite import GRID_IMAGE_FAMILIES, IMAGE_TOKENS_PER_IMAGE, crop_tokens
 
 SPLICED_VLMS = [
     "unlimited_ocr", "deepseek_ocr2", "step3p7", "florence2", "chameleon", "emu3", "deepseek_vl_hybrid", "llama4",

@@ -20,7 +20,7 @@ from pytest_modelpatch.isolation.registration import register_patches
 from pytest_modelpatch.isolation.guard import isolated_patch_state
 from pytest_modelpatch.roundtrip.check import Roundtrip, check_roundtrip
 from pytest_modelpatch.errors import CheckpointError
-from pytest_modelpatch.models.inputs import example_inputs
+from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.roundtrip.safetensors_diff import diff_checkpoints
 
 torch.set_num_threads(1)
@@ -158,7 +158,7 @@ FUSION = {"patch_embeddings": True}
 def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     from transformers import Qwen3VLForConditionalGeneration
 
-    from pytest_modelpatch.models.families import tiny_config
+    from pytest_modelpatch.families.families import tiny_config
 
     torch.manual_seed(0)
     model = Qwen3VLForConditionalGeneration(tiny_config("qwen3_vl")).eval()
@@ -196,7 +196,7 @@ def test_qwen2_vl_patch_embeddings_fusion_is_caught_dropping_the_conv_weight(tmp
     # from fresh weights and is saved under its own name.
     from transformers import Qwen2VLForConditionalGeneration
 
-    from pytest_modelpatch.models.families import tiny_config
+    from pytest_modelpatch.families.families import tiny_config
 
     torch.manual_seed(0)
     Qwen2VLForConditionalGeneration(tiny_config("qwen2_vl")).save_pretrained(tmp_path / "ckpt")

@@ -1,4 +1,4 @@
-"""Tiny configs and model classes of any installed transformers family (inputs: ``models/inputs``).
+"""Tiny configs and model classes of any installed transformers family (inputs: ``families/inputs``).
 
 ``tiny_config("llama")`` shrinks the family's default config (``AutoConfig.for_model``)
 so the model builds and runs a forward on CPU in milliseconds, keeping the shapes
@@ -24,9 +24,9 @@ from transformers.models.auto import configuration_auto, modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.models.tiny_configs import shrink_config_dict
-from pytest_modelpatch.models.validator_fit import MAX_FITS, fit_validator_message
-from pytest_modelpatch.models.tiny_consistency import DERIVE_MARKERS
+from pytest_modelpatch.families.tiny_configs import shrink_config_dict
+from pytest_modelpatch.families.validator_fit import MAX_FITS, fit_validator_message
+from pytest_modelpatch.families.tiny_consistency import DERIVE_MARKERS
 
 
 def available_model_types() -> list[str]:
@@ -140,7 +140,7 @@ def unknown_model_type_message(model_type: object) -> str:
     hint = f"; close matches: {', '.join(close)}" if close else ""
     return (
         f"unknown model type {model_type!r}{hint}. List the installed types with "
-        "`python -c \"from pytest_modelpatch.models.families import available_model_types as t; print(t())\"`"
+        "`python -c \"from pytest_modelpatch.families.families import available_model_types as t; print(t())\"`"
     )
 
 

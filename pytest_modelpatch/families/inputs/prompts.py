@@ -12,9 +12,9 @@ import importlib.util
 
 import torch
 
-from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_inputs, text_request_inputs
-from pytest_modelpatch.models.inputs.vision import pixel_values
+from pytest_modelpatch.families.inputs.request import InputRequest
+from pytest_modelpatch.families.inputs.text import text_inputs, text_request_inputs
+from pytest_modelpatch.families.inputs.vision import pixel_values
 
 PROMPT_POINTS = 2  # one positive and one negative click per image
 PROMPT_BOXES = 2  # one positive and one negative box per image

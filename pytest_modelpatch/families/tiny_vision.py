@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.models.tiny_sizes import (
+from pytest_modelpatch.families.tiny_sizes import (
     TINY_HEADS, TINY_IMAGE, TINY_INTERMEDIATE, TINY_LAYERS, TINY_PATCH, TINY_POSITIONS, TINY_VOCAB, TINY_WIDTH,
     is_int,
 )

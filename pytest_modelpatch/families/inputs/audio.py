@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_request_inputs
+from pytest_modelpatch.families.inputs.request import InputRequest
+from pytest_modelpatch.families.inputs.text import text_request_inputs
 
 WAVEFORM_SAMPLES = 4000
 FEATURE_FRAMES = 64  # enough for 8x conformer subsampling to leave several frames

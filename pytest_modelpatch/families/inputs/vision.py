@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_companions, text_request_inputs
+from pytest_modelpatch.families.inputs.request import InputRequest
+from pytest_modelpatch.families.inputs.text import text_companions, text_request_inputs
 
 _GRID = (1, 4, 4)  # (frames, patch rows, patch columns) of the example image
 

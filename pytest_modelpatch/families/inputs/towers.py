@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_request_inputs
-from pytest_modelpatch.models.inputs.vision import is_contrastive
+from pytest_modelpatch.families.inputs.request import InputRequest
+from pytest_modelpatch.families.inputs.text import text_request_inputs
+from pytest_modelpatch.families.inputs.vision import is_contrastive
 
 GRID_SIDE = 4  # patches per side of each example image: divisible by every merge size seen
 GRID_NAMES = ("grid_thw", "image_grid_thw")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_companions, text_request_inputs
+from pytest_modelpatch.families.inputs.request import InputRequest
+from pytest_modelpatch.families.inputs.text import text_companions, text_request_inputs
 
 PAGE_SPAN = 1000  # LayoutLM processors normalize boxes to 0..1000
 # Models that take boxes as fractions of the page: BROS multiplies by ``bbox_scale``,

@@ -18,19 +18,19 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from pytest_modelpatch.errors import ModelPatchError
-from pytest_modelpatch.models.families import model_class_for
-from pytest_modelpatch.models.inputs.audio import mel_features, waveform
-from pytest_modelpatch.models.inputs.audio_families import AUDIO_INPUT_BUILDERS
-from pytest_modelpatch.models.inputs.composite import composite_builder
-from pytest_modelpatch.models.inputs.documents import DOCUMENT_INPUT_BUILDERS
-from pytest_modelpatch.models.inputs.layout import layout_inputs
-from pytest_modelpatch.models.inputs.request import InputRequest, forward_parameters, required
-from pytest_modelpatch.models.inputs.series import series_inputs
-from pytest_modelpatch.models.inputs.towers import grid_tower_inputs, patch_sequence_inputs
-from pytest_modelpatch.models.inputs.video import video_inputs
-from pytest_modelpatch.models.inputs.text import ordinary_token_ids, text_companions, text_inputs, text_request_inputs
-from pytest_modelpatch.models.inputs.trajectories import trajectory_inputs
-from pytest_modelpatch.models.inputs.vision import (
+from pytest_modelpatch.families.families import model_class_for
+from pytest_modelpatch.families.inputs.audio import mel_features, waveform
+from pytest_modelpatch.families.inputs.audio_families import AUDIO_INPUT_BUILDERS
+from pytest_modelpatch.families.inputs.composite import composite_builder
+from pytest_modelpatch.families.inputs.documents import DOCUMENT_INPUT_BUILDERS
+from pytest_modelpatch.families.inputs.layout import layout_inputs
+from pytest_modelpatch.families.inputs.request import InputRequest, forward_parameters, required
+from pytest_modelpatch.families.inputs.series import series_inputs
+from pytest_modelpatch.families.inputs.towers import grid_tower_inputs, patch_sequence_inputs
+from pytest_modelpatch.families.inputs.video import video_inputs
+from pytest_modelpatch.families.inputs.text import ordinary_token_ids, text_companions, text_inputs, text_request_inputs
+from pytest_modelpatch.families.inputs.trajectories import trajectory_inputs
+from pytest_modelpatch.families.inputs.vision import (
     grid_image_inputs,
     is_contrastive,
     pixel_inputs,

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from transformers import PretrainedConfig
 
-from pytest_modelpatch.models.inputs.audio import audio_level, mel_features, waveform
-from pytest_modelpatch.models.inputs.audio_lms import (
+from pytest_modelpatch.families.inputs.audio import audio_level, mel_features, waveform
+from pytest_modelpatch.families.inputs.audio_lms import (
     csm_inputs,
     fun_asr_nano_inputs,
     nemotron_transcribe_inputs,
@@ -25,8 +25,8 @@ from pytest_modelpatch.models.inputs.audio_lms import (
     vibevoice_asr_inputs,
     vibevoice_inputs,
 )
-from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_inputs
+from pytest_modelpatch.families.inputs.request import InputRequest
+from pytest_modelpatch.families.inputs.text import text_inputs
 
 FamilyBuilder = Callable[[InputRequest], "dict[str, torch.Tensor]"]
 LATENT_FRAMES = 4

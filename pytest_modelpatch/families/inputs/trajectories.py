@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pytest_modelpatch.models.inputs.request import InputRequest
+from pytest_modelpatch.families.inputs.request import InputRequest
 
 
 def trajectory_inputs(request: InputRequest) -> dict[str, torch.Tensor] | None:

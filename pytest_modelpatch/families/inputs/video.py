@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from pytest_modelpatch.models.inputs.audio import waveform
-from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_companions, text_request_inputs
-from pytest_modelpatch.models.tiny_sizes import is_int
-from pytest_modelpatch.models.tiny_vision import FRAME_KEYS
+from pytest_modelpatch.families.inputs.audio import waveform
+from pytest_modelpatch.families.inputs.request import InputRequest
+from pytest_modelpatch.families.inputs.text import text_companions, text_request_inputs
+from pytest_modelpatch.families.tiny_sizes import is_int
+from pytest_modelpatch.families.tiny_vision import FRAME_KEYS
 
 VIDEO_NAMES = ("pixel_values_videos", "pixel_values")
 # TVP (transformers 5.23) views its column position embeddings as (batch, 1, width, dim):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.models.family_rules import apply_config_rule
-from pytest_modelpatch.models.tiny_audio_configs import shrink_audio_level
-from pytest_modelpatch.models.tiny_sizes import (  # noqa: F401  (re-exported: tests and callers read them here)
+from pytest_modelpatch.families.family_rules import apply_config_rule
+from pytest_modelpatch.families.tiny_audio_configs import shrink_audio_level
+from pytest_modelpatch.families.tiny_sizes import (  # noqa: F401  (re-exported: tests and callers read them here)
     TINY_WIDTH,
     TINY_HEADS,
     TINY_LAYERS,
@@ -28,8 +28,8 @@ from pytest_modelpatch.models.tiny_sizes import (  # noqa: F401  (re-exported: t
     TINY_LORA_RANK,
     is_int,
 )
-from pytest_modelpatch.models.tiny_vision import fit_layout_embeddings, fit_stage_widths, shrink_vision_sizes
-from pytest_modelpatch.models.tiny_consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
+from pytest_modelpatch.families.tiny_vision import fit_layout_embeddings, fit_stage_widths, shrink_vision_sizes
+from pytest_modelpatch.families.tiny_consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
 
 # ---------------------------------------------------------------------------
 # tiny configs

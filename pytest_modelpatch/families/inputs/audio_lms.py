@@ -15,9 +15,9 @@ import sys
 import torch
 
 from pytest_modelpatch.errors import ModelPatchError
-from pytest_modelpatch.models.inputs.audio import feature_width, mel_features_for
-from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_inputs
+from pytest_modelpatch.families.inputs.audio import feature_width, mel_features_for
+from pytest_modelpatch.families.inputs.request import InputRequest
+from pytest_modelpatch.families.inputs.text import text_inputs
 
 AUDIO_TOKENS = 4  # audio embeddings per row: enough that a patch of the tower shows, few enough to stay cheap
 TEXT_PREFIX = 2  # ordinary tokens before the first placeholder run, as a chat template puts a role first

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pytest_modelpatch.models.inputs.request import InputRequest
+from pytest_modelpatch.families.inputs.request import InputRequest
 
 TIMESFM_PATCHES = 2  # patches of history per TimesFM series
 

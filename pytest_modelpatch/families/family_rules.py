@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pytest_modelpatch.models.family_rules_documents import DOCUMENT_CONFIG_RULES
-from pytest_modelpatch.models.family_rules_text import TEXT_CONFIG_RULES
-from pytest_modelpatch.models.family_rules_timm import TIMM_CONFIG_RULES, TINY_PE_ARGS
-from pytest_modelpatch.models.tiny_sizes import TINY_IMAGE
+from pytest_modelpatch.families.family_rules_documents import DOCUMENT_CONFIG_RULES
+from pytest_modelpatch.families.family_rules_text import TEXT_CONFIG_RULES
+from pytest_modelpatch.families.family_rules_timm import TIMM_CONFIG_RULES, TINY_PE_ARGS
+from pytest_modelpatch.families.tiny_sizes import TINY_IMAGE
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from transformers import PretrainedConfig
 
-from pytest_modelpatch.models.inputs.request import InputRequest
+from pytest_modelpatch.families.inputs.request import InputRequest
 
 # (height, width) of a text line: PP-OCR processors resize lines to 48 high (320 wide, cut
 # to 64 here: 8 time steps for the sequence encoder after the backbone's 8x width stride)

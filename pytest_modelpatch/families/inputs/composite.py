@@ -15,8 +15,8 @@ from fractions import Fraction
 import torch
 from transformers import PretrainedConfig
 
-from pytest_modelpatch.models.family_rules_timm import FASTVIT_MCI_STRIDE, PE_PATCH
-from pytest_modelpatch.models.inputs.prompts import (
+from pytest_modelpatch.families.family_rules_timm import FASTVIT_MCI_STRIDE, PE_PATCH
+from pytest_modelpatch.families.inputs.prompts import (
     class_list_inputs,
     point_prompt_inputs,
     takes_class_list,
@@ -24,9 +24,9 @@ from pytest_modelpatch.models.inputs.prompts import (
     takes_text_prompt,
     text_prompt_inputs,
 )
-from pytest_modelpatch.models.inputs.request import InputRequest
-from pytest_modelpatch.models.inputs.text import text_companions, text_inputs, text_request_inputs
-from pytest_modelpatch.models.inputs.vision import pixel_values
+from pytest_modelpatch.families.inputs.request import InputRequest
+from pytest_modelpatch.families.inputs.text import text_companions, text_inputs, text_request_inputs
+from pytest_modelpatch.families.inputs.vision import pixel_values
 
 Builder = Callable[[InputRequest], "dict[str, torch.Tensor]"]
 
