@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
 from pytest_modelpatch.models.checkpoints import cached_checkpoint  # noqa: E402
-from pytest_modelpatch.families.families import tiny_config  # noqa: E402
+from pytest_modelpatch.families.catalog import tiny_config  # noqa: E402
 
 FAMILIES = ("llama", "bert", "qwen3_moe", "gpt2", "mamba")
 GOAL = 1.05

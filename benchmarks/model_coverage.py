@@ -38,7 +38,7 @@ from pytest_modelpatch.compare.outputs import vacuous_outputs
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.models.model_cache import CacheBound
 from pytest_modelpatch.models.checkpoints import seeded_model
-from pytest_modelpatch.families.families import available_model_types, model_class_for, tiny_config
+from pytest_modelpatch.families.catalog import available_model_types, model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 
 PER_TYPE_TIMEOUT_S = 60

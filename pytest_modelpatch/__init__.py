@@ -37,7 +37,7 @@ _EXPORTS: dict[str, str] = {
     "lint_patterns": "models.structure",
     "Finding": "lint.patterns",
     "meta_structures": "models.structure",
-    "tiny_config": "families.families",
+    "tiny_config": "families.catalog",
     "example_inputs": "families.inputs",
     "CheckpointError": "errors",
     "cached_checkpoint": "models.checkpoints",

@@ -19,7 +19,7 @@ from hypothesis.strategies import SearchStrategy
 from transformers import PretrainedConfig, PreTrainedModel
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.families.families import model_class_for, tiny_config
+from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import forward_parameters, ordinary_token_ids, text_companions
 from pytest_modelpatch.families.tiny_configs import KV_HEAD_KEYS
 

@@ -1,6 +1,6 @@
 """Shrink a config dict so any transformers family builds tiny and stays valid.
 
-Pure dict work, no torch (per-family exceptions: ``family_rules.py``): ``shrink_config_dict(config.to_dict(), overrides)`` keeps
+Pure dict work, no torch (per-family exceptions: ``rules/``): ``shrink_config_dict(config.to_dict(), overrides)`` keeps
 grouped-query ratios, head sizes the rope settings depend on, per-layer lists sized
 to the new layer count, experts and top-k, and special token ids inside the smaller
 vocabulary; sub-configs (text, vision, audio) are shrunk the same way.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.family_rules import apply_config_rule
+from pytest_modelpatch.families.rules import apply_config_rule
 from pytest_modelpatch.families.tiny_audio_configs import shrink_audio_level
 from pytest_modelpatch.families.tiny_sizes import (  # noqa: F401  (re-exported: tests and callers read them here)
     TINY_WIDTH,

@@ -33,7 +33,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from pytest_modelpatch.models.devices import to_torch_dtype
 from pytest_modelpatch.errors import CheckpointError, PatchUsageError
-from pytest_modelpatch.families.families import (
+from pytest_modelpatch.families.catalog import (
     CONFIG_MAPPING_NAMES,
     model_class_for,
     tiny_config,

@@ -120,7 +120,7 @@ def _build(model_type: str, swaps: tuple[tuple[str, type, tuple[str, ...]], ...]
 @functools.lru_cache(maxsize=64)
 def _config_and_class(model_type: str) -> tuple[Any, type]:
     # read once per process: a lint builds one patched model per patch of the family
-    from pytest_modelpatch.families.families import model_class_for, tiny_config
+    from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 
     config = tiny_config(model_type)
     return config, model_class_for(config, "base")

@@ -15,7 +15,7 @@ from fixtures import load_patch, tiny_config
 from pytest_modelpatch import PatchUsageError, assert_equivalent, assert_generates_equivalent, check_generation
 from pytest_modelpatch.compare.decoding import default_prompts
 from pytest_modelpatch.models.checkpoints import cached_checkpoint
-from pytest_modelpatch.families.families import tiny_config as tiny_config_of
+from pytest_modelpatch.families.catalog import tiny_config as tiny_config_of
 
 
 # ---------------------------------------------------------------------------
@@ -39,7 +39,7 @@ def test_reference_tokens_are_the_tokens_generate_picks(pair: Callable[..., Pair
 
 @pytest.mark.parametrize("cache", [None, "static"])
 def test_hybrid_sliding_family_decodes_as_generate_does(cache: str | None) -> None:
-    from pytest_modelpatch.families.families import model_class_for
+    from pytest_modelpatch.families.catalog import model_class_for
 
     torch.manual_seed(0)
     config = tiny_config_of("gemma2", sliding_window=4)  # layers: sliding, full

@@ -10,7 +10,7 @@ import torch
 from pytest_modelpatch import assert_equivalent, check_equivalence, check_module_equivalence
 from pytest_modelpatch.errors import ModelMismatchError
 from pytest_modelpatch.models.checkpoints import seeded_model
-from pytest_modelpatch.families.families import tiny_config
+from pytest_modelpatch.families.catalog import tiny_config
 
 LLAMA = seeded_model(tiny_config("llama"))
 CHECKS: dict[str, Callable[[torch.nn.Module, torch.nn.Module], object]] = {

@@ -8,7 +8,7 @@ import torch
 from pytest_modelpatch import assert_equivalent
 from pytest_modelpatch.compare.outputs import forward
 from pytest_modelpatch.models.checkpoints import seeded_model
-from pytest_modelpatch.families.families import tiny_config
+from pytest_modelpatch.families.catalog import tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 
 MAE = tiny_config("vit_mae")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.families.families import model_class_for, tiny_config
+from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.lint.patterns import (
     FAILING_KINDS,
     Kind,

@@ -10,7 +10,7 @@ import torch
 
 from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.models.checkpoints import seeded_model
-from pytest_modelpatch.families.families import model_class_for, tiny_config
+from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import InputRequest, example_inputs
 from pytest_modelpatch.families.inputs.audio_lms import AUDIO_TOKENS, spliced_ids
 from pytest_modelpatch.families.tiny_audio_configs import TINY_CODEBOOKS, shrink_audio_level

@@ -10,7 +10,7 @@ import pytest
 
 from pytest_modelpatch.errors import CheckpointError
 from pytest_modelpatch.models.checkpoints import load_pretrained, seeded_model
-from pytest_modelpatch.families.families import tiny_config
+from pytest_modelpatch.families.catalog import tiny_config
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ LOAD_WITH_A_REPORT = """
 import torch
 from safetensors.torch import load_file, save_file
 from pytest_modelpatch.models.checkpoints import load_pretrained, seeded_model
-from pytest_modelpatch.families.families import tiny_config
+from pytest_modelpatch.families.catalog import tiny_config
 
 
 def test_load(tmp_path):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_modelpatch.families.families import available_model_types
+from pytest_modelpatch.families.catalog import available_model_types
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOC = REPO_ROOT / "docs" / "families.md"

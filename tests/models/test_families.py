@@ -21,7 +21,7 @@ from pytest_modelpatch.models.checkpoints import (
 )
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.errors import CheckpointError
-from pytest_modelpatch.families.families import implicit_rope_defaults, model_class_for, tiny_config
+from pytest_modelpatch.families.catalog import implicit_rope_defaults, model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs, ordinary_token_ids
 from pytest_modelpatch.isolation.guard import isolated_patch_state
 

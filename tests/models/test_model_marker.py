@@ -100,7 +100,7 @@ def test_an_alias_from_the_attribute_map_is_a_valid_override() -> None:
 
 def test_seed_and_init_are_refused_for_a_checkpoint_with_its_own_weights(tmp_path: Path) -> None:
     from pytest_modelpatch.models.checkpoints import cached_checkpoint
-    from pytest_modelpatch.families.families import tiny_config
+    from pytest_modelpatch.families.catalog import tiny_config
 
     path = cached_checkpoint(tiny_config("llama"), cache_dir=tmp_path)
     with pytest.raises(PatchUsageError, match=r"seed shape the seeded tiny checkpoints, but .* has its own weights"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from pytest_modelpatch.families.families import model_class_for, tiny_config
+from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.models.reference import install_capture_hooks
 

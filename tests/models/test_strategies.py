@@ -10,7 +10,7 @@ from transformers import PretrainedConfig
 
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.families.families import tiny_config
+from pytest_modelpatch.families.catalog import tiny_config
 from pytest_modelpatch.families.strategies import drawn_bytes, model_inputs, positions_from_mask, tiny_configs
 
 LLAMA = tiny_config("llama", pad_token_id=0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pytest_modelpatch.models.checkpoints import seeded_model
-from pytest_modelpatch.families.families import model_class_for, tiny_config
+from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.families.inputs.composite import GRID_IMAGE_FAMILIES, IMAGE_TOKENS_PER_IMAGE, crop_tokens
 

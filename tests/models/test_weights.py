@@ -9,7 +9,7 @@ import torch
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained, seeded_model
-from pytest_modelpatch.families.families import tiny_config
+from pytest_modelpatch.families.catalog import tiny_config
 from pytest_modelpatch.models.weights import spread_weights
 
 RUN = ("-p", "no:randomly", "-p", "no:xdist")

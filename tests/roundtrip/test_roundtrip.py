@@ -158,7 +158,7 @@ FUSION = {"patch_embeddings": True}
 def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     from transformers import Qwen3VLForConditionalGeneration
 
-    from pytest_modelpatch.families.families import tiny_config
+    from pytest_modelpatch.families.catalog import tiny_config
 
     torch.manual_seed(0)
     model = Qwen3VLForConditionalGeneration(tiny_config("qwen3_vl")).eval()
@@ -196,7 +196,7 @@ def test_qwen2_vl_patch_embeddings_fusion_is_caught_dropping_the_conv_weight(tmp
     # from fresh weights and is saved under its own name.
     from transformers import Qwen2VLForConditionalGeneration
 
-    from pytest_modelpatch.families.families import tiny_config
+    from pytest_modelpatch.families.catalog import tiny_config
 
     torch.manual_seed(0)
     Qwen2VLForConditionalGeneration(tiny_config("qwen2_vl")).save_pretrained(tmp_path / "ckpt")

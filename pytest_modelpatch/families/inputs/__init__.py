@@ -18,7 +18,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from pytest_modelpatch.errors import ModelPatchError
-from pytest_modelpatch.families.families import model_class_for
+from pytest_modelpatch.families.catalog import model_class_for
 from pytest_modelpatch.families.inputs.audio import mel_features, waveform
 from pytest_modelpatch.families.inputs.audio_families import AUDIO_INPUT_BUILDERS
 from pytest_modelpatch.families.inputs.composite import composite_builder

@@ -1,6 +1,6 @@
 """Per-family config rules for OCR, document and dense-prediction families (PP-OCR, Sapiens 2).
 
-Same contract as ``family_rules.CONFIG_RULES`` (which merges this table): keyed by
+Same contract as ``rules.CONFIG_RULES`` (which merges this table): keyed by
 ``model_type``, applied to the shrunk level after the generic rules and before overrides.
 """
 

@@ -1,6 +1,6 @@
 """Per-family config rules for families whose vision tower is a timm model.
 
-Same contract as ``family_rules.CONFIG_RULES`` (which merges this table): keyed by
+Same contract as ``rules.CONFIG_RULES`` (which merges this table): keyed by
 ``model_type``, applied to the shrunk level after the generic rules and before overrides.
 
 A timm tower's sizes are not config fields: ``TimmWrapperConfig`` names an ``architecture``

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pytest_modelpatch.families.family_rules_documents import DOCUMENT_CONFIG_RULES
-from pytest_modelpatch.families.family_rules_text import TEXT_CONFIG_RULES
-from pytest_modelpatch.families.family_rules_timm import TIMM_CONFIG_RULES, TINY_PE_ARGS
+from pytest_modelpatch.families.rules.documents import DOCUMENT_CONFIG_RULES
+from pytest_modelpatch.families.rules.text import TEXT_CONFIG_RULES
+from pytest_modelpatch.families.rules.timm import TIMM_CONFIG_RULES, TINY_PE_ARGS
 from pytest_modelpatch.families.tiny_sizes import TINY_IMAGE
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
@@ -288,7 +288,7 @@ TINY_PE_FRAME_ENCODER: dict[str, Any] = {
 }
 
 
-# what the timm_wrapper rule gives a vit_pe_core tower (family_rules_timm._pe_tower)
+# what the timm_wrapper rule gives a vit_pe_core tower (rules.timm._pe_tower)
 _TIMM_PE_KEYS = frozenset(TINY_PE_ARGS) | {"img_size", "ref_feat_shape"}
 
 

@@ -1,4 +1,4 @@
-"""Config rules for text decoders, hybrid/recurrent decoders and composite models (see ``family_rules``).
+"""Config rules for text decoders, hybrid/recurrent decoders and composite models (see ``rules``).
 
 Each rule says why generic shrinking cannot derive it; most are defaults the config class
 leaves ``None`` that released checkpoints set, or hybrid schedules whose shrunk form
@@ -154,7 +154,7 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
     # DaViT stages: widths per stage (each divisible by its heads and channel groups); a list the
     # width rule does not shrink.
     "florence_vision": {"embed_dim": [16, 32, 48, 64]},
-    # Conformer sizes under names of their own; 24 blocks (muse_spark_audio: family_rules.py).
+    # Conformer sizes under names of their own; 24 blocks (muse_spark_audio: rules/__init__.py).
     "phi4_multimodal_audio": {
         "num_blocks": 2, "ext_pw_out_channel": 64, "depthwise_separable_out_channel": 64, "nemo_conv_channels": 64,
     },

@@ -140,7 +140,7 @@ def unknown_model_type_message(model_type: object) -> str:
     hint = f"; close matches: {', '.join(close)}" if close else ""
     return (
         f"unknown model type {model_type!r}{hint}. List the installed types with "
-        "`python -c \"from pytest_modelpatch.families.families import available_model_types as t; print(t())\"`"
+        "`python -c \"from pytest_modelpatch.families.catalog import available_model_types as t; print(t())\"`"
     )
 
 
