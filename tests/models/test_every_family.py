@@ -138,7 +138,8 @@ def _coverage(tmp_path: Path, *families: str) -> tuple[str, dict[str, str]]:
     """``model_coverage.py --markdown`` over ``families`` (all when none): its block, and type -> stage."""
     rows = tmp_path / "coverage.json"
     run = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "model_coverage.py"), "--markdown", "--json", str(rows), *families],
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "model_coverage.py"), "--markdown", "--jobs", "2", "--json", str(rows),
+         *families],
         capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True,
     )
     return run.stdout.strip(), {row["model_type"]: row["stage"] for row in json.loads(rows.read_text())}
