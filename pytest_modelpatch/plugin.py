@@ -7,6 +7,7 @@ the work are imported inside the hooks and fixtures that need them.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from pytest_modelpatch.isolation.leaks import LeakGuard, LeakTally, parse_leak_m
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 from pytest_modelpatch.models.model_cache import parse_model_cache
 from pytest_modelpatch.reporting.records import set_record_sink
-from pytest_modelpatch.reporting.session import CheckSink
+from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink
 
 if TYPE_CHECKING:
     from pytest_modelpatch.isolation.patch_spec import PatchSpec
@@ -37,7 +38,8 @@ MARKERS = {
     "model": "model(spec, *, seed=0, init='modelpatch', attn_implementation=None, experts_implementation=None, "
     "fusion_config=None, **config_overrides): the model behind reference_model and patched_model: a model type "
     "('llama'), a PretrainedConfig or a local checkpoint directory, or a list of model types to run the test "
-    "once per type; an unknown keyword is a usage error",
+    "once per type; families='patched' runs it once per family the test's patches reach (towers of composite "
+    "models included), families='all' once per family; an unknown keyword is a usage error",
     "tolerance": "tolerance(*, atol=None, rtol=None, policy=None): tolerance for this test's equivalence checks "
     "(arguments > this marker > modelpatch_atol/modelpatch_rtol ini > the per-dtype policy)",
 }
@@ -161,21 +163,63 @@ _FAMILY_PARAM = "_modelpatch_family"  # the parameter a list of model types in @
 
 
 def _sweep_families(metafunc: pytest.Metafunc) -> None:
-    """``@pytest.mark.model(["llama", "gemma"])``: one test per model type, ids the model types."""
+    """``@pytest.mark.model(["llama", "gemma"])``, or ``families="patched"``/``"all"``: one test per model type."""
     mark = metafunc.definition.get_closest_marker("model")
-    if mark is None or not mark.args or not isinstance(mark.args[0], (list, tuple)):
+    if mark is None:
         return
-    families = list(mark.args[0])
-    if not families or not all(isinstance(f, str) and f for f in families) or len(set(families)) != len(families):
-        raise PatchUsageError(
-            f"@pytest.mark.model({families!r}) on {metafunc.definition.nodeid}: a sweep is a list of distinct model "
-            "types, e.g. @pytest.mark.model(['llama', 'mistral'])."
-        )
+    where = f"@pytest.mark.model on {metafunc.definition.nodeid}"
+    if "families" in mark.kwargs:
+        if mark.args:
+            raise PatchUsageError(f"{where}: families= chooses the model types; drop the positional {mark.args[0]!r}.")
+        from pytest_modelpatch.models.sweeps import sweep_families
+
+        try:
+            swept = sweep_families(mark.kwargs["families"], _patched_class_names(metafunc.definition))
+        except PatchUsageError as exc:  # collection errors name the file only: name the test
+            raise PatchUsageError(f"{where}: {exc}") from None
+        params = [pytest.param(f.model_type, id=f.model_type, marks=[pytest.mark.skip(reason=f.skip)] if f.skip else [])
+                  for f in swept]  # fmt: skip
+    elif mark.args and isinstance(mark.args[0], (list, tuple)):
+        families = list(mark.args[0])
+        if not families or not all(isinstance(f, str) and f for f in families) or len(set(families)) != len(families):
+            raise PatchUsageError(
+                f"@pytest.mark.model({families!r}) on {metafunc.definition.nodeid}: a sweep is a list of distinct model "
+                "types, e.g. @pytest.mark.model(['llama', 'mistral']), or families='patched' or 'all'."
+            )
+        params = [pytest.param(family, id=family) for family in families]
+    else:
+        return
     metafunc.fixturenames.append(_FAMILY_PARAM)
-    metafunc.parametrize(_FAMILY_PARAM, families, ids=families)
+    metafunc.parametrize(_FAMILY_PARAM, params)
+
+
+def _patched_class_names(node: pytest.Item) -> list[str]:
+    """The class mapping's keys and the classes method patches patch: what families="patched" follows."""
+    spec = collect_patch_spec(node)
+    if spec is None:
+        return []
+    named = [getattr(getattr(m, "_PATCHED_CLASS_", None), "__name__", None) for m in spec.methods]
+    return [*spec.mapping, *(re.escape(name) for name in named if name)]
+
+
+def _swept_marker_args(item: pytest.Item, mark: pytest.Mark) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A sweep's marker as this item's one-family marker: its model type in place of the list or ``families=``."""
+    family = getattr(item, "callspec", _NoCallspec).params.get(_FAMILY_PARAM)
+    if family is None:
+        return mark.args, mark.kwargs
+    if "families" in mark.kwargs:
+        return (family,), {k: v for k, v in mark.kwargs.items() if k != "families"}
+    return (family, *mark.args[1:]), mark.kwargs
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    try:
+        _parametrize(metafunc)
+    except PatchUsageError as exc:  # the message says what to fix: no traceback through pluggy and the plugin
+        raise pytest.Collector.CollectError(f"PatchUsageError: {exc}") from None
+
+
+def _parametrize(metafunc: pytest.Metafunc) -> None:
     _sweep_families(metafunc)
     for marker, argname, parse in (("devices", "device", devices.parse_device), ("dtypes", "dtype", devices.dtype_name)):
         mark = metafunc.definition.get_closest_marker(marker)
@@ -252,6 +296,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         # point the skip at the test, as pytest does for its own skip marks
         path, line, _ = item.reportinfo()
         report.longrepr = (str(path), (line or 0) + 1, f"Skipped: {reason}")
+    family = getattr(item, "callspec", _NoCallspec).params.get(_FAMILY_PARAM)
+    if family is not None:  # the controller groups a sweep's outcomes by test (under xdist it has no items)
+        report.user_properties.append((SWEEP_PROPERTY, family))
     return report
 
 
@@ -432,10 +479,8 @@ def _model_request(item: pytest.Item) -> ModelRequest | None:
     found = next(iter(item.iter_markers_with_node("model")), None)
     if found is not None:
         node, mark = found
-        args = mark.args
-        if args and isinstance(args[0], (list, tuple)):  # a sweep: this item's model type
-            args = (getattr(item, "callspec", _NoCallspec).params[_FAMILY_PARAM], *args[1:])
-        return ModelRequest.from_marker(args, mark.kwargs, item.nodeid if args is not mark.args else node.nodeid or node.name)
+        args, kwargs = _swept_marker_args(item, mark)  # a sweep: this item's model type
+        return ModelRequest.from_marker(args, kwargs, item.nodeid if args is not mark.args else node.nodeid or node.name)
     default = item.config.getoption("modelpatch_checkpoint")
     return ModelRequest(default) if default else None
 

@@ -180,3 +180,21 @@ def test_peft_lora_at_initialisation(reference_model, patched_model) -> None:  #
 @pytest.mark.patch(transform=mechanisms.random_lora)
 def test_caught_random_lora(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
     assert_equivalent(reference_model, patched_model)
+
+
+# a norm kernel for Gemma, over every family whose model runs GemmaRMSNorm (towers included);
+# Gemma's norm takes ``x`` and a ``dim``, the kernels ``hidden_size``: its layers pass both by position
+GEMMA_NORM_ALLOW = {"^GemmaRMSNorm$": ["SIGNATURE"]}
+
+
+@pytest.mark.model(families="patched")
+@pytest.mark.patch({"^GemmaRMSNorm$": mechanisms.GemmaStyleNorm}, allow=GEMMA_NORM_ALLOW)
+def test_gemma_norm_kernel_on_every_family_it_reaches(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    print(assert_equivalent(reference_model, patched_model))
+
+
+@pytest.mark.xfail(strict=True, reason="caught: a Llama-style norm computes weight * x where Gemma computes (1 + weight) * x")
+@pytest.mark.model(families="patched")
+@pytest.mark.patch({"^GemmaRMSNorm$": mechanisms.LlamaStyleNorm}, allow=GEMMA_NORM_ALLOW)
+def test_caught_llama_norm_kernel_on_the_gemma_families(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    assert_equivalent(reference_model, patched_model)

@@ -138,3 +138,30 @@ def summary_lines(rows: list[dict[str, Any]], limit: int = 20) -> list[str]:
     if len(ordered) > limit:
         lines.append(f"... and {len(ordered) - limit} more (see --modelpatch-report)")
     return lines
+
+
+def sweep_lines(sweeps: dict[str, dict[str, tuple[str, str]]]) -> list[str]:
+    """One line per swept test: ``test: passes on 41 families, fails on gemma, paligemma (first diverging module ...)``.
+
+    ``sweeps`` maps a swept test (its node id without the family) to family -> (outcome, where it diverged).
+    Families are listed by name where few enough to read; the first failure's divergence is quoted.
+    """
+    lines = []
+    for test, families in sorted(sweeps.items()):
+        by_outcome: dict[str, list[str]] = {}
+        for family, (outcome, _) in sorted(families.items()):
+            by_outcome.setdefault(outcome, []).append(family)
+        parts = []
+        for outcome, verb in (("passed", "passes on"), ("failed", "fails on"), ("xfailed", "xfails on"),
+                              ("xpassed", "xpasses on"), ("skipped", "skips")):  # fmt: skip
+            names = by_outcome.get(outcome, [])
+            if not names:
+                continue
+            count = f"{len(names)} famil{'y' if len(names) == 1 else 'ies'}"
+            listed = f": {', '.join(names)}" if outcome != "passed" or len(names) <= 3 else ""
+            if outcome == "failed":
+                where = next((families[f][1] for f in names if families[f][1]), "")
+                listed += f" ({where})" if where else ""
+            parts.append(f"{verb} {count}{listed}")
+        lines.append(f"{test}: {'; '.join(parts)}")
+    return lines

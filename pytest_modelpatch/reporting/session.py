@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,11 +26,14 @@ import pytest
 from pytest_modelpatch.errors import PatchUsageError, ReportFileError
 from pytest_modelpatch.reporting.gate import DEFAULT_FACTOR, DEFAULT_FLOOR, GateVerdict, Thresholds, evaluate
 from pytest_modelpatch.reporting.records import CheckRecord, set_record_sink
-from pytest_modelpatch.reporting.report import REPORT_FORMAT, load_report, row_from_record, summary_lines, write_report
+from pytest_modelpatch.reporting.report import (
+    REPORT_FORMAT, load_report, row_from_record, summary_lines, sweep_lines, write_report,
+)
 
 ROW_PROPERTY = "modelpatch_check"
 # key figures as their own JUnit properties, so CI UIs show them without parsing the row
 FIGURE_PROPERTIES = ("max_abs_error", "max_rel_error", "outcome")
+SWEEP_PROPERTY = "modelpatch_family"  # on each report of a test a family sweep made: its model type
 
 
 # ---------------------------------------------------------------------------
@@ -256,6 +260,7 @@ class ReportSession:
         self.seed = seed
         self.rows: list[dict[str, Any]] = []
         self.verdict: Any = None
+        self.sweeps: dict[str, dict[str, tuple[str, str]]] = {}  # swept test -> family -> (outcome, divergence)
 
     def pytest_report_header(self, config: pytest.Config) -> str:
         return f"modelpatch: seed {self.seed} (--modelpatch-seed)"
@@ -264,6 +269,24 @@ class ReportSession:
         # the teardown report carries every property the test gathered (setup, call, teardown)
         if report.when == "teardown":
             self.rows += [value for name, value in report.user_properties if name == ROW_PROPERTY]
+        family = next((value for name, value in report.user_properties if name == SWEEP_PROPERTY), None)
+        if family is not None:
+            self._tally_sweep(report, family)
+
+    def _tally_sweep(self, report: pytest.TestReport, family: str) -> None:
+        test = report.nodeid.rpartition("[")[0] or report.nodeid
+        families = self.sweeps.setdefault(test, {})
+        if hasattr(report, "wasxfail"):
+            outcome = "xfailed" if report.skipped else "xpassed"
+        elif report.failed or report.skipped:
+            outcome = report.outcome
+        elif report.when == "call":
+            outcome = "passed"
+        else:
+            return
+        if families.get(family, ("passed", ""))[0] in ("passed", "xpassed") or outcome == "failed":
+            found = re.search(r"first diverging module: [^\n]*", report.longreprtext) if outcome == "failed" else None
+            families[family] = (outcome, found.group(0) if found else "")
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         config = self.config
@@ -288,6 +311,10 @@ class ReportSession:
             title = f"modelpatch: {len(self.rows)} check{'s' * (len(self.rows) != 1)}{meant}, worst first"
             terminalreporter.write_sep("-", title)
             for line in summary_lines(self.rows):
+                terminalreporter.write_line(line)
+        if self.sweeps:
+            terminalreporter.write_sep("-", "modelpatch sweeps: each swept test by family")
+            for line in sweep_lines(self.sweeps):
                 terminalreporter.write_line(line)
         if self.verdict is not None:
             terminalreporter.write_sep("-", "modelpatch gate")

@@ -121,6 +121,15 @@ def test_the_documented_exceptions_are_real_families() -> None:
     assert not set(documented_exceptions()) & set(REPRESENTATIVE), "the representative subset must be families that run"
 
 
+def test_sweeps_skip_by_the_tables_docs_families_md_prints() -> None:
+    from pytest_modelpatch.families.not_running import NEEDS_TIMM, NOT_RUNNING
+
+    assert {f: f"{stage}: {why}" for f, (stage, why) in NOT_RUNNING.items()} == _documented("Families that do not run here"), (
+        "families/not_running.py's NOT_RUNNING must say what docs/families.md says"
+    )
+    assert {f: f"{stage}: {why}" for f, (stage, why) in NEEDS_TIMM.items()} == timm_families()
+
+
 def test_every_family_builds_tiny_and_passes_assert_equivalent_through_the_fixtures(pytester: pytest.Pytester) -> None:
     families = families_to_run()
     exceptions = {f: r for f, r in documented_exceptions().items() if f in families}

@@ -65,3 +65,123 @@ def test_a_sweep_that_is_not_a_list_of_model_types_is_a_usage_error(pytester: py
     result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*a sweep is a list of distinct model types*"])
+
+
+PATCHED_SWEEP = """
+import pytest
+import torch
+from torch import nn
+from pytest_modelpatch import assert_equivalent
+
+
+class LlamaStyleNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x):
+        wide = x.float()
+        return (self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps))).type_as(x)
+
+
+class GemmaStyleNorm(LlamaStyleNorm):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__(dim, eps)
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        wide = x.float()
+        return ((1.0 + self.weight.float()) * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps))).type_as(x)
+
+
+@pytest.mark.model(families="patched")
+@pytest.mark.patch({"^GemmaRMSNorm$": LlamaStyleNorm}, allow={"^GemmaRMSNorm$": ["SIGNATURE"]})
+def test_llama_norm(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model(families="patched")
+@pytest.mark.patch({"^GemmaRMSNorm$": GemmaStyleNorm}, allow={"^GemmaRMSNorm$": ["SIGNATURE"]})
+def test_gemma_norm(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+"""
+
+
+def test_families_patched_runs_every_family_the_mapping_reaches_towers_included(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_patched=PATCHED_SWEEP)
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    # GemmaRMSNorm runs in Gemma, in PaliGemma's text tower and in Pi0's (a PaliGemma)
+    result.assert_outcomes(passed=3, failed=3)
+    for family in ("gemma", "paligemma", "pi0"):
+        result.stdout.fnmatch_lines([f"PASSED test_patched.py::test_gemma_norm[[]{family}[]]"], consecutive=False)
+        result.stdout.fnmatch_lines([f"FAILED test_patched.py::test_llama_norm[[]{family}[]]*"], consecutive=False)
+    # the sweep's summary: one line per swept test, the failing families named with where they diverge
+    result.stdout.fnmatch_lines([
+        "*modelpatch sweeps*",
+        "test_patched.py::test_gemma_norm: passes on 3 families*",
+        "test_patched.py::test_llama_norm: fails on 3 families: gemma, paligemma, pi0 (first diverging module: *RMSNorm*",
+    ], consecutive=False)  # fmt: skip
+
+
+def test_families_all_runs_every_family_and_skips_the_documented_ones_with_their_reason(pytester: pytest.Pytester) -> None:
+    from pytest_modelpatch.families.catalog import available_model_types
+
+    pytester.makepyfile(
+        """
+        import pytest
+
+
+        @pytest.mark.model(families="all")
+        def test_builds(reference_model):
+            assert reference_model.config.model_type
+        """
+    )
+    collected = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "--collect-only", "-q")
+    assert f"{len(available_model_types())} tests collected" in collected.stdout.str()
+    chosen = [f"test_families_all_runs_every_family_and_skips_the_documented_ones_with_their_reason.py::test_builds[{family}]"
+              for family in ("bark", "dinat", "mistral")]  # fmt: skip
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rs", *chosen)
+    result.assert_outcomes(passed=1, skipped=2)
+    result.stdout.fnmatch_lines(["*bark does not run here (inputs): `BarkModel` has no forward*",
+                                 "*dinat does not run here (build): needs natten*"], consecutive=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("marks", "message"),
+    [
+        ('@pytest.mark.model(families="patched")', "*this test has no class mapping or method patch*"),
+        ('@pytest.mark.model(families="patched")\n@pytest.mark.patch({"^NoSuchNorm$": object}, allow={"^NoSuchNorm$": ["NO_MATCH"]})',
+         "*replace no class of any family*"),
+        ('@pytest.mark.model(families="some")', "*a sweep is one of 'patched', 'all', or a list of model types*"),
+        ('@pytest.mark.model("llama", families="all")', "*families= chooses the model types; drop the positional 'llama'*"),
+    ],
+)  # fmt: skip
+def test_a_families_sweep_that_cannot_be_resolved_is_a_usage_error_naming_the_test(
+    pytester: pytest.Pytester, marks: str, message: str
+) -> None:
+    pytester.makepyfile(f"import pytest\n\n\n{marks}\ndef test_swept(reference_model):\n    pass\n")
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"PatchUsageError: @pytest.mark.model on test_*::test_swept: {message}"])
+    assert "_caller.py" not in result.stdout.str()  # the message, not a traceback through pluggy and the plugin
+
+
+def test_patched_families_follow_the_lint_index_and_the_towers() -> None:
+    from pytest_modelpatch.models.sweeps import sweep_families
+
+    swept = {f.model_type for f in sweep_families("patched", ["^(Llama|Gemma)RMSNorm$"])}
+    assert {"llama", "gemma", "llava", "paligemma"} <= swept
+    assert not {"mistral", "bert", "gemma2", "qwen2"} & swept  # their own norms, which the key does not match
+    assert {f.model_type for f in sweep_families("patched", ["Qwen3MoeSparseMoeBlock"])} == {"qwen3_moe"}
+
+
+def test_the_sweep_summary_counts_passes_and_names_failures_with_the_first_divergence() -> None:
+    from pytest_modelpatch.reporting.report import sweep_lines
+
+    where = "first diverging module: model.norm (GemmaRMSNorm in the reference, LlamaStyleNorm in the patched model)"
+    families = {f: ("passed", "") for f in ("llama", "mistral", "qwen2", "phi3")}
+    families |= {"gemma": ("failed", where), "paligemma": ("failed", ""), "bark": ("skipped", "")}
+    assert sweep_lines({"t.py::test_norm": families}) == [
+        f"t.py::test_norm: passes on 4 families; fails on 2 families: gemma, paligemma ({where}); skips 1 family: bark"
+    ]

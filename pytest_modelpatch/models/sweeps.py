@@ -1,0 +1,140 @@
+"""Which families a sweep runs: every family, or every family a patch reaches.
+
+``@pytest.mark.model(families="patched")`` runs a test once per family whose tiny model holds a
+class the test's patches replace, counting composite models through their towers (LLaVA through
+its Llama text model, PaliGemma through Gemma). Resolved without building a model: the lint's scan
+index says which modeling modules bind each class a key matches, as ``apply_patches`` would find
+them, and a table of each family's towers (the model types its tiny config is built from) says
+which families run those modules. The table costs one ``tiny_config`` per family, so it is cached
+on disk beside the scan index, keyed by the transformers version and the catalog's sources.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+from collections.abc import Iterable
+from importlib import metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.families.not_running import NEEDS_TIMM, NOT_RUNNING
+from pytest_modelpatch.lint.scan_index import CORE, cache_dir, load_index, write_atomically
+
+SWEEPS = ("patched", "all")
+TOWERS_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class SweepFamily:
+    """One family of a sweep, and why it is skipped here ("" when it runs)."""
+
+    model_type: str
+    skip: str = ""
+
+
+def sweep_families(sweep: str, keys: Iterable[str] = ()) -> list[SweepFamily]:
+    """The families ``families=sweep`` runs: ``"all"``, or ``"patched"`` for the classes ``keys`` match.
+
+    Example: ``[f.model_type for f in sweep_families("patched", ["^(Llama|Gemma)RMSNorm$"])]``
+    holds ``llama``, ``gemma``, ``llava`` and ``paligemma``.
+    """
+    if sweep not in SWEEPS:
+        raise PatchUsageError(f"families={sweep!r}: a sweep is one of {', '.join(map(repr, SWEEPS))}, or a list of model types")
+    towers = family_towers()
+    if sweep == "all":
+        chosen = list(towers)
+    else:
+        keys = list(keys)
+        if not keys:
+            raise PatchUsageError(
+                'families="patched" sweeps the families the test\'s patches reach, and this test has no class mapping '
+                "or method patch: add @pytest.mark.patch({...}), or name the families: @pytest.mark.model(['llama', ...])."
+            )
+        reached = patched_model_types(keys)
+        chosen = [family for family, built_from in towers.items() if reached.intersection(built_from or [family])]
+        if not chosen:
+            raise PatchUsageError(
+                f'families="patched": the keys {keys} replace no class of any family in transformers '
+                f"{metadata.version('transformers')}; run `modelpatch lint` on them to see why."
+            )
+    return [SweepFamily(family, skip_reason(family, towers[family])) for family in chosen]
+
+
+def patched_model_types(keys: Iterable[str]) -> set[str]:
+    """The model types whose modeling modules bind a class that one of ``keys`` replaces."""
+    from pytest_modelpatch.lint.patterns import matched_classes
+
+    index = load_index()
+    folders = {
+        index.modules[module][0]
+        for classes in matched_classes(list(keys), index=index).values()
+        for modules in classes.values()
+        for module in modules
+    }
+    folders.discard(CORE)
+    return {model_type for model_type, folder in index.model_types.items() if folder in folders}
+
+
+def skip_reason(family: str, built_from: list[str] | None) -> str:
+    """Why ``family`` does not run here: the documented reason, or the tiny config's error; "" when it runs."""
+    if family in NOT_RUNNING:
+        stage, why = NOT_RUNNING[family]
+        return f"{family} does not run here ({stage}): {why}"
+    if family in NEEDS_TIMM and importlib.util.find_spec("timm") is None:
+        stage, why = NEEDS_TIMM[family]
+        return f"{family} needs timm ({stage}): {why}"
+    if built_from is None:
+        return f"{family} has no tiny config here: see `python benchmarks/model_coverage.py {family}`"
+    return ""
+
+
+def family_towers() -> dict[str, list[str] | None]:
+    """Every family -> the model types its tiny model is built from (itself first); None where none builds."""
+    path = _towers_path()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("format") == TOWERS_FORMAT:
+            return data["towers"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    towers = _build_towers()
+    write_atomically(path, {"format": TOWERS_FORMAT, "towers": towers})
+    return towers
+
+
+def _build_towers() -> dict[str, list[str] | None]:
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    from pytest_modelpatch.families.catalog import available_model_types, tiny_config
+    from pytest_modelpatch.models.checkpoints import config_families
+
+    towers: dict[str, list[str] | None] = {}
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # tiny vocabularies make some configs warn about token ids
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for family in available_model_types():
+                try:
+                    towers[family] = config_families(tiny_config(family))
+                except Exception:  # noqa: BLE001 - a family whose config cannot be made tiny here: skipped, with why
+                    towers[family] = None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    return towers
+
+
+def _towers_path() -> Path:
+    # the towers follow from transformers and from the catalog's shrinking rules: a change to either rebuilds
+    catalog = Path(__file__).resolve().parent.parent / "families"
+    digest = hashlib.sha256(f"{TOWERS_FORMAT}|{metadata.version('transformers')}".encode())
+    for source in sorted(catalog.rglob("*.py")):
+        digest.update(source.read_bytes())
+    version = re.sub(r"[^\w.]", "_", metadata.version("transformers"))
+    return cache_dir() / f"family-towers-transformers-{version}-{digest.hexdigest()[:16]}.json"
