@@ -80,10 +80,20 @@ def sort_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["nodeid"], r["kind"], int(str(r.get("check", "#0")).rpartition("#")[2] or 0)))
 
 
-def write_report(path: Path, header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    """Write the report as strict JSON (no NaN/Infinity tokens), valid against ``report.schema.json``."""
+def write_report(
+    path: Path, header: dict[str, Any], rows: list[dict[str, Any]],
+    sweeps: dict[str, dict[str, tuple[str, str]]] | None = None,
+) -> None:
+    """Write the report as strict JSON (no NaN/Infinity tokens), valid against ``report.schema.json``.
+
+    ``sweeps``: each swept test -> family -> (outcome, first diverging module), as ``sweep_lines`` reads them.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"schema_version": SCHEMA_VERSION, "header": header, "rows": sort_rows(rows)}
+    data: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "header": header, "rows": sort_rows(rows)}
+    if sweeps:
+        data["sweeps"] = {test: {family: {"outcome": outcome, "divergence": where}
+                                 for family, (outcome, where) in sorted(families.items())}
+                          for test, families in sorted(sweeps.items())}  # fmt: skip
     path.write_text(json.dumps(strict_json_value(data), indent=2, allow_nan=False) + "\n", encoding="utf-8")
 
 

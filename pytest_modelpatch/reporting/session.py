@@ -294,7 +294,7 @@ class ReportSession:
         if config.getoption("modelpatch_report") or config.getoption("modelpatch_update_baseline"):
             header = report_header(config, self.seed, self.rows)
         if config.getoption("modelpatch_report"):
-            write_report(Path(config.getoption("modelpatch_report")), header or {}, self.rows)
+            write_report(Path(config.getoption("modelpatch_report")), header or {}, self.rows, self.sweeps)
         self.verdict = session_verdict(config, self.rows, header)
         if self.verdict is not None and not self.verdict.passed and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -7,6 +7,8 @@ must fail on Gemma, and on the VLMs whose text tower is Gemma (PaliGemma).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 SWEEP = """
@@ -110,7 +112,7 @@ def test_gemma_norm(reference_model, patched_model):
 
 def test_families_patched_runs_every_family_the_mapping_reaches_towers_included(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_patched=PATCHED_SWEEP)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA", "--modelpatch-report", "report.json")
     # GemmaRMSNorm runs in Gemma, in PaliGemma's text tower and in Pi0's (a PaliGemma)
     result.assert_outcomes(passed=3, failed=3)
     for family in ("gemma", "paligemma", "pi0"):
@@ -122,6 +124,11 @@ def test_families_patched_runs_every_family_the_mapping_reaches_towers_included(
         "test_patched.py::test_gemma_norm: passes on 3 families*",
         "test_patched.py::test_llama_norm: fails on 3 families: gemma, paligemma, pi0 (first diverging module: *RMSNorm*",
     ], consecutive=False)  # fmt: skip
+    sweeps = json.loads((pytester.path / "report.json").read_text())["sweeps"]
+    assert {family: o["outcome"] for family, o in sweeps["test_patched.py::test_llama_norm"].items()} == dict.fromkeys(
+        ("gemma", "paligemma", "pi0"), "failed"
+    )
+    assert "GemmaRMSNorm" in sweeps["test_patched.py::test_llama_norm"]["gemma"]["divergence"]
 
 
 def test_families_all_runs_every_family_and_skips_the_documented_ones_with_their_reason(pytester: pytest.Pytester) -> None:

@@ -138,3 +138,15 @@ def test_the_validator_rejects_what_the_schema_forbids(tmp_path: Path) -> None:
     assert schema_errors({"header": {}, "rows": []}, schema, schema) == ["$: missing 'schema_version'"]
     with pytest.raises(ValueError, match="bare Infinity"):
         _strict('{"max_abs_error": Infinity}')
+
+
+def test_a_report_with_a_family_sweep_is_valid_and_a_wrong_outcome_is_not(tmp_path: Path) -> None:
+    record = CheckRecord(kind="equivalence", outcome="failed", model="GemmaForCausalLM", max_abs_error=2.0)
+    where = "first diverging module: model.norm (GemmaRMSNorm in the reference, LlamaStyleNorm in the patched model)"
+    sweeps = {"t.py::test_norm": {"gemma": ("failed", where), "llama": ("passed", ""), "bark": ("skipped", "")}}
+    write_report(tmp_path / "r.json", {"seed": 0}, [row_from_record(record, "t.py::test_norm[gemma]", 1)], sweeps)
+    data = assert_valid_report(tmp_path / "r.json")
+    assert data["sweeps"]["t.py::test_norm"]["gemma"] == {"outcome": "failed", "divergence": where}
+    schema = json.loads(SCHEMA_FILE.read_text())
+    data["sweeps"]["t.py::test_norm"]["llama"]["outcome"] = "ok"
+    assert schema_errors(data, schema, schema), "an outcome outside the enum must be refused"
