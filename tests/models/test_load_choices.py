@@ -260,3 +260,45 @@ def test_a_zero_lora_passes_and_a_random_lora_fails_naming_the_adapted_projectio
     result.stdout.fnmatch_lines(["FAILED test_peft.py::test_random_lora*"])
     # PEFT's LoRA layer is a class named Linear too; the name is the wrapped model's, as in the reference
     result.stdout.fnmatch_lines(["*first diverging module: model.layers.0.self_attn.v_proj (Linear)*"])
+
+
+EVERY_CHECK = """
+import pytest
+from fixtures.patches import mechanisms
+from pytest_modelpatch import (
+    assert_backward_equivalent, assert_compiles_equivalent, assert_exports_equivalent, check_equivalence, check_generation,
+)
+
+GOOD = pytest.mark.patch(transform=mechanisms.rmsnorm_instance_patcher)
+BROKEN = pytest.mark.patch(transform=mechanisms.rmsnorm_instance_patcher_no_eps)
+CHECKS = {
+    "property": lambda r, p: check_equivalence(r, p, max_examples=4),
+    "backward": lambda r, p: assert_backward_equivalent(r, p),
+    "generation": lambda r, p: check_generation(r, p, max_examples=2, max_new_tokens=2),
+    "export": lambda r, p: assert_exports_equivalent(r, p),
+    "compile": lambda r, p: assert_compiles_equivalent(r, p),
+}
+
+
+@pytest.mark.model("llama")
+@GOOD
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_good(check, reference_model, patched_model):
+    CHECKS[check](reference_model, patched_model)
+
+
+@pytest.mark.model("llama")
+@BROKEN
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_broken(check, reference_model, patched_model):
+    CHECKS[check](reference_model, patched_model)
+"""
+
+
+def test_every_check_runs_a_transformed_patched_model_and_catches_a_broken_transform(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_every_check=EVERY_CHECK)
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result.assert_outcomes(passed=5, failed=5)
+    for check in ("property", "backward", "generation", "export", "compile"):
+        result.stdout.fnmatch_lines([f"PASSED test_every_check.py::test_good[[]{check}[]]*"], consecutive=False)
+        result.stdout.fnmatch_lines([f"FAILED test_every_check.py::test_broken[[]{check}[]]*"], consecutive=False)
