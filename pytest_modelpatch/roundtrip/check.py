@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import transformers
 
-from pytest_modelpatch.errors import CheckpointError
 from pytest_modelpatch.families.inputs import example_inputs
+from pytest_modelpatch.models.checkpoints import check_checkpoint_dir, checkpoint_model_class, load_pretrained
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.roundtrip.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint
@@ -176,30 +176,15 @@ def load_with_fusion(
 
     transformers registers a fusion as global patch mappings and conversions; they
     are undone on return, while the model keeps its fused modules and the
-    conversions it needs to save in the original layout.
+    conversions it needs to save in the original layout. Loaded as the fixtures load
+    (``models.checkpoints.load_pretrained``), in the checkpoint's dtype unless ``dtype=``.
 
     Example::
 
         model = load_with_fusion(qwen2_vl_dir, {"patch_embeddings": True})
     """
-    cls = model_class or resolve_model_class(Path(source))
-    with isolated_patch_state():
-        return cls.from_pretrained(source, dtype=dtype or "auto", fusion_config=dict(fusion_config))
-
-
-def resolve_model_class(checkpoint: Path) -> type[transformers.PreTrainedModel]:
-    """The transformers class named first in ``config.json``'s ``architectures``."""
-    config_path = checkpoint / "config.json"
-    try:
-        architectures = json.loads(config_path.read_text(encoding="utf-8")).get("architectures") or []
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {config_path} ({exc}); pass model_class= or save the checkpoint again") from exc
-    cls = getattr(transformers, architectures[0], None) if architectures else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise CheckpointError(
-            f"{config_path} names no transformers model class in 'architectures' ({architectures}); pass model_class="
-        )
-    return cls
+    path = Path(source)
+    return _load(model_class or _model_class(path), path, dtype or "auto", dict(fusion_config))
 
 
 # ---------------------------------------------------------------------------
@@ -234,7 +219,7 @@ def _run_roundtrip(
     else:
         source_dir = Path(source)
         open_checkpoint(source_dir)  # bad input fails here, naming the file, before any model is built
-        cls = model_class or resolve_model_class(source_dir)
+        cls = model_class or _model_class(source_dir)
     load_dtype = dtype or "auto"
     save_kwargs: dict[str, Any] = {"save_original_format": save_original_format}
     if max_shard_size is not None:
@@ -294,16 +279,24 @@ def _run_roundtrip(
     )
 
 
+def _model_class(checkpoint: Path) -> type[transformers.PreTrainedModel]:
+    """The class the fixtures would load ``checkpoint`` as; a bad ``config.json`` is a ``CheckpointError``."""
+    check_checkpoint_dir(checkpoint)
+    return checkpoint_model_class(checkpoint)
+
+
 def _load(
     cls: type[transformers.PreTrainedModel], path: Path, dtype: torch.dtype | str, fusion_config: dict[str, Any] | None
 ) -> transformers.PreTrainedModel:
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    # The fixtures' loader: through the Auto class, and a weight the checkpoint lacks (a patch
+    # that drops or renames one) filled from a fixed seed, so a round-trip load of a patched
+    # model gives what the patched_model fixture gives, whatever the test's random state.
     if fusion_config is None:
-        return cls.from_pretrained(path, **kwargs).eval()
+        return load_pretrained(path, dtype=dtype, model_class=cls)
     # A fusion registers global patches and conversions while loading; keep them from leaking.
     # An empty fusion_config overrides one stored in config.json (transformers reuses that).
     with isolated_patch_state():
-        return cls.from_pretrained(path, fusion_config=fusion_config, **kwargs).eval()
+        return load_pretrained(path, dtype=dtype, model_class=cls, fusion_config=fusion_config)
 
 
 @contextmanager
