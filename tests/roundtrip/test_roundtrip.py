@@ -347,6 +347,14 @@ def test_corrupt_header_is_named(tmp_path: Path) -> None:
         check_roundtrip(tmp_path)
 
 
+def test_a_checkpoint_without_config_json_is_named(llama_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "ckpt"
+    copy.mkdir()
+    os.symlink(llama_dir / "model.safetensors", copy / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{copy} has no config.json"):
+        check_roundtrip(copy)
+
+
 def test_index_naming_an_absent_shard_is_named(sharded_llama_dir: Path, tmp_path: Path) -> None:
     copy = tmp_path / "ckpt"
     copy.mkdir()
