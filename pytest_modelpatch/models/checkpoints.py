@@ -336,7 +336,8 @@ def load_pretrained(
     """``from_pretrained`` of a local checkpoint through its Auto class, in eval mode, on ``device``.
 
     Registered patches and conversions apply, as they would for a user; so does a wrapper a
-    library put on the Auto class or on the concrete class.
+    library put on the Auto class or on the concrete class. ``dtype="auto"`` keeps the
+    checkpoint's own dtype (a round-trip must save what it loaded).
     Example: ``load_pretrained(path, dtype="bf16", device="cuda")``.
     """
     files = check_checkpoint_dir(path)
@@ -348,7 +349,8 @@ def load_pretrained(
         # the same figures every run and the test's own RNG state is left as it was.
         with _quiet_progress_bars(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(MISSING_WEIGHTS_SEED)
-            model = loader.from_pretrained(path, dtype=parse_dtype(dtype), **from_pretrained_kwargs)
+            load_dtype = dtype if dtype == "auto" else parse_dtype(dtype)
+            model = loader.from_pretrained(path, dtype=load_dtype, **from_pretrained_kwargs)
     except SafetensorError as exc:
         names = ", ".join(f.name for f in files)
         raise CheckpointError(f"reading the weights in {path} ({names}) failed: {exc}") from exc

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 import transformers
 
-from pytest_modelpatch.errors import CheckpointError
+from pytest_modelpatch.compare.outputs import evaluating, flatten_outputs, forward
 from pytest_modelpatch.families.inputs import example_inputs
+from pytest_modelpatch.models.checkpoints import check_checkpoint_dir, checkpoint_model_class, load_pretrained
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.roundtrip.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint
@@ -39,7 +40,11 @@ _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "nam
 
 @dataclass
 class OutputDiff:
-    """One output tensor of the reference model against the same output after the round-trip."""
+    """One output tensor of the reference model against the same output after the round-trip.
+
+    ``name`` is the tensor's path in the output tree, as ``compare.outputs.flatten_outputs``
+    names it (``logits``, ``hidden_states[1]``, ``cache.layers[0].keys``).
+    """
 
     name: str
     identical: bool
@@ -176,30 +181,15 @@ def load_with_fusion(
 
     transformers registers a fusion as global patch mappings and conversions; they
     are undone on return, while the model keeps its fused modules and the
-    conversions it needs to save in the original layout.
+    conversions it needs to save in the original layout. Loaded as the fixtures load
+    (``models.checkpoints.load_pretrained``), in the checkpoint's dtype unless ``dtype=``.
 
     Example::
 
         model = load_with_fusion(qwen2_vl_dir, {"patch_embeddings": True})
     """
-    cls = model_class or resolve_model_class(Path(source))
-    with isolated_patch_state():
-        return cls.from_pretrained(source, dtype=dtype or "auto", fusion_config=dict(fusion_config))
-
-
-def resolve_model_class(checkpoint: Path) -> type[transformers.PreTrainedModel]:
-    """The transformers class named first in ``config.json``'s ``architectures``."""
-    config_path = checkpoint / "config.json"
-    try:
-        architectures = json.loads(config_path.read_text(encoding="utf-8")).get("architectures") or []
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {config_path} ({exc}); pass model_class= or save the checkpoint again") from exc
-    cls = getattr(transformers, architectures[0], None) if architectures else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise CheckpointError(
-            f"{config_path} names no transformers model class in 'architectures' ({architectures}); pass model_class="
-        )
-    return cls
+    path = Path(source)
+    return _load(model_class or _model_class(path), path, dtype or "auto", dict(fusion_config))
 
 
 # ---------------------------------------------------------------------------
@@ -222,7 +212,7 @@ def _run_roundtrip(
     # One model in memory at a time; each is dropped (by refcount) before the next load.
     # Unpatched steps share one without_patches() block: entering it costs a rebuild of
     # transformers' conversion table.
-    reference_outputs: dict[str, torch.Tensor] | None = None
+    reference_outputs: dict[str, Any] | None = None
     if isinstance(source, transformers.PreTrainedModel):
         cls = model_class or type(source)
         source_dir = work / "source"
@@ -230,11 +220,11 @@ def _run_roundtrip(
             source.save_pretrained(source_dir)
         if check_outputs and save_original_format:
             inputs = inputs if inputs is not None else example_inputs(source.config, model_class=cls)
-            reference_outputs = model_outputs(source, inputs)
+            reference_outputs = output_leaves(source, inputs)
     else:
         source_dir = Path(source)
         open_checkpoint(source_dir)  # bad input fails here, naming the file, before any model is built
-        cls = model_class or resolve_model_class(source_dir)
+        cls = model_class or _model_class(source_dir)
     load_dtype = dtype or "auto"
     save_kwargs: dict[str, Any] = {"save_original_format": save_original_format}
     if max_shard_size is not None:
@@ -246,7 +236,7 @@ def _run_roundtrip(
     if check_outputs and not save_original_format:
         # The patched layout cannot load without patches: the reference is the patched model itself.
         inputs = inputs if inputs is not None else example_inputs(patched.config, model_class=cls)
-        reference_outputs = model_outputs(patched, inputs)
+        reference_outputs = output_leaves(patched, inputs)
     patched.save_pretrained(saved_dir, **save_kwargs)
     del patched
 
@@ -266,17 +256,17 @@ def _run_roundtrip(
                 if reference_outputs is None:
                     reference = _load(cls, source_dir, load_dtype, fusion_config={})
                     inputs = inputs if inputs is not None else example_inputs(reference.config, model_class=cls)
-                    reference_outputs = model_outputs(reference, inputs)
+                    reference_outputs = output_leaves(reference, inputs)
                     del reference
                 reloaded = _load(cls, saved_dir, load_dtype, fusion_config={})
-                outputs = compare_outputs(reference_outputs, model_outputs(reloaded, inputs or {}))
+                outputs = identical_outputs(reference_outputs, output_leaves(reloaded, inputs or {}))
                 del reloaded
     else:
         # save -> reload with patches -> save again must give the patched layout back
         compared_from, compared_to = saved_dir, work / "resaved"
         reloaded = _load(cls, saved_dir, load_dtype, fusion_config)
         if reference_outputs is not None:
-            outputs = compare_outputs(reference_outputs, model_outputs(reloaded, inputs or {}))
+            outputs = identical_outputs(reference_outputs, output_leaves(reloaded, inputs or {}))
         reloaded.save_pretrained(compared_to, **save_kwargs)
         del reloaded
 
@@ -294,16 +284,24 @@ def _run_roundtrip(
     )
 
 
+def _model_class(checkpoint: Path) -> type[transformers.PreTrainedModel]:
+    """The class the fixtures would load ``checkpoint`` as; a bad ``config.json`` is a ``CheckpointError``."""
+    check_checkpoint_dir(checkpoint)
+    return checkpoint_model_class(checkpoint)
+
+
 def _load(
     cls: type[transformers.PreTrainedModel], path: Path, dtype: torch.dtype | str, fusion_config: dict[str, Any] | None
 ) -> transformers.PreTrainedModel:
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    # The fixtures' loader: through the Auto class, and a weight the checkpoint lacks (a patch
+    # that drops or renames one) filled from a fixed seed, so a round-trip load of a patched
+    # model gives what the patched_model fixture gives, whatever the test's random state.
     if fusion_config is None:
-        return cls.from_pretrained(path, **kwargs).eval()
+        return load_pretrained(path, dtype=dtype, model_class=cls)
     # A fusion registers global patches and conversions while loading; keep them from leaking.
     # An empty fusion_config overrides one stored in config.json (transformers reuses that).
     with isolated_patch_state():
-        return cls.from_pretrained(path, fusion_config=fusion_config, **kwargs).eval()
+        return load_pretrained(path, dtype=dtype, model_class=cls, fusion_config=fusion_config)
 
 
 @contextmanager
@@ -321,31 +319,36 @@ def _work_dir(tmp_path: str | Path | None) -> Iterator[Path]:
 # ---------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def model_outputs(model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every tensor a forward pass returns, by name (caches and other objects left out)."""
-    result = model(**inputs)
-    items = result.items() if hasattr(result, "items") else enumerate(result if isinstance(result, tuple) else [result])
-    flat: dict[str, torch.Tensor] = {}
-    for key, value in items:
-        if isinstance(value, torch.Tensor):
-            flat[str(key)] = value.detach()
-        elif isinstance(value, tuple):
-            flat.update({f"{key}[{i}]": v.detach() for i, v in enumerate(value) if isinstance(v, torch.Tensor)})
-    return flat
+def output_leaves(model: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """One forward pass, run and flattened as every check runs it (``compare.outputs``): ``path -> leaf``.
+
+    ``forward`` seeds the pass, so a model that draws in eval mode (ViT-MAE's masking) draws
+    the same before and after the round-trip; nested outputs and cache layers are kept.
+    """
+    with evaluating(model):
+        return dict(flatten_outputs(forward(model, inputs)))
 
 
-def compare_outputs(reference: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor]) -> list[OutputDiff]:
-    """Bitwise comparison of two forward passes, output by output."""
+def identical_outputs(reference: Mapping[str, Any], actual: Mapping[str, Any]) -> list[OutputDiff]:
+    """Bit-for-bit comparison of two flattened forward passes, one row per tensor path.
+
+    A round-trip must give the same model back, so no tolerance applies: a tensor is identical
+    only at the same shape and dtype with ``torch.equal``; one on a single side differs.
+    Non-tensor leaves (``None``, scalars) are not rows.
+    """
     rows = []
-    for name, expected in reference.items():
-        got = actual.get(name)
-        if got is None or got.shape != expected.shape:
-            rows.append(OutputDiff(name, False, float("inf"), tuple(expected.shape)))
+    for path in [*reference, *(p for p in actual if p not in reference)]:
+        expected, got = reference.get(path), actual.get(path)
+        if not isinstance(expected, torch.Tensor):
+            if isinstance(got, torch.Tensor):
+                rows.append(OutputDiff(path, False, float("inf"), tuple(got.shape)))
+            continue
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != expected.dtype:
+            rows.append(OutputDiff(path, False, float("inf"), tuple(expected.shape)))
             continue
         same = torch.equal(expected, got)
         diff = 0.0 if same else float((expected.double() - got.double()).abs().max())
-        rows.append(OutputDiff(name, same, diff, tuple(expected.shape)))
+        rows.append(OutputDiff(path, same, diff, tuple(expected.shape)))
     return rows
 
 

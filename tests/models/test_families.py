@@ -250,6 +250,12 @@ def test_cached_checkpoint_shards_when_asked(tmp_path: Path) -> None:
     assert _same_weights(load_pretrained(path, dtype="fp32"), seeded_model(tiny_config("llama")))
 
 
+def test_load_pretrained_auto_dtype_keeps_the_checkpoints_own(tmp_path: Path) -> None:
+    bf16 = cached_checkpoint(tiny_config("llama"), cache_dir=tmp_path, dtype="bf16")
+    assert load_pretrained(bf16, dtype="auto").dtype == torch.bfloat16
+    assert load_pretrained(bf16).dtype == torch.float32  # the default is float32, whatever was saved
+
+
 def test_a_worker_that_loses_the_race_keeps_the_winners_checkpoint(tmp_path: Path) -> None:
     import pytest_modelpatch.models.checkpoints as checkpoints
 

@@ -170,7 +170,9 @@ def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 def test_fused_patch_embeddings_match_the_conv3d_model_and_leak_nothing(qwen3_vl: tuple[Any, Path]) -> None:
     from transformers.monkey_patching import get_patch_mapping
 
-    from pytest_modelpatch.roundtrip.check import compare_outputs, load_with_fusion, model_outputs
+    from pytest_modelpatch.compare.outputs import compare_outputs, evaluating, forward
+    from pytest_modelpatch.compare.tolerance import resolve_tolerance
+    from pytest_modelpatch.roundtrip.check import load_with_fusion
 
     reference, path = qwen3_vl
     before = dict(get_patch_mapping())
@@ -178,8 +180,9 @@ def test_fused_patch_embeddings_match_the_conv3d_model_and_leak_nothing(qwen3_vl
     assert type(fused.model.visual.patch_embed).__name__ == "FusedQwen3VLVisionPatchEmbed"
     assert dict(get_patch_mapping()) == before
     inputs = example_inputs(reference.config, model_class=type(reference))
-    (logits,) = compare_outputs(model_outputs(reference, inputs), model_outputs(fused, inputs))
-    assert logits.name == "logits" and logits.max_abs_diff <= 1e-5
+    with evaluating(reference, fused):
+        found = compare_outputs(forward(reference, inputs), forward(fused, inputs), resolve_tolerance(atol=1e-5, rtol=0))
+    assert "logits" in {c.path for c in found} and not [str(c) for c in found if not c.passed]
 
 
 def test_fused_patch_embeddings_roundtrip_bit_exact(qwen3_vl: tuple[Any, Path], tmp_path: Path) -> None:
@@ -342,6 +345,14 @@ def test_corrupt_header_is_named(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     with pytest.raises(CheckpointError, match="model.safetensors is not a readable safetensors file"):
         check_roundtrip(tmp_path)
+
+
+def test_a_checkpoint_without_config_json_is_named(llama_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "ckpt"
+    copy.mkdir()
+    os.symlink(llama_dir / "model.safetensors", copy / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{copy} has no config.json"):
+        check_roundtrip(copy)
 
 
 def test_index_naming_an_absent_shard_is_named(sharded_llama_dir: Path, tmp_path: Path) -> None:
