@@ -615,11 +615,14 @@ def patched_model(
 
 
 @pytest.fixture
-def roundtrip(tmp_path: Any) -> Any:
-    """``check_roundtrip`` bound to this test's ``tmp_path``: ``roundtrip.check(checkpoint_or_model)``."""
+def roundtrip(tmp_path: Any, request: pytest.FixtureRequest) -> Any:
+    """``check_roundtrip`` bound to this test's ``tmp_path``: ``roundtrip.check(checkpoint_or_model)``.
+
+    Its patched loads take the patch marks' load choices and transforms, as ``patched_model``'s do.
+    """
     from pytest_modelpatch.roundtrip.check import Roundtrip
 
-    return Roundtrip(tmp_path)
+    return Roundtrip(tmp_path, _load_choices(request))
 
 
 @pytest.fixture

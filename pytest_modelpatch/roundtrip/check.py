@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +27,9 @@ from typing import Any
 import torch
 import transformers
 
-from pytest_modelpatch.compare.outputs import evaluating, flatten_outputs, forward
+from pytest_modelpatch.compare.outputs import evaluating, flatten_outputs, forward, unwrapped
 from pytest_modelpatch.families.inputs import example_inputs
+from pytest_modelpatch.models.builder import LoadChoices
 from pytest_modelpatch.models.checkpoints import check_checkpoint_dir, checkpoint_model_class, load_pretrained
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
@@ -118,12 +119,17 @@ def check_roundtrip(
     fusion_config: Mapping[str, Any] | None = None,
     max_shard_size: int | str | None = None,
     check_outputs: bool = True,
+    load_kwargs: Mapping[str, Any] | None = None,
+    transforms: Sequence[Callable[[Any], Any]] = (),
 ) -> RoundtripReport:
     """Load ``source`` with the registered patches, save it, and demand the same checkpoint back.
 
     ``source`` is a checkpoint directory or a reference (unpatched) model, which is
     saved first. Raises AssertionError with the report when a tensor, a safetensors
     header or a reference output differs; returns the report otherwise.
+    ``load_kwargs`` (``from_pretrained`` keywords) and ``transforms`` (``fn(model)`` returning a
+    model or None) shape each patched load as the patch marker shapes ``patched_model``; the
+    ``roundtrip`` fixture passes the test's. A wrapper (PEFT's ``PeftModel``) saves its base model.
 
     Example::
 
@@ -144,6 +150,7 @@ def check_roundtrip(
             fusion_config=dict(fusion_config) if fusion_config else None,
             max_shard_size=max_shard_size,
             check_outputs=check_outputs,
+            choices=LoadChoices(dict(load_kwargs or {}), tuple(transforms)),
         )
     report.duration_s = time.perf_counter() - started
     _record(report)
@@ -161,12 +168,16 @@ class Roundtrip:
             roundtrip.check(llama_checkpoint)
     """
 
-    def __init__(self, tmp_path: str | Path) -> None:
+    def __init__(self, tmp_path: str | Path, choices: LoadChoices | None = None) -> None:
         self.tmp_path = Path(tmp_path)
+        self.choices = choices  # the patch marks' load keywords and transforms, for every patched load
 
     def check(self, source: str | Path | transformers.PreTrainedModel, **options: Any) -> RoundtripReport:
-        """Run ``check_roundtrip(source, tmp_path=<the test's tmp_path>, **options)``."""
+        """Run ``check_roundtrip(source, tmp_path=<the test's tmp_path>, **options)`` with the test's load choices."""
         __tracebackhide__ = True
+        if self.choices is not None:
+            options.setdefault("load_kwargs", self.choices.kwargs)
+            options.setdefault("transforms", self.choices.transforms)
         return check_roundtrip(source, tmp_path=self.tmp_path, **options)
 
 
@@ -208,6 +219,7 @@ def _run_roundtrip(
     fusion_config: dict[str, Any] | None,
     max_shard_size: int | str | None,
     check_outputs: bool,
+    choices: LoadChoices,
 ) -> RoundtripReport:
     # One model in memory at a time; each is dropped (by refcount) before the next load.
     # Unpatched steps share one without_patches() block: entering it costs a rebuild of
@@ -231,7 +243,7 @@ def _run_roundtrip(
         save_kwargs["max_shard_size"] = max_shard_size
 
     saved_dir = work / "saved"
-    patched = _load(cls, source_dir, load_dtype, fusion_config)
+    patched = _load_patched(cls, source_dir, load_dtype, fusion_config, choices)
     resolved_dtype = str(patched.dtype).removeprefix("torch.")
     if check_outputs and not save_original_format:
         # The patched layout cannot load without patches: the reference is the patched model itself.
@@ -264,7 +276,7 @@ def _run_roundtrip(
     else:
         # save -> reload with patches -> save again must give the patched layout back
         compared_from, compared_to = saved_dir, work / "resaved"
-        reloaded = _load(cls, saved_dir, load_dtype, fusion_config)
+        reloaded = _load_patched(cls, saved_dir, load_dtype, fusion_config, choices)
         if reference_outputs is not None:
             outputs = identical_outputs(reference_outputs, output_leaves(reloaded, inputs or {}))
         reloaded.save_pretrained(compared_to, **save_kwargs)
@@ -291,17 +303,27 @@ def _model_class(checkpoint: Path) -> type[transformers.PreTrainedModel]:
 
 
 def _load(
-    cls: type[transformers.PreTrainedModel], path: Path, dtype: torch.dtype | str, fusion_config: dict[str, Any] | None
+    cls: type[transformers.PreTrainedModel], path: Path, dtype: torch.dtype | str, fusion_config: dict[str, Any] | None,
+    **load_kwargs: Any,
 ) -> transformers.PreTrainedModel:
     # The fixtures' loader: through the Auto class, and a weight the checkpoint lacks (a patch
     # that drops or renames one) filled from a fixed seed, so a round-trip load of a patched
     # model gives what the patched_model fixture gives, whatever the test's random state.
     if fusion_config is None:
-        return load_pretrained(path, dtype=dtype, model_class=cls)
+        return load_pretrained(path, dtype=dtype, model_class=cls, **load_kwargs)
     # A fusion registers global patches and conversions while loading; keep them from leaking.
     # An empty fusion_config overrides one stored in config.json (transformers reuses that).
     with isolated_patch_state():
-        return load_pretrained(path, dtype=dtype, model_class=cls, fusion_config=fusion_config)
+        return load_pretrained(path, dtype=dtype, model_class=cls, fusion_config=fusion_config, **load_kwargs)
+
+
+def _load_patched(
+    cls: type[transformers.PreTrainedModel], path: Path, dtype: torch.dtype | str, fusion_config: dict[str, Any] | None,
+    choices: LoadChoices,
+) -> transformers.PreTrainedModel:
+    """A patched load as ``patched_model``'s: the load keywords, then the transforms; a wrapper's base model."""
+    model = _load(cls, path, dtype, fusion_config, **choices.kwargs)
+    return unwrapped(choices.transform(model))
 
 
 @contextmanager

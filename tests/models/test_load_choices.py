@@ -302,3 +302,48 @@ def test_every_check_runs_a_transformed_patched_model_and_catches_a_broken_trans
     for check in ("property", "backward", "generation", "export", "compile"):
         result.stdout.fnmatch_lines([f"PASSED test_every_check.py::test_good[[]{check}[]]*"], consecutive=False)
         result.stdout.fnmatch_lines([f"FAILED test_every_check.py::test_broken[[]{check}[]]*"], consecutive=False)
+
+
+ROUNDTRIP = """
+import pytest
+from fixtures.patches import mechanisms
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(transform=mechanisms.rmsnorm_instance_patcher)
+def test_instance_patcher(reference_model, roundtrip):
+    report = roundtrip.check(reference_model)
+    assert report.outputs_checked
+
+
+def scale_v_proj(model):
+    import torch
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.weight.mul_(2.0)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(transform=scale_v_proj)
+def test_weight_changed(reference_model, roundtrip):
+    roundtrip.check(reference_model)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(transform=mechanisms.zero_lora)
+def test_lora(reference_model, roundtrip):
+    roundtrip.check(reference_model)
+"""
+
+
+def test_a_roundtrip_saves_the_transformed_model_and_a_transform_that_changes_a_weight_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_roundtrip_choices=ROUNDTRIP)
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines([
+        "PASSED test_roundtrip_choices.py::test_instance_patcher",
+        # the transform ran on the patched load: the saved checkpoint holds the changed weight
+        "FAILED test_roundtrip_choices.py::test_weight_changed - AssertionError*",
+        # a LoRA injected into the base model saves its adapter layers in place of v_proj: not the checkpoint
+        "FAILED test_roundtrip_choices.py::test_lora - AssertionError*",
+    ], consecutive=False)  # fmt: skip
+    result.stdout.fnmatch_lines(["*layers.0.self_attn.v_proj.weight*"])
