@@ -14,7 +14,8 @@ from fixtures.patches import llama_fused_qkv
 from pytest_modelpatch.compare.outputs import flatten_outputs
 from pytest_modelpatch.families.catalog import tiny_config
 from pytest_modelpatch.models.checkpoints import seeded_model
-from pytest_modelpatch.roundtrip.check import check_roundtrip, identical_outputs
+from pytest_modelpatch.roundtrip.check import check_roundtrip
+from pytest_modelpatch.roundtrip.differences import identical_outputs
 
 torch.set_num_threads(1)
 
