@@ -17,7 +17,6 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from pytest_modelpatch.compare import property_checks
 from pytest_modelpatch.compare.decoding import (
     DecodingReport,
     check_cache_implementation,
@@ -28,6 +27,7 @@ from pytest_modelpatch.compare.outputs import describe_inputs
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.families.strategies import model_inputs
+from pytest_modelpatch.reporting.records import SETTINGS
 
 DEFAULT_MAX_EXAMPLES = 10  # each example decodes: costlier than a forward
 
@@ -95,11 +95,10 @@ def check_generation(
     check_same_model(reference, patched, "check_generation")
     check_cache_implementation(cache_implementation)
     spec = resolve_tolerance(atol, rtol, policy)
-    defaults = property_checks._defaults  # the session seed and example count the plugin set
     report = GenerationPropertyReport(
         type(reference).__name__, type(patched).__name__,
-        seed=seed if seed is not None else defaults["seed"] or 0,
-        max_examples=max_examples or defaults["max_examples"] or DEFAULT_MAX_EXAMPLES,
+        seed=seed if seed is not None else SETTINGS.seed or 0,  # the session seed the plugin set
+        max_examples=max_examples or SETTINGS.max_examples or DEFAULT_MAX_EXAMPLES,
     )  # fmt: skip
     prompts = model_inputs(
         reference.config, max_batch_size=max_batch_size, max_seq_len=max_prompt_len, padding=padding, position_ids=False

@@ -31,6 +31,7 @@ from pytest_modelpatch.compare.training import has_loss_targets, with_labels
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes
 from pytest_modelpatch.models.usage import patch_usage, unused_message
+from pytest_modelpatch.reporting.records import SETTINGS, configure_checks
 
 DEFAULT_MAX_EXAMPLES = 25
 # At most this many inputs per hypothesis example, for model_inputs' strategies.
@@ -41,17 +42,16 @@ DEFAULT_MAX_EXAMPLES = 25
 # ``max_examples`` still counts inputs compared, each once; a failing group shrinks to the
 # fewest inputs that end with a failing one, and that input, shrunk too, is the one reported.
 GROUP_SIZE = 32
-_defaults: dict[str, int | None] = {"seed": None, "max_examples": None}
 
 
 def set_default_seed(seed: int | None) -> None:
-    """Seed used when ``check_equivalence`` gets none (the plugin sets the session seed here)."""
-    _defaults["seed"] = seed
+    """Seed used when a property check gets none (the plugin sets ``SETTINGS.seed`` to the session seed)."""
+    configure_checks(seed=seed)
 
 
 def set_default_max_examples(max_examples: int | None) -> None:
-    """Examples per check when ``check_equivalence`` gets no ``max_examples``."""
-    _defaults["max_examples"] = max_examples
+    """Examples per property check when it gets no ``max_examples``."""
+    configure_checks(max_examples=max_examples)
 
 
 @dataclass
@@ -183,8 +183,8 @@ def check_equivalence(
     spec = resolve_tolerance(atol, rtol, policy)  # read the test's overrides here, once
     report = PropertyReport(
         type(reference).__name__, type(patched).__name__,
-        seed=seed if seed is not None else _defaults["seed"] or 0,
-        max_examples=max_examples or _defaults["max_examples"] or DEFAULT_MAX_EXAMPLES,
+        seed=seed if seed is not None else SETTINGS.seed or 0,
+        max_examples=max_examples or SETTINGS.max_examples or DEFAULT_MAX_EXAMPLES,
         tolerance=spec, backward=backward,
     )  # fmt: skip
     # model_inputs' strategies draw each input from one byte string: draw groups of distinct ones
