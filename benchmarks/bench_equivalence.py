@@ -55,7 +55,8 @@ from pytest_modelpatch.models.checkpoints import load_pretrained
 from pytest_modelpatch.compare.outputs import cache_keyword, compare_outputs
 from pytest_modelpatch.compare import decoding_properties
 from pytest_modelpatch.compare.decoding_properties import check_generation
-from pytest_modelpatch.compare.property_checks import GROUP_SIZE, check_equivalence, input_groups
+from pytest_modelpatch.compare.property_checks import check_equivalence
+from pytest_modelpatch.compare.property_loop import GROUP_SIZE, input_groups
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.patch_spec import PatchSpec

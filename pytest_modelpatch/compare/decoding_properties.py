@@ -7,16 +7,15 @@ Seeded like ``check_equivalence`` (``seed=``, else the session seed, else 0).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, Phase, Verbosity, given, settings
-from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
 
+from pytest_modelpatch.compare.check_report import conclude
 from pytest_modelpatch.compare.decoding import (
     DecodingReport,
     check_cache_implementation,
@@ -24,10 +23,11 @@ from pytest_modelpatch.compare.decoding import (
     decode_pair,
 )
 from pytest_modelpatch.compare.outputs import describe_inputs
+from pytest_modelpatch.compare.property_loop import PropertyLoop, property_record
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
-from pytest_modelpatch.families.strategies import model_inputs
-from pytest_modelpatch.reporting.records import SETTINGS
+from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs
+from pytest_modelpatch.reporting.records import SETTINGS, CheckRecord
 
 DEFAULT_MAX_EXAMPLES = 10  # each example decodes: costlier than a forward
 
@@ -68,6 +68,13 @@ class GenerationPropertyReport:
         )
         return "\n".join([head, self.error or str(self.failure)])
 
+    def to_record(self) -> CheckRecord:
+        """This outcome as one report row: the minimal failure's figures, else the count and worst error."""
+        if self.failure is not None:
+            self.failure.duration_s = self.duration_s
+            return self.failure.to_record("decode", self.examples, str(self))
+        return property_record("decode", self)
+
 
 def check_generation(
     reference: torch.nn.Module,
@@ -103,67 +110,46 @@ def check_generation(
     prompts = model_inputs(
         reference.config, max_batch_size=max_batch_size, max_seq_len=max_prompt_len, padding=padding, position_ids=False
     )
-    failing: list[tuple[Mapping[str, Any], int]] = []
-    start = time.perf_counter()
+    loop = PropertyLoop(report.seed, report.max_examples)
+    options: dict[str, Any] = {"cache_implementation": cache_implementation, "spec": spec}
 
-    @settings(
-        max_examples=report.max_examples, database=None, deadline=None, derandomize=False,
-        phases=(Phase.explicit, Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck),
-        verbosity=Verbosity.quiet, report_multiple_bugs=False, print_blob=False,
-    )  # fmt: skip
-    @hypothesis_seed(report.seed)
-    @given(prompts, st.integers(1, max_new_tokens))
-    def one_example(example: Mapping[str, Any], new_tokens: int) -> None:
-        report.examples += 1
-        try:
-            steps, _ = decode_pair(reference, patched, example, max_new_tokens=new_tokens,
-                                cache_implementation=cache_implementation, spec=spec)  # fmt: skip
-        except Exception:
-            failing[:] = [(example, new_tokens)]
-            report.first_failure = report.first_failure or report.examples
-            raise
+    def decode_one(drawn: tuple[Mapping[str, Any], int]) -> bool:
+        example, new_tokens = drawn
+        steps, _ = decode_pair(reference, patched, example, max_new_tokens=new_tokens, **options)
         if not all(s.passed for s in steps):
-            # hypothesis replays the minimal example last, so this ends up holding it
-            failing[:] = [(example, new_tokens)]
-            report.first_failure = report.first_failure or report.examples
-            raise _DecodeFailed()
+            return False
         report.max_abs_error = max([report.max_abs_error, *(s.logits.max_abs for s in steps)])
         report.near_ties += sum(len(s.near_ties) for s in steps)
+        return True
 
-    try:
-        one_example()
-    except Exception as error:  # noqa: BLE001 - every failure is turned into the report
-        if not failing:
-            raise
-        example, new_tokens = failing[0]
-        if isinstance(error, _DecodeFailed):
-            report.failure = compare_decoding(reference, patched, example, spec, max_new_tokens=new_tokens,
-                                              cache_implementation=cache_implementation)  # fmt: skip
+    failure = loop.run(_with_new_tokens(prompts, max_new_tokens), decode_one)
+    report.examples, report.first_failure = loop.examples, loop.first_failure
+    if failure is not None:
+        example, new_tokens = failure.minimal
+        if failure.raised is None:
+            report.failure = compare_decoding(reference, patched, example, max_new_tokens=new_tokens, **options)
         else:
-            report.error = f"minimal failing prompts: {describe_inputs(example)}\na model raised {type(error).__name__}: {error}"
-        report.duration_s = time.perf_counter() - start
-        _record(report)
-        raise AssertionError(str(report)) from (None if isinstance(error, _DecodeFailed) else error)
-    report.duration_s = time.perf_counter() - start
-    _record(report)
-    return report
+            report.error = (
+                f"minimal failing prompts: {describe_inputs(example)}\n"
+                f"a model raised {type(failure.raised).__name__}: {failure.raised}"
+            )
+    report.duration_s = loop.elapsed()
+    return conclude(report, report.to_record(), failure.raised if failure is not None else None)
 
 
-def _record(report: GenerationPropertyReport) -> None:
-    if report.failure is not None:
-        report.failure.duration_s = report.duration_s
-        report.failure.record(kind="decode", examples=report.examples, detail=str(report))
-        return
-    from pytest_modelpatch.reporting.records import CheckRecord, record_check
+def _with_new_tokens(prompts: SearchStrategy[dict[str, torch.Tensor]], max_new_tokens: int) -> DrawnBytes:
+    """A prompt batch and how many tokens to decode from it, drawn as one byte string.
 
-    record_check(
-        CheckRecord(
-            kind="decode", outcome="passed" if report.passed else "failed", model=report.reference,
-            examples=report.examples, max_abs_error=report.max_abs_error, duration_s=report.duration_s,
-            detail=report.error,
-        )
-    )  # fmt: skip
+    The prompt's bytes (``model_inputs``'), then one byte for the count: drawn as bytes, as
+    ``check_equivalence``'s inputs are, the group shrinks to the smallest prompt (one padded row of
+    two tokens for a mask dropped on single-token steps), where a tuple of the prompt and an
+    integer, in a list, stopped at longer ones.
+    """
+    drawn = drawn_bytes(prompts)
+    assert drawn is not None  # model_inputs with listed sizes, as built above
+    size = drawn.size + 1
 
+    def build(raw: bytes) -> tuple[dict[str, torch.Tensor], int]:
+        return drawn.build(raw[:-1]), 1 + (raw[-1] * max_new_tokens >> 8)
 
-class _DecodeFailed(Exception):
-    """Raised inside hypothesis for a decoding difference; the full report is built once, after shrinking."""
+    return DrawnBytes(st.binary(min_size=size, max_size=size), build, size)
