@@ -17,40 +17,30 @@ from hypothesis.strategies import SearchStrategy
 
 from pytest_modelpatch.compare.check_report import conclude
 from pytest_modelpatch.compare.decoding import (
-    DecodingReport,
     check_cache_implementation,
     compare_decoding,
     decode_pair,
 )
 from pytest_modelpatch.compare.outputs import describe_inputs
-from pytest_modelpatch.compare.property_loop import PropertyLoop, property_record
+from pytest_modelpatch.compare.property_loop import PropertyLoop, PropertyOutcome
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs
-from pytest_modelpatch.reporting.records import SETTINGS, CheckRecord
+from pytest_modelpatch.reporting.records import SETTINGS
 
 DEFAULT_MAX_EXAMPLES = 10  # each example decodes: costlier than a forward
 
 
 @dataclass
-class GenerationPropertyReport:
-    """How ``check_generation`` went: examples decoded, seed, and the minimal failing prompt if any."""
+class GenerationPropertyReport(PropertyOutcome):
+    """How ``check_generation`` went: prompt batches decoded, near-ties, and the minimal failing prompt if any.
 
-    reference: str
-    patched: str
-    seed: int
-    max_examples: int
-    examples: int = 0
-    first_failure: int = 0
-    max_abs_error: float = 0.0
+    ``failure`` is the minimal prompt's DecodingReport.
+    """
+
+    row_kind = "decode"
+
     near_ties: int = 0
-    failure: DecodingReport | None = None
-    error: str = ""
-    duration_s: float = 0.0
-
-    @property
-    def passed(self) -> bool:
-        return self.failure is None and not self.error
 
     @property
     def header(self) -> str:
@@ -68,12 +58,6 @@ class GenerationPropertyReport:
         )
         return "\n".join([head, self.error or str(self.failure)])
 
-    def to_record(self) -> CheckRecord:
-        """This outcome as one report row: the minimal failure's figures, else the count and worst error."""
-        if self.failure is not None:
-            self.failure.duration_s = self.duration_s
-            return self.failure.to_record("decode", self.examples, str(self))
-        return property_record("decode", self)
 
 
 def check_generation(
@@ -123,7 +107,7 @@ def check_generation(
         return True
 
     failure = loop.run(_with_new_tokens(prompts, max_new_tokens), decode_one)
-    report.examples, report.first_failure = loop.examples, loop.first_failure
+    report.counted(loop)
     if failure is not None:
         example, new_tokens = failure.minimal
         if failure.raised is None:

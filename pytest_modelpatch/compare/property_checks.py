@@ -21,7 +21,7 @@ from pytest_modelpatch.compare.backward import compare_training
 from pytest_modelpatch.compare.check_report import conclude
 from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_models
 from pytest_modelpatch.compare.outputs import TensorComparison, describe_inputs, evaluating, placement
-from pytest_modelpatch.compare.property_loop import PropertyLoop, property_record
+from pytest_modelpatch.compare.property_loop import PropertyLoop, PropertyOutcome
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.timing import timing_if_enabled
@@ -45,31 +45,20 @@ def set_default_max_examples(max_examples: int | None) -> None:
 
 
 @dataclass
-class PropertyReport:
-    """How a property check went: examples run, seed, worst error seen, and the minimal failure if any."""
+class PropertyReport(PropertyOutcome):
+    """How ``check_equivalence`` went: its worst error, worst passing example, and the minimal failure if any.
 
-    reference: str
-    patched: str
-    seed: int
-    max_examples: int
-    examples: int = 0  # model comparisons run, shrinking included
-    first_failure: int = 0  # the example that failed first, counting from 1
-    max_abs_error: float = 0.0
+    ``failure`` is an EquivalenceReport, or a BackwardReport with ``backward=True``.
+    """
+
     max_rel_error: float = 0.0
     tolerance: ToleranceSpec | None = None
     worst: EquivalenceReport | None = None  # the passing example with the largest error, for the report row
     worst_inputs: Mapping[str, Any] | None = None  # its inputs, timed under --modelpatch-timing
-    failure: Any = None  # EquivalenceReport, or BackwardReport with backward=True
-    error: str = ""  # an exception a model raised on the minimal example, when that was the failure
     minimal_inputs: str = ""
-    duration_s: float = 0.0
     backward: bool = False  # each example ran a training step (assert_backward_equivalent's comparison)
     routing_near_ties: int = 0  # MoE: near-tie expert choices forced to the reference's, over all examples
     routing_examples: int = 0  # examples that needed such forcing
-
-    @property
-    def passed(self) -> bool:
-        return self.failure is None and not self.error
 
     @property
     def header(self) -> str:
@@ -119,18 +108,17 @@ class PropertyReport:
         self.max_abs_error = max([self.max_abs_error, *(c.max_abs for c in comparisons)])
         self.max_rel_error = max([self.max_rel_error, *(c.max_rel for c in comparisons)])
 
-    def to_record(self) -> CheckRecord:
-        """This outcome as one report row: the minimal failure's, else the worst passing example's figures."""
-        if self.failure is not None:
-            self.failure.duration_s = self.duration_s
-            return self.failure.to_record("property", self.examples, str(self))
-        if self.worst is not None and self.passed:
-            # a passing row shows its worst example's figures: device, dtype, tolerance, output
-            self.worst.duration_s = self.duration_s
-            if self.routing_near_ties:  # the row counts them over every example, not just the worst one
-                self.worst.routing = RoutingFlips(near_ties=self.routing_near_ties, forced=True)
-            return self.worst.to_record("property", self.examples, self._routing_text.strip())
-        return property_record("property", self, max_rel_error=self.max_rel_error)
+    def passing_record(self) -> CheckRecord | None:
+        """A passing row shows its worst example's figures: device, dtype, tolerance, output."""
+        if self.worst is None or not self.passed:
+            return None
+        self.worst.duration_s = self.duration_s
+        if self.routing_near_ties:  # the row counts them over every example, not just the worst one
+            self.worst.routing = RoutingFlips(near_ties=self.routing_near_ties, forced=True)
+        return self.worst.to_record(self.row_kind, self.examples, self._routing_text.strip())
+
+    def row_figures(self) -> dict[str, Any]:
+        return {"max_rel_error": self.max_rel_error}
 
 
 def _inputs_strategy(
@@ -217,7 +205,7 @@ def check_equivalence(
             "scores each token from the ones before it, so one-token rows train nothing); draw sequences of "
             "two or more tokens, e.g. inputs=model_inputs(config, min_seq_len=2)."
         ) from None
-    report.examples, report.first_failure = loop.examples, loop.first_failure
+    report.counted(loop)
     if failure is not None:
         report.minimal_inputs = describe_inputs(failure.minimal)
         if failure.raised is None:

@@ -4,8 +4,9 @@ A property check (``check_equivalence``, ``check_generation``) hands :meth:`Prop
 inputs and a function that checks one of them: ``True`` when the models agree, ``False`` when they
 differ; anything a model raises is a failure too. The loop draws the inputs in groups, stops when
 ``max_examples`` inputs passed, and on a failure lets hypothesis shrink it, then hands back the
-minimal failing input. The check builds its report on that one input, and :func:`property_record`
-turns the report into its row. Deterministic: a fixed seed, no example database.
+minimal failing input. The check builds its report on that one input; every property check's report
+is a :class:`PropertyOutcome`, which turns it into its row. Deterministic: a fixed seed, no example
+database.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
@@ -272,17 +273,56 @@ def input_key(value: Any) -> Hashable | None:
 
 
 # ---------------------------------------------------------------------------
-# The row
+# The report every property check returns
 # ---------------------------------------------------------------------------
 
 
-def property_record(kind: str, report: Any, **figures: Any) -> CheckRecord:
-    """The row of a property check that has no example report to show: its outcome, count and figures."""
-    return CheckRecord(
-        kind=kind, outcome="passed" if report.passed else "failed", model=report.reference,
-        examples=report.examples, max_abs_error=report.max_abs_error, duration_s=report.duration_s,
-        detail=report.error, **figures,
-    )  # fmt: skip
+@dataclass
+class PropertyOutcome:
+    """How a property check went: the models, seed and budget, inputs checked, and the minimal failure if any.
+
+    Each check's report adds its own figures and its message (``__str__``); the row is built here.
+    """
+
+    row_kind: ClassVar[str] = "property"
+
+    reference: str
+    patched: str
+    seed: int
+    max_examples: int
+    examples: int = 0  # inputs checked, shrinking included
+    first_failure: int = 0  # the input that failed first, counting from 1
+    max_abs_error: float = 0.0
+    failure: Any = None  # the minimal failing input's report (a CheckReport), when the models differed on it
+    error: str = ""  # an exception a model raised on the minimal input, when that was the failure
+    duration_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None and not self.error
+
+    def counted(self, loop: PropertyLoop) -> None:
+        """Take the loop's counts: inputs checked and the first that failed."""
+        self.examples, self.first_failure = loop.examples, loop.first_failure
+
+    def to_record(self) -> CheckRecord:
+        """This outcome as one report row: the minimal failure's figures, else the passing ones."""
+        if self.failure is not None:
+            self.failure.duration_s = self.duration_s
+            return self.failure.to_record(self.row_kind, self.examples, str(self))
+        return self.passing_record() or CheckRecord(
+            kind=self.row_kind, outcome="passed" if self.passed else "failed", model=self.reference,
+            examples=self.examples, max_abs_error=self.max_abs_error, duration_s=self.duration_s,
+            detail=self.error, **self.row_figures(),
+        )  # fmt: skip
+
+    def passing_record(self) -> CheckRecord | None:
+        """A row drawn from a passing example's report, where the check keeps one (``None``: the figures alone)."""
+        return None
+
+    def row_figures(self) -> dict[str, Any]:
+        """Figures this check adds to a row built from its figures alone."""
+        return {}
 
 
 class _BudgetSpent(BaseException):
