@@ -22,7 +22,6 @@ from pytest_modelpatch.compare.backward_divergence import BackwardCall, Backward
 from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
 from pytest_modelpatch.compare.outputs import (
-    ComparedTensors,
     TensorComparison,
     default_inputs,
     describe_inputs,

@@ -59,10 +59,7 @@ def logits_inputs(reference: torch.nn.Module, inputs: Mapping[str, Any] | torch.
     from pytest_modelpatch.families.inputs import example_inputs
 
     device = model_device(reference)
-    if inputs is None:
-        inputs = example_inputs(reference.config, device=device, model_class=type(reference))
-    elif isinstance(inputs, torch.Tensor):
-        inputs = {"input_ids": inputs}
+    inputs = given_inputs(inputs, lambda: example_inputs(reference.config, device=device, model_class=type(reference)))
     extra = sorted(set(inputs) - {"input_ids", "attention_mask"})
     if "input_ids" not in inputs or extra:
         raise PatchUsageError(
