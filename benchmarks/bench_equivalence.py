@@ -16,11 +16,17 @@ a cost no pytest user pays):
 Printed at the default tiny size users get, and the ratio again at hidden size 256 (intermediate
 512), where the forwards weigh more against the check's fixed cost per input.
 
+Then the same paired ratio on every route inputs reach a property check by (``--routes``, on by default):
+``check_equivalence``'s default inputs, a user's own strategy (``st.integers(...).map(make_batch)``),
+a mapping of strategies (``{"input_ids": strategy}``), and ``check_generation`` against both models'
+bare greedy decoding loops on the prompts it drew. Goal: <= 1.3x on each.
+
 Usage::
 
     python benchmarks/bench_equivalence.py                      # llama_fused_qkv, 50 examples, both sizes
     python benchmarks/bench_equivalence.py --config hidden_size=256,intermediate_size=512,num_hidden_layers=4
     python benchmarks/bench_equivalence.py --patch qwen2_moe --examples 100
+    python benchmarks/bench_equivalence.py --routes-only --repeats 7   # the per-route ratios alone
 """
 
 from __future__ import annotations
@@ -39,14 +45,18 @@ if __package__ in (None, ""):  # run as a script: make `fixtures` importable fro
 
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import load_patch
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.models.checkpoints import load_pretrained
-from pytest_modelpatch.compare.outputs import compare_outputs
-from pytest_modelpatch.compare.property_checks import GROUP_SIZE, check_equivalence, input_groups
+from pytest_modelpatch.compare.outputs import cache_keyword, compare_outputs
+from pytest_modelpatch.compare import decoding_properties
+from pytest_modelpatch.compare.decoding_properties import check_generation
+from pytest_modelpatch.compare.property_checks import check_equivalence
+from pytest_modelpatch.compare.property_loop import GROUP_SIZE, input_groups
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.patch_spec import PatchSpec
@@ -137,6 +147,116 @@ def time_reload(path: Path, patch: Any, examples: int) -> float:
     return (time.perf_counter() - start) / len(runs)
 
 
+# ---------------------------------------------------------------------------
+# routes: the ways inputs reach a property check
+# ---------------------------------------------------------------------------
+
+
+def make_ids(config: Any, seed: int) -> torch.Tensor:
+    """A batch of 1-3 rows of 1-16 token ids from one integer, as a user's own strategy builds it."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, length = 1 + seed % 3, 1 + (seed >> 2) % 16
+    return torch.randint(config.vocab_size, (batch, length), generator=generator)
+
+
+def route_inputs(route: str, config: Any) -> Any:
+    """What ``inputs=`` gets on each route of ``check_equivalence``."""
+    seeds = st.integers(0, 2**31 - 1)
+    if route == "default":
+        return None
+    if route == "strategy":
+        return seeds.map(lambda seed: {"input_ids": (ids := make_ids(config, seed)), "attention_mask": torch.ones_like(ids)})
+    if route == "mapping":
+        return {"input_ids": seeds.map(lambda seed: make_ids(config, seed))}
+    raise ValueError(route)
+
+
+def time_route_check(reference: Any, patched: Any, route: str, examples: int, seen: list[Any]) -> float:
+    """One property check on ``route``; ``seen`` gets what it ran, each once (inputs, or prompts and token counts)."""
+    seen.clear()
+    if route == "generation":
+        real = decoding_properties.decode_pair
+
+        def spy(ref: Any, pat: Any, prompts: Any, *, max_new_tokens: int, **kwargs: Any) -> Any:
+            seen.append((prompts, max_new_tokens))
+            return real(ref, pat, prompts, max_new_tokens=max_new_tokens, **kwargs)
+
+        decoding_properties.decode_pair = spy  # type: ignore[assignment]
+        try:
+            start = time.perf_counter()
+            report = check_generation(reference, patched, max_examples=examples)
+            elapsed = time.perf_counter() - start
+        finally:
+            decoding_properties.decode_pair = real  # type: ignore[assignment]
+        assert len(seen) == report.examples, (len(seen), report.examples)
+        return elapsed / report.examples
+    handle = patched.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
+    try:
+        start = time.perf_counter()
+        report = check_equivalence(reference, patched, inputs=route_inputs(route, reference.config), max_examples=examples)
+        elapsed = time.perf_counter() - start
+    finally:
+        handle.remove()
+    assert len(seen) == report.examples, (len(seen), report.examples)
+    return elapsed / report.examples
+
+
+def bare_decode(model: Any, prompts: Mapping[str, Any], new_tokens: int) -> None:
+    """Greedy decoding with ``.forward`` itself, as check_generation's loop feeds each model: prefill, then a token a step."""
+    from transformers import DynamicCache
+
+    cache = {cache_keyword(model): DynamicCache(config=model.config)}
+    mask = prompts["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    out = model.forward(input_ids=prompts["input_ids"], attention_mask=mask, position_ids=positions, use_cache=True, **cache)
+    for _ in range(new_tokens - 1):
+        tokens = out.logits[:, -1].argmax(-1)[:, None]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        positions = positions[:, -1:] + 1
+        out = model.forward(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
+
+
+def time_route_bare(reference: Any, patched: Any, route: str, seen: list[Any]) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        for item in seen:
+            if route == "generation":
+                bare_decode(reference, *item)
+                bare_decode(patched, *item)
+            else:
+                reference.forward(**item)
+                patched.forward(**item)
+    return (time.perf_counter() - start) / len(seen)
+
+
+ROUTES = ("default", "strategy", "mapping", "generation")
+
+
+def measure_routes(
+    builder: ModelBuilder, request: ModelRequest, patch: Any, examples: int, generation_examples: int, repeats: int
+) -> dict[str, list[float]]:
+    """Paired check/bare ratios per route, the routes interleaved within each round."""
+    active = ActivePatches(PatchSpec(mapping=dict(patch.MAPPING), conversions=dict(patch.CONVERSIONS), overwrite=True))
+    ratios: dict[str, list[float]] = {route: [] for route in ROUTES}
+    try:
+        reference, patched = builder.reference(request), builder.patched(request)
+        seen: list[Any] = []
+        for route in ROUTES:  # warm-up
+            try:
+                time_route_check(reference, patched, route, 3, seen)
+            except AssertionError as error:  # a route this version does not take: reported, not timed
+                print(f"route {route}: {str(error).splitlines()[-1]}")
+                del ratios[route]
+        for _ in range(repeats):
+            for route in ratios:
+                count = generation_examples if route == "generation" else examples
+                check = time_route_check(reference, patched, route, count, seen)
+                ratios[route].append(check / time_route_bare(reference, patched, route, seen))
+    finally:
+        active.close()
+    return {route: sorted(values) for route, values in ratios.items()}
+
+
 LARGER = "hidden_size=256,intermediate_size=512"
 
 
@@ -192,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=50, help="check_equivalence examples")
     parser.add_argument("--reload-examples", type=int, default=5, help="examples for the per-example reload test")
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--route-examples", type=int, default=60, help="examples per check on each route")
+    parser.add_argument("--generation-examples", type=int, default=10, help="check_generation examples")
+    parser.add_argument("--no-routes", action="store_true", help="skip the per-route ratios")
+    parser.add_argument("--routes-only", action="store_true", help="only the per-route ratios")
     parser.add_argument(
         "--config", default="", metavar="K=V,...",
         help="tiny-config overrides, e.g. hidden_size=256,intermediate_size=512,num_hidden_layers=4, measured "
@@ -205,6 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         builder = ModelBuilder(Path(tmp))
         request = ModelRequest(patch.MODEL_TYPE, parse_overrides(args.config))
+        routes = None
+        if not args.no_routes:
+            routes = measure_routes(builder, request, patch, args.route_examples, args.generation_examples, args.repeats)
+        if args.routes_only:
+            hold_for_session(False)
+            print_routes(routes or {}, args)
+            return 0
         measured = measure(builder, request, patch, args.examples, args.repeats)
         larger = None
         if not args.config:  # the same check on a wider model: hypothesis' fixed cost per input weighs less
@@ -229,7 +360,16 @@ def main(argv: list[str] | None = None) -> int:
             f"at {LARGER}: check {larger['check'] * 1e3:.2f} ms/example, two bare forwards "
             f"{larger['bare'] * 1e3:.2f} ms/example, {ratio_text(larger)}"
         )
+    if routes is not None:
+        print_routes(routes, args)
     return 0
+
+
+def print_routes(routes: dict[str, list[float]], args: argparse.Namespace) -> None:
+    print(f"routes: check/bare, median of {args.repeats} paired runs (goal <= 1.3x each)")
+    for route, ratios in routes.items():
+        count = args.generation_examples if route == "generation" else args.route_examples
+        print(f"  {route:<12} {statistics.median(ratios):.2f}x ({ratios[0]:.2f}x-{ratios[-1]:.2f}x), {count} examples")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from pytest_modelpatch.compare.backward_divergence import BackwardCall, Backward
 from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
 from pytest_modelpatch.compare.outputs import (
-    ComparedTensors,
     TensorComparison,
     default_inputs,
     describe_inputs,
@@ -31,6 +30,7 @@ from pytest_modelpatch.compare.outputs import (
     placement,
     unwrapped,
 )
+from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import (
     DEFAULT_POLICY,
@@ -42,7 +42,6 @@ from pytest_modelpatch.compare.tolerance import (
 from pytest_modelpatch.compare.training import LossFn, TrainingRun, training_run, with_labels
 from pytest_modelpatch.isolation.pristine import running_pristine
 from pytest_modelpatch.models.usage import unused_message, unused_replacements
-from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
 # Gradients sum over every token and pass back through every layer, so they carry more
 # round-off than outputs. Measured on the good example patches (swiglu/rmsnorm autograd kernels,
@@ -73,8 +72,10 @@ def gradient_tolerance(spec: ToleranceSpec) -> ToleranceSpec:
 
 
 @dataclass
-class BackwardReport(ComparedTensors):
+class BackwardReport(CheckReport):
     """The outcome of comparing one training step of a patched model with its reference's."""
+
+    check_kind = "backward"
 
     reference: str
     patched: str
@@ -146,23 +147,9 @@ class BackwardReport(ComparedTensors):
             lines.append(str(self.divergence))
         return "\n".join(lines)
 
-    def record(self, kind: str = "backward", examples: int = 1, detail: str = "") -> None:
-        """Hand this outcome to the running test's report rows."""
-        worst = max(self.comparisons, key=lambda c: c.max_abs, default=None)
-        tol = worst.tolerance if worst is not None else None
-        record_check(
-            CheckRecord(
-                kind=kind, outcome="passed" if self.passed else "failed", model=self.reference,
-                device=self.device, dtype=self.dtype, examples=examples,
-                max_abs_error=self.max_abs_error, max_rel_error=self.max_rel_error,
-                atol=tol.atol if tol else None, rtol=tol.rtol if tol else None,
-                elements_over_tolerance=sum(c.over for c in self.comparisons),
-                elements_compared=sum(c.total for c in self.comparisons),
-                duration_s=self.duration_s, detail=detail or ("" if self.passed else str(self)),
-                output=worst.path if worst is not None else "",
-                profile=self.divergence.profile if self.divergence is not None else [],
-            )
-        )  # fmt: skip
+    def judged_comparison(self) -> TensorComparison | None:
+        """The tolerance of whatever erred most, a gradient or an output: the row shows that one."""
+        return max(self.comparisons, key=lambda c: c.max_abs, default=None)
 
 
 # ---------------------------------------------------------------------------
@@ -305,10 +292,7 @@ def assert_backward_equivalent(
     """
     __tracebackhide__ = True
     check_same_model(reference, patched, "assert_backward_equivalent")
-    if inputs is None:
-        inputs = with_labels(reference, default_inputs(reference))
-    elif isinstance(inputs, torch.Tensor):
-        inputs = {"input_ids": inputs}
+    inputs = given_inputs(inputs, lambda: with_labels(reference, default_inputs(reference)))
     checkpointing, label = _checkpointing(gradient_checkpointing, gradient_checkpointing_kwargs)
     report = compare_training(
         reference, patched, inputs, resolve_tolerance(atol, rtol, policy),
@@ -317,7 +301,4 @@ def assert_backward_equivalent(
     unused = [u.replacement for u in unused_replacements(unwrapped(patched))]
     if unused and not allow_unused:
         report.unused = unused_message(unused, where="the compared training step")
-    report.record()
-    if not report.passed:
-        raise AssertionError(str(report))
-    return report
+    return report.conclude()

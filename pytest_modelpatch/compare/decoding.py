@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
 from pytest_modelpatch.compare.outputs import (
     TensorComparison,
@@ -37,7 +38,6 @@ from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.pristine import pristine
-from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
 # transformers 5.x cache_implementation names this loop builds; None is generate()'s default.
 CACHE_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "dynamic", "static")
@@ -238,8 +238,10 @@ def locate_step(
 
 
 @dataclass
-class DecodingReport:
+class DecodingReport(CheckReport):
     """The outcome of greedy decoding both models from the same prompts, step by step."""
+
+    check_kind = "decode"
 
     reference: str
     patched: str
@@ -272,12 +274,9 @@ class DecodingReport:
         return max(self.steps, key=lambda s: s.logits.max_abs, default=None)
 
     @property
-    def max_abs_error(self) -> float:
-        return max((s.logits.max_abs for s in self.steps), default=0.0)
-
-    @property
-    def max_rel_error(self) -> float:
-        return max((s.logits.max_rel for s in self.steps), default=0.0)
+    def comparisons(self) -> list[TensorComparison]:  # type: ignore[override]
+        """Every step's logits compared (the row's figures)."""
+        return [s.logits for s in self.steps]
 
     @property
     def cache(self) -> str:
@@ -330,23 +329,14 @@ class DecodingReport:
             lines.append(f"  tokens: reference {step.reference_tokens}, patched {step.patched_tokens}")
         return lines
 
-    def record(self, kind: str = "decode", examples: int = 1, detail: str = "") -> None:
-        """Hand this outcome to the running test's report rows: worst step, worst error."""
-        worst = self.failed_step or self.worst_step
-        tol = worst.logits.tolerance if worst is not None else None
-        record_check(
-            CheckRecord(
-                kind=kind, outcome="passed" if self.passed else "failed", model=self.reference,
-                device=self.device, dtype=self.dtype, examples=examples,
-                max_abs_error=self.max_abs_error, max_rel_error=self.max_rel_error,
-                atol=tol.atol if tol else None, rtol=tol.rtol if tol else None,
-                elements_over_tolerance=sum(s.logits.over for s in self.steps),
-                elements_compared=sum(s.logits.total for s in self.steps),
-                duration_s=self.duration_s, detail=detail or ("" if self.passed else str(self)),
-                output=worst.logits.path if worst is not None else "",
-                profile=self.divergence.profile if self.divergence is not None else [],
-            )
-        )  # fmt: skip
+    def judged_comparison(self) -> TensorComparison | None:
+        """The row shows the failing step's logits, else the worst step's."""
+        shown = self.failed_step or self.worst_step
+        return shown.logits if shown is not None else None
+
+    def worst_output(self) -> str:
+        judged = self.judged_comparison()
+        return judged.path if judged is not None else ""
 
 
 def compare_decoding(
@@ -396,15 +386,9 @@ def assert_generates_equivalent(
     check_cache_implementation(cache_implementation)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise PatchUsageError(f"assert_generates_equivalent: max_new_tokens={max_new_tokens!r}; pass a positive int, e.g. 8.")
-    if inputs is None:
-        inputs = default_prompts(reference)
-    elif isinstance(inputs, torch.Tensor):
-        inputs = {"input_ids": inputs}
+    inputs = given_inputs(inputs, lambda: default_prompts(reference))
     spec = resolve_tolerance(atol, rtol, policy)
     report = compare_decoding(
         reference, patched, inputs, spec, max_new_tokens=max_new_tokens, cache_implementation=cache_implementation
     )
-    report.record()
-    if not report.passed:
-        raise AssertionError(str(report))
-    return report
+    return report.conclude()

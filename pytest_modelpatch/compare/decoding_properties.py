@@ -7,50 +7,40 @@ Seeded like ``check_equivalence`` (``seed=``, else the session seed, else 0).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, Phase, Verbosity, given, settings
-from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
 
-from pytest_modelpatch.compare import property_checks
+from pytest_modelpatch.compare.check_report import conclude
 from pytest_modelpatch.compare.decoding import (
-    DecodingReport,
     check_cache_implementation,
     compare_decoding,
     decode_pair,
 )
 from pytest_modelpatch.compare.outputs import describe_inputs
+from pytest_modelpatch.compare.property_loop import PropertyLoop, PropertyOutcome
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
-from pytest_modelpatch.families.strategies import model_inputs
+from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs
+from pytest_modelpatch.reporting.records import SETTINGS
 
 DEFAULT_MAX_EXAMPLES = 10  # each example decodes: costlier than a forward
 
 
 @dataclass
-class GenerationPropertyReport:
-    """How ``check_generation`` went: examples decoded, seed, and the minimal failing prompt if any."""
+class GenerationPropertyReport(PropertyOutcome):
+    """How ``check_generation`` went: prompt batches decoded, near-ties, and the minimal failing prompt if any.
 
-    reference: str
-    patched: str
-    seed: int
-    max_examples: int
-    examples: int = 0
-    first_failure: int = 0
-    max_abs_error: float = 0.0
+    ``failure`` is the minimal prompt's DecodingReport.
+    """
+
+    row_kind = "decode"
+
     near_ties: int = 0
-    failure: DecodingReport | None = None
-    error: str = ""
-    duration_s: float = 0.0
-
-    @property
-    def passed(self) -> bool:
-        return self.failure is None and not self.error
 
     @property
     def header(self) -> str:
@@ -67,6 +57,7 @@ class GenerationPropertyReport:
             f"more runs to the minimal prompts below (seed={self.seed} draws them again)"
         )
         return "\n".join([head, self.error or str(self.failure)])
+
 
 
 def check_generation(
@@ -95,76 +86,54 @@ def check_generation(
     check_same_model(reference, patched, "check_generation")
     check_cache_implementation(cache_implementation)
     spec = resolve_tolerance(atol, rtol, policy)
-    defaults = property_checks._defaults  # the session seed and example count the plugin set
     report = GenerationPropertyReport(
         type(reference).__name__, type(patched).__name__,
-        seed=seed if seed is not None else defaults["seed"] or 0,
-        max_examples=max_examples or defaults["max_examples"] or DEFAULT_MAX_EXAMPLES,
+        seed=seed if seed is not None else SETTINGS.seed or 0,  # the session seed the plugin set
+        max_examples=max_examples or SETTINGS.max_examples or DEFAULT_MAX_EXAMPLES,
     )  # fmt: skip
     prompts = model_inputs(
         reference.config, max_batch_size=max_batch_size, max_seq_len=max_prompt_len, padding=padding, position_ids=False
     )
-    failing: list[tuple[Mapping[str, Any], int]] = []
-    start = time.perf_counter()
+    loop = PropertyLoop(report.seed, report.max_examples)
+    options: dict[str, Any] = {"cache_implementation": cache_implementation, "spec": spec}
 
-    @settings(
-        max_examples=report.max_examples, database=None, deadline=None, derandomize=False,
-        phases=(Phase.explicit, Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck),
-        verbosity=Verbosity.quiet, report_multiple_bugs=False, print_blob=False,
-    )  # fmt: skip
-    @hypothesis_seed(report.seed)
-    @given(prompts, st.integers(1, max_new_tokens))
-    def one_example(example: Mapping[str, Any], new_tokens: int) -> None:
-        report.examples += 1
-        try:
-            steps, _ = decode_pair(reference, patched, example, max_new_tokens=new_tokens,
-                                cache_implementation=cache_implementation, spec=spec)  # fmt: skip
-        except Exception:
-            failing[:] = [(example, new_tokens)]
-            report.first_failure = report.first_failure or report.examples
-            raise
+    def decode_one(drawn: tuple[Mapping[str, Any], int]) -> bool:
+        example, new_tokens = drawn
+        steps, _ = decode_pair(reference, patched, example, max_new_tokens=new_tokens, **options)
         if not all(s.passed for s in steps):
-            # hypothesis replays the minimal example last, so this ends up holding it
-            failing[:] = [(example, new_tokens)]
-            report.first_failure = report.first_failure or report.examples
-            raise _DecodeFailed()
+            return False
         report.max_abs_error = max([report.max_abs_error, *(s.logits.max_abs for s in steps)])
         report.near_ties += sum(len(s.near_ties) for s in steps)
+        return True
 
-    try:
-        one_example()
-    except Exception as error:  # noqa: BLE001 - every failure is turned into the report
-        if not failing:
-            raise
-        example, new_tokens = failing[0]
-        if isinstance(error, _DecodeFailed):
-            report.failure = compare_decoding(reference, patched, example, spec, max_new_tokens=new_tokens,
-                                              cache_implementation=cache_implementation)  # fmt: skip
+    failure = loop.run(_with_new_tokens(prompts, max_new_tokens), decode_one)
+    report.counted(loop)
+    if failure is not None:
+        example, new_tokens = failure.minimal
+        if failure.raised is None:
+            report.failure = compare_decoding(reference, patched, example, max_new_tokens=new_tokens, **options)
         else:
-            report.error = f"minimal failing prompts: {describe_inputs(example)}\na model raised {type(error).__name__}: {error}"
-        report.duration_s = time.perf_counter() - start
-        _record(report)
-        raise AssertionError(str(report)) from (None if isinstance(error, _DecodeFailed) else error)
-    report.duration_s = time.perf_counter() - start
-    _record(report)
-    return report
+            report.error = (
+                f"minimal failing prompts: {describe_inputs(example)}\n"
+                f"a model raised {type(failure.raised).__name__}: {failure.raised}"
+            )
+    report.duration_s = loop.elapsed()
+    return conclude(report, report.to_record(), failure.raised if failure is not None else None)
 
 
-def _record(report: GenerationPropertyReport) -> None:
-    if report.failure is not None:
-        report.failure.duration_s = report.duration_s
-        report.failure.record(kind="decode", examples=report.examples, detail=str(report))
-        return
-    from pytest_modelpatch.reporting.records import CheckRecord, record_check
+def _with_new_tokens(prompts: SearchStrategy[dict[str, torch.Tensor]], max_new_tokens: int) -> DrawnBytes:
+    """A prompt batch and how many tokens to decode from it, drawn as one byte string.
 
-    record_check(
-        CheckRecord(
-            kind="decode", outcome="passed" if report.passed else "failed", model=report.reference,
-            examples=report.examples, max_abs_error=report.max_abs_error, duration_s=report.duration_s,
-            detail=report.error,
-        )
-    )  # fmt: skip
+    The prompt's bytes (``model_inputs``'), then one byte for the count: drawn as bytes, as
+    ``check_equivalence``'s inputs are, the group shrinks to the smallest prompt (one padded row of
+    two tokens for a mask dropped on single-token steps), where a tuple of the prompt and an
+    integer, in a list, stopped at longer ones.
+    """
+    drawn = drawn_bytes(prompts)
+    assert drawn is not None  # model_inputs with listed sizes, as built above
+    size = drawn.size + 1
 
+    def build(raw: bytes) -> tuple[dict[str, torch.Tensor], int]:
+        return drawn.build(raw[:-1]), 1 + (raw[-1] * max_new_tokens >> 8)
 
-class _DecodeFailed(Exception):
-    """Raised inside hypothesis for a decoding difference; the full report is built once, after shrinking."""
+    return DrawnBytes(st.binary(min_size=size, max_size=size), build, size)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare.check_report import CheckReport
 from pytest_modelpatch.compare.outputs import (
     TensorComparison,
     class_pair,
@@ -35,7 +36,6 @@ from pytest_modelpatch.compare.outputs import (
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.training import training_state
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
-from pytest_modelpatch.reporting.records import CheckRecord, record_check
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 
 
@@ -260,8 +260,10 @@ def capture_module_calls(
 
 
 @dataclass
-class ModuleEquivalenceReport:
+class ModuleEquivalenceReport(CheckReport):
     """Outcome of replaying an original module's real calls into its replacement."""
+
+    check_kind = "module"
 
     original: str
     patched: str
@@ -271,10 +273,23 @@ class ModuleEquivalenceReport:
     failing_call: int | None = None
     arguments: str = ""
     duration_s: float = 0.0
+    device: str = ""  # where the original module's parameters are
+    dtype: str = ""
 
     @property
     def passed(self) -> bool:
         return self.failing_call is None
+
+    @property
+    def reference(self) -> str:
+        """The row's model: the original module replayed."""
+        return self.original
+
+    def worst_output(self) -> str:
+        return ""  # a module's outputs are not the model's: the row names none
+
+    def row_fields(self) -> dict[str, Any]:
+        return {"replacements": [self.patched], "examples": self.calls}
 
     def __str__(self) -> str:
         if self.passed:
@@ -357,7 +372,7 @@ def check_module_equivalence(
     report = ModuleEquivalenceReport(
         f"{original_name} ({type(original_module).__name__})",
         f"{patched_name} ({type(patched_module).__name__})",
-        len(calls), [], spec,
+        len(calls), [], spec, **placement(original_module),
     )  # fmt: skip
     with evaluating(patched_module):
         for index, call in enumerate(calls):
@@ -368,24 +383,4 @@ def check_module_equivalence(
                 report.arguments = describe_inputs({"args": call.args, **call.kwargs}, limit=0)
                 break
     report.duration_s = time.perf_counter() - start
-    _record(report, original_module)
-    if not report.passed:
-        raise AssertionError(str(report))
-    return report
-
-
-def _record(report: ModuleEquivalenceReport, module: torch.nn.Module) -> None:
-    tol = next((c.tolerance for c in report.comparisons if c.tolerance is not None), None)
-    record_check(
-        CheckRecord(
-            kind="module", outcome="passed" if report.passed else "failed", model=report.original,
-            replacements=[report.patched], examples=report.calls,
-            **placement(module),
-            max_abs_error=max((c.max_abs for c in report.comparisons), default=0.0),
-            max_rel_error=max((c.max_rel for c in report.comparisons), default=0.0),
-            atol=tol.atol if tol else None, rtol=tol.rtol if tol else None,
-            elements_over_tolerance=sum(c.over for c in report.comparisons),
-            elements_compared=sum(c.total for c in report.comparisons),
-            duration_s=report.duration_s, detail="" if report.passed else str(report),
-        )
-    )  # fmt: skip
+    return report.conclude()

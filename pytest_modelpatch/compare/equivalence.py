@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
 from pytest_modelpatch.compare.outputs import (
-    ComparedTensors,
     TensorComparison,
     cache_hint_for,
     default_inputs,
@@ -32,7 +32,6 @@ from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, 
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.timing import timing_if_enabled
 from pytest_modelpatch.models.usage import coverage_lines, unused_message, unused_replacements
-from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
 # ---------------------------------------------------------------------------
 # The check
@@ -40,7 +39,7 @@ from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
 
 @dataclass
-class EquivalenceReport(ComparedTensors):
+class EquivalenceReport(CheckReport):
     """The outcome of comparing a patched model with its reference on one set of inputs."""
 
     reference: str
@@ -92,25 +91,16 @@ class EquivalenceReport(ComparedTensors):
         text = str(self.routing) if self.routing is not None else ""
         return text.splitlines()
 
-    def record(self, kind: str = "equivalence", examples: int = 1, detail: str = "") -> None:
-        """Hand this outcome to the running test's report rows."""
-        over = sum(c.over for c in self.comparisons)
-        tol = next((c.tolerance for c in self.comparisons if c.tolerance is not None and c.path.endswith("logits")), None)
-        tol = tol or next((c.tolerance for c in self.comparisons if c.tolerance is not None), None)
-        record_check(
-            CheckRecord(
-                kind=kind, outcome="passed" if self.passed else "failed", model=self.reference,
-                device=self.device, dtype=self.dtype, examples=examples,
-                max_abs_error=self.max_abs_error, max_rel_error=self.max_rel_error,
-                atol=tol.atol if tol else None, rtol=tol.rtol if tol else None,
-                elements_over_tolerance=over, elements_compared=sum(c.total for c in self.comparisons),
-                duration_s=self.duration_s, detail=detail or ("" if self.passed else str(self)),
-                output=max(self.comparisons, key=lambda c: c.max_abs).path if self.comparisons else "",
-                profile=self.divergence.profile if self.divergence is not None else [], coverage=self.coverage,
-                routing_near_ties=self.routing.near_ties if self.routing is not None else 0,
-                timing=self.timing,
-            )
-        )  # fmt: skip
+    def judged_comparison(self) -> TensorComparison | None:
+        """The logits' tolerance when they were compared: the figure a reader looks for."""
+        judged = [c for c in self.comparisons if c.tolerance is not None]
+        return next((c for c in judged if c.path.endswith("logits")), judged[0] if judged else None)
+
+    def row_fields(self) -> dict[str, Any]:
+        return {
+            "coverage": self.coverage, "timing": self.timing,
+            "routing_near_ties": self.routing.near_ties if self.routing is not None else 0,
+        }  # fmt: skip
 
 
 def compare_models(
@@ -161,17 +151,11 @@ def assert_equivalent(
     """
     __tracebackhide__ = True
     check_same_model(reference, patched, "assert_equivalent")
-    if inputs is None:
-        inputs = default_inputs(reference)
-    elif isinstance(inputs, torch.Tensor):
-        inputs = {"input_ids": inputs}
+    inputs = given_inputs(inputs, lambda: default_inputs(reference))
     report = compare_models(reference, patched, inputs, resolve_tolerance(atol, rtol, policy))
     unused = [u.replacement for u in unused_replacements(unwrapped(patched))]
     if unused and not allow_unused:
         report.unused = unused_message(unused, where="the compared forward")
     report.coverage = coverage_lines(unwrapped(patched))
     report.timing = timing_if_enabled(reference, patched, inputs)
-    report.record()
-    if not report.passed:
-        raise AssertionError(str(report))
-    return report
+    return report.conclude()

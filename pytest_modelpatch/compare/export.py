@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.dynamo_state import fresh_dynamo
+from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.outputs import (
-    ComparedTensors,
     TensorComparison,
     compare_outputs,
     describe_inputs,
@@ -33,7 +33,6 @@ from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.trace_failures import SourceLocation, TraceFailure, describe_failure
 from pytest_modelpatch.errors import ModelPatchError
-from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
 # ---------------------------------------------------------------------------
 # The traced forward
@@ -60,10 +59,7 @@ def logits_inputs(reference: torch.nn.Module, inputs: Mapping[str, Any] | torch.
     from pytest_modelpatch.families.inputs import example_inputs
 
     device = model_device(reference)
-    if inputs is None:
-        inputs = example_inputs(reference.config, device=device, model_class=type(reference))
-    elif isinstance(inputs, torch.Tensor):
-        inputs = {"input_ids": inputs}
+    inputs = given_inputs(inputs, lambda: example_inputs(reference.config, device=device, model_class=type(reference)))
     extra = sorted(set(inputs) - {"input_ids", "attention_mask"})
     if "input_ids" not in inputs or extra:
         raise PatchUsageError(
@@ -112,7 +108,7 @@ def skip_without(*names: str) -> None:
 
 
 @dataclass
-class ParityReport(ComparedTensors):
+class ParityReport(CheckReport):
     """Exporting or compiling a patched model, then comparing its logits with the eager reference's."""
 
     kind: str  # "export" | "compile"
@@ -130,6 +126,10 @@ class ParityReport(ComparedTensors):
     notes: list[str] = field(default_factory=list)
     eager_patched: str = ""  # on a mismatch: whether the eager patched model matched, to tell a trace bug from a patch bug
     duration_s: float = 0.0
+
+    @property
+    def check_kind(self) -> str:  # type: ignore[override]
+        return self.kind
 
     @property
     def too_many_breaks(self) -> bool:
@@ -176,23 +176,14 @@ class ParityReport(ComparedTensors):
             *(f"inputs: {text}" for text in self.inputs), *describe_tolerances(failures), *(f"  {c}" for c in failures),
         ])  # fmt: skip
 
-    def record(self) -> None:
-        """Hand this outcome to the running test's report rows (kind ``export`` or ``compile``)."""
-        tol = next((c.tolerance for c in self.comparisons if c.tolerance is not None), None)
-        summary = "; ".join([self.how, *self.notes, *([self.breaks_text()] if self.kind == "compile" else [])])
-        record_check(
-            CheckRecord(
-                kind=self.kind, outcome="passed" if self.passed else "failed", model=self.reference,
-                device=self.device, dtype=self.dtype, examples=len(self.inputs),
-                max_abs_error=self.max_abs_error if self.comparisons else None,
-                max_rel_error=self.max_rel_error if self.comparisons else None,
-                atol=tol.atol if tol else None, rtol=tol.rtol if tol else None,
-                elements_over_tolerance=sum(c.over for c in self.comparisons),
-                elements_compared=sum(c.total for c in self.comparisons), duration_s=self.duration_s,
-                detail=summary if self.passed else str(self),
-                output=max(self.comparisons, key=lambda c: c.max_abs).path if self.comparisons else "",
-            )
-        )  # fmt: skip
+    def passing_detail(self) -> str:
+        """How it was traced, with notes and (compile) graph breaks."""
+        return "; ".join([self.how, *self.notes, *([self.breaks_text()] if self.kind == "compile" else [])])
+
+    def row_fields(self) -> dict[str, Any]:
+        # a trace that failed compared nothing: no error figures rather than zeros
+        errors = {} if self.comparisons else {"max_abs_error": None, "max_rel_error": None}
+        return {"examples": len(self.inputs), **errors}
 
 
 def start_report(
@@ -233,10 +224,7 @@ def finish(report: ParityReport, start: float) -> ParityReport:
     """Time, record and judge a report: raise ``AssertionError`` with it when the check failed."""
     __tracebackhide__ = True
     report.duration_s = time.perf_counter() - start
-    report.record()
-    if not report.passed:
-        raise AssertionError(str(report))
-    return report
+    return report.conclude()
 
 
 # ---------------------------------------------------------------------------

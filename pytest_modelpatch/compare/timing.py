@@ -28,22 +28,22 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.outputs import evaluating, model_device, move_inputs
+from pytest_modelpatch.reporting.records import SETTINGS, configure_checks
 
 DEFAULT_WARMUP = 2
 DEFAULT_REPEATS = 7
-_settings: dict[str, Any] = {"enabled": False}
 
 Clock = Callable[[Callable[[], Any]], float]  # runs a call once, returns its seconds
 
 
 def set_timing(enabled: bool) -> bool:
-    """Turn timing of equivalence checks on or off (the plugin sets it from the option); returns the old value."""
-    previous, _settings["enabled"] = _settings["enabled"], bool(enabled)
-    return previous
+    """Turn timing of equivalence checks on or off (the plugin sets ``SETTINGS.timing`` from the option); returns the old value."""
+    return bool(configure_checks(timing=bool(enabled))["timing"])
 
 
 def timing_enabled() -> bool:
-    return bool(_settings["enabled"])
+    """Whether ``--modelpatch-timing`` (or :func:`set_timing`) asked for timing."""
+    return SETTINGS.timing
 
 
 # ---------------------------------------------------------------------------

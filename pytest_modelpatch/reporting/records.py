@@ -3,12 +3,16 @@
 Capability modules call ``record_check(...)``; the plugin installs a sink per
 test that attaches the rows to the test report, so they travel from xdist
 workers to the controller. Outside a pytest test the rows are dropped.
+
+The session's choices for every check (the seed property checks draw from, whether forwards are
+timed) live here too, in :data:`SETTINGS`: the plugin writes them, compare/ reads them, so
+neither the plugin nor reporting reaches up into compare/ to set them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -78,3 +82,30 @@ def record_check(record: CheckRecord) -> None:
     """Hand a finished check to the current test's report (no-op outside pytest)."""
     if _sink is not None:
         _sink(record)
+
+
+@dataclass
+class CheckSettings:
+    """What the pytest session decides for every check; a check's own arguments win over these."""
+
+    seed: int | None = None  # property checks' seed when a call passes none (--modelpatch-seed)
+    max_examples: int | None = None  # property checks' examples when a call passes none
+    timing: bool = False  # --modelpatch-timing: time both models' forwards beside each forward check
+
+
+SETTINGS = CheckSettings()
+
+
+def configure_checks(**changes: Any) -> dict[str, Any]:
+    """Change :data:`SETTINGS` (``seed=``, ``max_examples=``, ``timing=``); returns the values replaced, to restore.
+
+    Example: ``previous = configure_checks(seed=1234)`` ... ``configure_checks(**previous)``.
+    """
+    known = {f.name for f in fields(CheckSettings)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise TypeError(f"configure_checks: unknown settings {unknown}; known: {sorted(known)}")
+    previous = {name: getattr(SETTINGS, name) for name in changes}
+    for name, value in changes.items():
+        setattr(SETTINGS, name, value)
+    return previous

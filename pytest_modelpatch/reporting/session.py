@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import platform
 import re
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
@@ -25,7 +24,7 @@ import pytest
 
 from pytest_modelpatch.errors import PatchUsageError, ReportFileError
 from pytest_modelpatch.reporting.gate import DEFAULT_FACTOR, DEFAULT_FLOOR, GateVerdict, Thresholds, evaluate
-from pytest_modelpatch.reporting.records import CheckRecord, set_record_sink
+from pytest_modelpatch.reporting.records import CheckRecord, configure_checks, set_record_sink
 from pytest_modelpatch.reporting.report import (
     REPORT_FORMAT, load_report, row_from_record, summary_lines, sweep_lines, write_report,
 )
@@ -96,19 +95,8 @@ def stamp_intent(item: pytest.Item, report: pytest.TestReport) -> None:
 
 
 # ---------------------------------------------------------------------------
-# seed: chosen on the controller, sent to workers in workerinput
+# seed and timing: the seed chosen on the controller, sent to workers in workerinput
 # ---------------------------------------------------------------------------
-
-
-def configure_timing(config: pytest.Config) -> None:
-    """``--modelpatch-timing`` / ini ``modelpatch_timing``, in this process (each xdist worker reads its own)."""
-    enabled = bool(config.getoption("modelpatch_timing") or config.getini("modelpatch_timing"))
-    if not enabled and "pytest_modelpatch.compare.timing" not in sys.modules:
-        return  # off and never imported: nothing to import (timing imports torch)
-    from pytest_modelpatch.compare.timing import set_timing
-
-    previous = set_timing(enabled)
-    config.add_cleanup(lambda: set_timing(previous))  # an in-process pytester run must not leave it on
 
 
 def is_worker(config: pytest.Config) -> bool:
@@ -140,15 +128,16 @@ class XdistSeed:
 
 
 def configure(config: pytest.Config) -> None:
-    """Set the session seed in this process; on the controller, register the report and xdist hooks."""
+    """Set the session seed and timing in this process; on the controller, register the report and xdist hooks.
+
+    They go into ``records.SETTINGS``, which compare/ reads: nothing here imports compare/ (or torch).
+    Each xdist worker runs this too, with the controller's seed and its own reading of the timing option.
+    """
     seed = session_seed(config)
     validate_options(config)
-    configure_timing(config)
-    if seed:
-        # properties imports torch and hypothesis: pay for it only when the seed is not the default 0
-        from pytest_modelpatch.compare.property_checks import set_default_seed
-
-        set_default_seed(seed)
+    timing = bool(config.getoption("modelpatch_timing") or config.getini("modelpatch_timing"))
+    previous = configure_checks(seed=seed, timing=timing)
+    config.add_cleanup(lambda: configure_checks(**previous))  # an in-process pytester run must not leave them set
     if is_worker(config):
         return
     config.pluginmanager.register(ReportSession(config, seed), "modelpatch-report")

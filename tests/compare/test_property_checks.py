@@ -12,12 +12,16 @@ import torch
 import transformers
 from conftest import Pair, load_pair
 from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.control import current_build_context
 
 from fixtures import load_patch
 from pytest_modelpatch.models.checkpoints import cached_checkpoint
-from pytest_modelpatch.compare import property_checks
+from pytest_modelpatch.compare import property_loop
+from pytest_modelpatch.compare.decoding_properties import check_generation
 from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.property_checks import GROUP_SIZE, check_equivalence, set_default_seed
+from pytest_modelpatch.compare.property_checks import check_equivalence, set_default_seed
+from pytest_modelpatch.compare.property_loop import GROUP_SIZE
 from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs, tiny_configs
 
@@ -78,7 +82,7 @@ def test_while_shrinking_an_input_that_differed_is_not_compared_again(
     assert real is not None
     built: list[bytes] = []
     spy = DrawnBytes(real.raw, lambda raw: built.append(raw) or real.build(raw), real.size)
-    monkeypatch.setattr(property_checks, "drawn_bytes", lambda s: spy if s is strategy else None)
+    monkeypatch.setattr(property_loop, "drawn_bytes", lambda s: spy if s is strategy else None)
     with pytest.raises(AssertionError) as failure:
         check_equivalence(reference, patched, inputs=strategy, max_examples=50)
     assert re.search(r"shrunk in [1-9]\d* more runs", str(failure.value)) and "Flaky" not in str(failure.value)
@@ -195,3 +199,71 @@ def test_default_drawn_inputs_reach_padded_attention_masks(pytester: pytest.Pyte
     result.stdout.fnmatch_lines(["*check_equivalence(seed=*failed*"])
     masks = re.findall(r"inputs: .*?attention_mask=(\[\[[01, \[\]]*\]\])", result.stdout.str())
     assert masks and all("0" in mask for mask in masks), masks  # the shrunk example is a padded batch
+
+
+# ---------------------------------------------------------------------------
+# Every route inputs come by is drawn in groups, and still shrinks to the minimal input
+# ---------------------------------------------------------------------------
+
+
+def _batch_from_seed(seed: int) -> dict[str, torch.Tensor]:
+    """A user's own builder: 1-3 rows of 1-16 tokens from one integer (seed 4 is the first of two tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, length = 1 + seed % 3, 1 + (seed >> 2) % 16
+    return {"input_ids": torch.randint(128, (batch, length), generator=generator)}
+
+
+SEEDS = st.integers(0, 2**31 - 1)
+ROUTES = {
+    "default": None,
+    "user strategy": SEEDS.map(_batch_from_seed),
+    "mapping of strategies": {"input_ids": SEEDS.map(lambda seed: _batch_from_seed(seed)["input_ids"])},
+}
+
+
+def _hypothesis_examples_per_forward(model: torch.nn.Module) -> tuple[list[object], Any]:
+    """The hypothesis example each forward of ``model`` ran in (its ConjectureData), and the hook's handle."""
+    examples: list[object] = []
+
+    def note(_module: torch.nn.Module, _args: Any, _kwargs: Any) -> None:
+        examples.append(current_build_context().data)
+
+    return examples, model.register_forward_pre_hook(note, with_kwargs=True)
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_every_input_route_draws_many_inputs_per_hypothesis_example(pair: Callable[[str], Pair], route: str) -> None:
+    reference, patched = pair("llama_fused_qkv")
+    examples, handle = _hypothesis_examples_per_forward(patched)
+    try:
+        report = check_equivalence(reference, patched, inputs=ROUTES[route], max_examples=40)
+    finally:
+        handle.remove()
+    assert report.passed and report.examples == len(examples) == 40
+    # one input per hypothesis example would be 40; groups hold up to GROUP_SIZE
+    assert len({id(example) for example in examples}) <= 40 // 4
+
+
+def test_check_generation_decodes_many_prompts_per_hypothesis_example(pair: Callable[[str], Pair]) -> None:
+    reference, patched = pair("llama_fused_qkv")
+    examples, handle = _hypothesis_examples_per_forward(patched)
+    try:
+        report = check_generation(reference, patched, max_examples=12, max_new_tokens=2)
+    finally:
+        handle.remove()
+    assert report.passed and report.examples == 12
+    assert len({id(example) for example in examples}) <= 12 // 3
+
+
+@pytest.mark.parametrize("route", ["user strategy", "mapping of strategies"])
+def test_a_users_strategy_still_catches_a_wrong_patch_and_reports_the_minimal_input(
+    pair: Callable[[str], Pair], route: str
+) -> None:
+    with pytest.raises(AssertionError) as failure:
+        check_equivalence(*pair("llama_fused_qkv_noncausal"), inputs=ROUTES[route], max_examples=60)
+    message = str(failure.value)
+    assert re.match(r"check_equivalence\(seed=0, max_examples=60\): example \d+ of 60 failed; shrunk in \d+ more runs", message)
+    # the smallest integer whose batch has two tokens, the fewest on which non-causal attention differs
+    minimal = _batch_from_seed(4)["input_ids"].tolist()
+    assert f"\ninputs: input_ids={minimal}\n" in message
+    assert "first diverging module: model.layers.0.self_attn" in message
