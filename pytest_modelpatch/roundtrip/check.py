@@ -26,11 +26,12 @@ from typing import Any
 import torch
 import transformers
 
+from pytest_modelpatch.compare.check_report import conclude
 from pytest_modelpatch.compare.outputs import unwrapped
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.models.builder import LoadChoices
 from pytest_modelpatch.models.checkpoints import check_checkpoint_dir, checkpoint_model_class, load_pretrained
-from pytest_modelpatch.reporting.records import CheckRecord, record_check
+from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.roundtrip.differences import OutputDiff, config_changes, identical_outputs, output_leaves
 from pytest_modelpatch.roundtrip.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint
@@ -130,10 +131,7 @@ def check_roundtrip(
             choices=LoadChoices(dict(load_kwargs or {}), tuple(transforms)),
         )
     report.duration_s = time.perf_counter() - started
-    _record(report)
-    if not report.passed:
-        raise AssertionError(str(report))
-    return report
+    return conclude(report, _record(report))
 
 
 class Roundtrip:
@@ -313,24 +311,23 @@ def _work_dir(tmp_path: str | Path | None) -> Iterator[Path]:
         yield Path(tempfile.mkdtemp(prefix="roundtrip-", dir=tmp_path))
 
 
-def _record(report: RoundtripReport) -> None:
+def _record(report: RoundtripReport) -> CheckRecord:
+    """The report row: byte-level figures, not a tolerance's (a round-trip must give the same bytes back)."""
     from transformers import monkey_patching
 
     mapping = dict(monkey_patching.get_patch_mapping())
     diffs = [row.max_abs_diff for row in report.outputs] + [report.weights.max_abs_diff or 0.0]
-    record_check(
-        CheckRecord(
-            kind="roundtrip",
-            outcome="passed" if report.passed else "failed",
-            model=report.model_class,
-            patch_keys=sorted(mapping),
-            replacements=sorted(f"{c.__module__}.{c.__qualname__}" for c in mapping.values()),
-            device="cpu",
-            dtype=report.dtype,
-            max_abs_error=max(diffs),
-            elements_over_tolerance=sum(row.differing_elements for row in report.weights.tensors),
-            elements_compared=sum(row.elements for row in report.weights.tensors),
-            duration_s=report.duration_s,
-            detail=report.summary(),
-        )
+    return CheckRecord(
+        kind="roundtrip",
+        outcome="passed" if report.passed else "failed",
+        model=report.model_class,
+        patch_keys=sorted(mapping),
+        replacements=sorted(f"{c.__module__}.{c.__qualname__}" for c in mapping.values()),
+        device="cpu",
+        dtype=report.dtype,
+        max_abs_error=max(diffs),
+        elements_over_tolerance=sum(row.differing_elements for row in report.weights.tensors),
+        elements_compared=sum(row.elements for row in report.weights.tensors),
+        duration_s=report.duration_s,
+        detail=report.summary(),
     )
