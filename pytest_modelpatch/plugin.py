@@ -294,7 +294,24 @@ def _uses_plugin(item: pytest.Item) -> bool:
     )
 
 
+_MODEL_REQUEST = pytest.StashKey["ModelRequest | None"]()
+_UNRESOLVED: Any = object()  # not None: no model asked for is an answer too
+
+
 def _model_request(item: pytest.Item) -> ModelRequest | None:
+    """The test's model request, resolved on first need and kept on the item for the rest of it.
+
+    The patch marks' lint, both model fixtures and the builder's loads all read this one (a tiny
+    config is built anew on each resolution); a test that uses no model never resolves one. A
+    wrong marker is not kept: each reader raises its usage error again.
+    """
+    request = item.stash.get(_MODEL_REQUEST, _UNRESOLVED)
+    if request is _UNRESOLVED:
+        request = item.stash[_MODEL_REQUEST] = _marked_model_request(item)
+    return request
+
+
+def _marked_model_request(item: pytest.Item) -> ModelRequest | None:
     """The test's ``@pytest.mark.model``, else ``--modelpatch-checkpoint``, else ``None``."""
     from pytest_modelpatch.models.builder import ModelRequest
 
@@ -315,12 +332,12 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
 
     families = None
     if item.get_closest_marker("model") is not None:
-        from pytest_modelpatch.models.checkpoints import config_families, resolve_model_spec
+        from pytest_modelpatch.models.checkpoints import config_families
 
         request = _model_request(item)
         if request is not None:
             # a composite model's towers are other families' classes: LLaVA runs Llama's, PaliGemma Gemma's
-            families = config_families(resolve_model_spec(request.spec, **dict(request.overrides)).config)
+            families = config_families(request.model_spec.config)
     if families is None:
         return lambda mapping, conversions: lint_for_registration(mapping, allow=allow)
     # a family in scope: the contract checks run too, on tiny meta-device models
