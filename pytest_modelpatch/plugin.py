@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_modelpatch.models import devices
-from pytest_modelpatch.errors import PatchLeakError, PatchUsageError
+from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.interception import hold_for_session
-from pytest_modelpatch.isolation.leaks import LeakGuard, LeakTally, parse_leak_mode, scope_changed
-from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
+from pytest_modelpatch.isolation.leaks import LeakTally
+from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP
+from pytest_modelpatch.isolation.scopes import IsolationScopes, leak_mode, patch_spec
 from pytest_modelpatch.models.model_cache import parse_model_cache
 from pytest_modelpatch.reporting.records import set_record_sink
 from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink
 
 if TYPE_CHECKING:
-    from pytest_modelpatch.isolation.patch_spec import PatchSpec
     from pytest_modelpatch.models.builder import LoadChoices, ModelBuilder, ModelRequest
-    from pytest_modelpatch.isolation.registration import ActivePatches, PatchRegistry
+    from pytest_modelpatch.isolation.registration import PatchRegistry
 
 _GPU_SKIP = pytest.StashKey[str]()
 
@@ -130,7 +130,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS.values():
         config.addinivalue_line("markers", line)
     try:
-        _leak_mode(config)
+        leaks = leak_mode(config)
         parse_model_cache(config.getini("modelpatch_model_cache"))
         devices.requested_device(config.getoption("modelpatch_device"))
     except PatchUsageError as exc:
@@ -138,7 +138,12 @@ def pytest_configure(config: pytest.Config) -> None:
     from pytest_modelpatch.reporting import session  # torch-free: reads options, registers the report hooks
 
     session.configure(config)
-    config.pluginmanager.register(LeakTally(_leak_mode(config)), "modelpatch-leak-tally")
+    config.pluginmanager.register(LeakTally(leaks), "modelpatch-leak-tally")
+    scopes = IsolationScopes(
+        leaks, lint_for=_registration_lint, tolerance_for=_set_test_tolerance, opted_in=_uses_plugin,
+        plugin_fixtures=PLUGIN_FIXTURES,
+    )  # fmt: skip
+    config.pluginmanager.register(scopes, "modelpatch-isolation")
     hold_for_session(True)
     if config.get_verbosity() > 0:
         from pytest_modelpatch.models.quiet import set_verbose_loads  # torch-free
@@ -274,23 +279,23 @@ def _resolve_device(item: pytest.Item, requested: str) -> str:
     return device
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    if "gpu" in item.keywords and item.get_closest_marker("gpu") is not None:
+        if item.get_closest_marker("cpu") is not None and "device" not in getattr(item, "callspec", _NoCallspec).params:
+            raise PatchUsageError(f"{item.nodeid} is marked both cpu and gpu: keep one.")
+        _resolve_device(item, _requested_device(item))
+    return (yield)
+
+
 # tryfirst: the outermost wrapper, so it sees the report after pytest's xfail handling
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
-    leaks = item.stash.get(_LEAKS, None)
-    if leaks:
-        LeakTally.stamp(report, leaks)
-        leaks.clear()
     if item.user_properties:
         from pytest_modelpatch.reporting.session import stamp_intent
 
         stamp_intent(item, report)
-    if call.excinfo is not None and call.excinfo.errisinstance(PatchLeakError):
-        report.longrepr = f"PatchLeakError: {call.excinfo.value}"  # the message says it all; no plugin traceback
-        if hasattr(report, "wasxfail"):  # pytest turns any error of an xfail test into an xfail: a leak is not one
-            del report.wasxfail
-            report.outcome = "failed"
     reason = item.stash.get(_GPU_SKIP, None)
     if reason is not None and report.skipped and isinstance(report.longrepr, tuple):
         # point the skip at the test, as pytest does for its own skip marks
@@ -319,109 +324,14 @@ def dtype(request: pytest.FixtureRequest) -> Any:
 
 
 # ---------------------------------------------------------------------------
-# patch isolation
+# patch isolation: isolation.scopes.IsolationScopes (registered in pytest_configure) holds each
+# test's scope; these are the parts of it that read other rooms, which isolation may not import
 # ---------------------------------------------------------------------------
 
 
-class _TestScope:
-    """What the plugin holds open for one test: its leak guard, its patches, its tolerance."""
-
-    __slots__ = ("active", "failure", "guard", "item", "reset_tolerance", "spec")
-
-    def __init__(self, guard: LeakGuard | None, item: pytest.Item) -> None:
-        self.guard, self.item = guard, item
-        self.spec: PatchSpec | None = None
-        self.active: ActivePatches | None = None
-        self.reset_tolerance: Any = None
-        self.failure: Exception | None = None  # raised once setup is over
-
-    def close(self) -> None:
-        _OPEN_SCOPES.remove(self)
-        try:
-            if self.reset_tolerance is not None:
-                self.reset_tolerance()
-            if self.active is not None:
-                self.active.close()
-        finally:
-            _finish_guard(self.guard, self.item.nodeid, self.item, lambda: _uses_plugin(self.item))
-
-
-_OPEN_SCOPES: list[_TestScope] = []  # the running test's, while it is open: at most one
-
-
-_TEST_SCOPE = pytest.StashKey[_TestScope]()
-
-
-def _open_test_scope(item: pytest.Item) -> _TestScope:
-    """Open the test's guard, patches and tolerance; the item's teardown closes them.
-
-    Opened just before the test's first function-scoped fixture (else once setup is done),
-    so fixtures of wider scope set up for it are outside it (each has its own guard), and
-    closed by a finalizer registered then, so it runs after the function-scoped fixtures'
-    teardown and before any wider fixture's. A hook, not an autouse fixture: pytest's
-    fixture machinery alone would cost every test of the session ~25 us. An error (a bad
-    marker) is kept for the end of setup: raised inside pytest_fixture_setup, before the
-    fixture ran, it would leave pytest's fixture cache inconsistent for every later test.
-    """
-    mode = _leak_mode(item.config)
-    scope = item.stash[_TEST_SCOPE] = _TestScope(LeakGuard(mode, reuse=True) if mode != "off" else None, item)
-    _OPEN_SCOPES.append(scope)
-    item.addfinalizer(scope.close)
-    try:
-        # keywords hold every marker name of the node and its parents: a cheap test before the marker walk
-        spec = scope.spec = collect_patch_spec(item) if "patch" in item.keywords else None
-        if spec is not None:
-            from pytest_modelpatch.isolation.registration import ActivePatches
-
-            scope.active = ActivePatches(spec, lint=_registration_lint(item, spec.allow))
-        scope.reset_tolerance = _set_test_tolerance(item)
-    except Exception as exc:  # noqa: BLE001 - kept, and raised when setup is over
-        scope.failure = exc
-    return scope
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
-    if "gpu" in item.keywords and item.get_closest_marker("gpu") is not None:
-        if item.get_closest_marker("cpu") is not None and "device" not in getattr(item, "callspec", _NoCallspec).params:
-            raise PatchUsageError(f"{item.nodeid} is marked both cpu and gpu: keep one.")
-        _resolve_device(item, _requested_device(item))
-    try:
-        result = yield
-    except (Exception, pytest.skip.Exception, pytest.fail.Exception):
-        # a fixture that ran without the test's patches may fail (or skip) for that reason: the
-        # scope's error comes first, as it did when the guard was the first function fixture
-        _raise_scope_failure(item.stash.get(_TEST_SCOPE, None))
-        raise
-    # a test without function-scoped fixtures: nothing opened its scope yet
-    scope = item.stash.get(_TEST_SCOPE, None)
-    _raise_scope_failure(scope if scope is not None else _open_test_scope(item))
-    return result
-
-
-def _raise_scope_failure(scope: _TestScope | None) -> None:
-    failure = scope.failure if scope is not None else None
-    if isinstance(failure, PatchUsageError):
-        pytest.fail(f"PatchUsageError: {failure}", pytrace=False)
-    if failure is not None:
-        raise failure
-
-
-_SCOPED_GUARDS: dict[Any, LeakGuard] = {}
-_LEAK_MODE = pytest.StashKey[str]()
-_LEAKS = pytest.StashKey[list[str]]()  # this phase's leak outcomes, for its report
 # what a test uses to opt in to the plugin, and so to leaks failing it by default
 PLUGIN_FIXTURES = frozenset({"device", "dtype", "model_builder", "reference_model", "patched_model", "roundtrip",
                              "patch_registry"})  # fmt: skip
-
-
-def _leak_mode(config: pytest.Config) -> str:
-    """``--modelpatch-leaks``, else ``modelpatch_leaks``, parsed once per session; ``"auto"`` when neither is set."""
-    mode = config.stash.get(_LEAK_MODE, None)
-    if mode is None:
-        value = config.getoption("modelpatch_leaks", None) or config.getini("modelpatch_leaks")
-        mode = config.stash[_LEAK_MODE] = parse_leak_mode(value)
-    return mode
 
 
 def _uses_plugin(item: pytest.Item) -> bool:
@@ -431,48 +341,24 @@ def _uses_plugin(item: pytest.Item) -> bool:
     )
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Iterator[Any]:
-    # A fixture of wider scope answers for its own patches, from its setup to its teardown;
-    # the tests it serves take it as their baseline.
-    if fixturedef.scope == "function":
-        if _TEST_SCOPE not in request.node.stash:
-            _open_test_scope(request.node)
-    elif fixturedef not in _SCOPED_GUARDS:
-        scope_changed()
-        mode = _leak_mode(request.config)
-        if mode != "off":
-            _SCOPED_GUARDS[fixturedef] = LeakGuard(mode)
-            # asked for from a test's body (request.getfixturevalue): what it sets up is the baseline
-            # of the tests it serves, this one included, unless the test had changed something first
-            test = _OPEN_SCOPES[-1].guard if _OPEN_SCOPES else None
-            if test is not None and test.untouched():
-                result = yield
-                test.rebase()
-                return result
-    return (yield)
-
-
-def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> None:
-    if fixturedef.scope != "function":
-        scope_changed()
-    guard = _SCOPED_GUARDS.pop(fixturedef, None)
-    if guard is not None:
-        uses = lambda: not PLUGIN_FIXTURES.isdisjoint((fixturedef.argname, *fixturedef.argnames))  # noqa: E731
-        _finish_guard(guard, f"{fixturedef.scope}-scoped fixture {fixturedef.argname!r}", request.node, uses)
-
-
-def _finish_guard(guard: LeakGuard | None, nodeid: str, item: pytest.Item, opted_in: Any) -> None:
-    if guard is None:
-        return
-    outcome, message = guard.finish(nodeid, opted_in)
-    if outcome:
-        item.stash.setdefault(_LEAKS, []).append(outcome)
-    if message is not None:
-        raise PatchLeakError(message)
+_MODEL_REQUEST = pytest.StashKey["ModelRequest | None"]()
+_UNRESOLVED: Any = object()  # not None: no model asked for is an answer too
 
 
 def _model_request(item: pytest.Item) -> ModelRequest | None:
+    """The test's model request, resolved on first need and kept on the item for the rest of it.
+
+    The patch marks' lint, both model fixtures and the builder's loads all read this one (a tiny
+    config is built anew on each resolution); a test that uses no model never resolves one. A
+    wrong marker is not kept: each reader raises its usage error again.
+    """
+    request = item.stash.get(_MODEL_REQUEST, _UNRESOLVED)
+    if request is _UNRESOLVED:
+        request = item.stash[_MODEL_REQUEST] = _marked_model_request(item)
+    return request
+
+
+def _marked_model_request(item: pytest.Item) -> ModelRequest | None:
     """The test's ``@pytest.mark.model``, else ``--modelpatch-checkpoint``, else ``None``."""
     from pytest_modelpatch.models.builder import ModelRequest
 
@@ -491,12 +377,12 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
 
     families = None
     if item.get_closest_marker("model") is not None:
-        from pytest_modelpatch.models.checkpoints import config_families, resolve_model_spec
+        from pytest_modelpatch.models.checkpoints import config_families
 
         request = _model_request(item)
         if request is not None:
             # a composite model's towers are other families' classes: LLaVA runs Llama's, PaliGemma Gemma's
-            families = config_families(resolve_model_spec(request.spec, **dict(request.overrides)).config)
+            families = config_families(request.model_spec.config)
     if families is None:
         return lambda mapping, conversions: lint_for_registration(mapping, allow=allow)
     # a family in scope: the contract checks run too, on tiny meta-device models
@@ -561,8 +447,7 @@ def _required_model_request(request: pytest.FixtureRequest) -> ModelRequest:
 
 def _load_choices(request: pytest.FixtureRequest) -> LoadChoices | None:
     """The patch marks' load choices and transforms (for the patched load; the reference's follow from them)."""
-    scope = request.node.stash.get(_TEST_SCOPE, None)
-    spec = scope.spec if scope is not None else None
+    spec = patch_spec(request.node)
     if spec is None or not spec.load_choices:
         return None
     from pytest_modelpatch.models.builder import LoadChoices

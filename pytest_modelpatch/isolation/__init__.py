@@ -3,6 +3,7 @@
 Owns the snapshot and restore of every registry (patch mappings, conversions, fusion
 config, output recorders), the interception of transformers' entry points, the leak
 guard, parsing ``@pytest.mark.patch`` into a :class:`~.patch_spec.PatchSpec`, registering
-it for one test, and method patches. Imports only ``errors`` and ``lint`` (the
-registration-time lint): never models, compare, roundtrip or reporting.
+it for one test, method patches, and the plugin object that holds each test's scope
+(``scopes.py``). Imports only ``errors`` and ``lint`` (the registration-time lint): never
+models, compare, roundtrip or reporting.
 """

@@ -10,6 +10,7 @@ patches differ from test to test.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,7 +19,9 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.models.checkpoints import check_init, cached_checkpoint, load_pretrained, resolve_model_spec
+from pytest_modelpatch.models.checkpoints import (
+    ModelSpec, check_init, cached_checkpoint, load_pretrained, resolve_model_spec,
+)  # fmt: skip
 from pytest_modelpatch.models.devices import dtype_name
 from pytest_modelpatch.models.model_cache import CacheBound, ModelCache
 from pytest_modelpatch.errors import PatchNotAppliedError, PatchUsageError
@@ -43,7 +46,8 @@ class ModelRequest:
     ``experts_implementation`` are passed to both models' ``from_pretrained`` (a context for
     class patches; to verify an implementation, put it on ``@pytest.mark.patch``);
     ``fusion_config`` to the patched model's only (a fusion is a patch); ``seed`` and
-    ``init`` shape the seeded checkpoint's weights.
+    ``init`` shape the seeded checkpoint's weights. The spec is resolved to a config once
+    per request (:attr:`model_spec`), however many loads read it.
     """
 
     spec: Any
@@ -80,7 +84,8 @@ class ModelRequest:
             check_fusion_config(fusion)
             check_attn_implementation(attn)
             check_experts_implementation(experts)
-            spec = resolve_model_spec(args[0], **options)  # refuses an override that is no config field
+            request = cls(args[0], options, seed, fusion, init, attn, experts)
+            spec = request.model_spec  # refuses an override that is no config field; kept for the loads
         except PatchUsageError as exc:
             raise PatchUsageError(f"@pytest.mark.model on {where}: {exc}") from None
         weighted = {name for name in ("seed", "init") if name in kwargs}
@@ -89,7 +94,12 @@ class ModelRequest:
                 f"@pytest.mark.model on {where}: {' and '.join(sorted(weighted))} shape the seeded tiny checkpoints, "
                 f"but {spec.source_dir} has its own weights. Drop {', '.join(sorted(weighted))}, or pass a model type."
             )
-        return cls(args[0], options, seed, fusion, init, attn, experts)
+        return request
+
+    @functools.cached_property
+    def model_spec(self) -> ModelSpec:
+        """The spec resolved to the config both models are built from, once: a tiny config is not cached."""
+        return resolve_model_spec(self.spec, **dict(self.overrides))
 
     def load_kwargs(self) -> dict[str, Any]:
         """``from_pretrained`` keywords both models are loaded with."""
@@ -207,7 +217,7 @@ class ModelBuilder:
 
     def checkpoint(self, request: ModelRequest, *, dtype: Any = "float32") -> Path:
         """The checkpoint directory: the given one, or a seeded tiny model saved once."""
-        spec = resolve_model_spec(request.spec, **dict(request.overrides))
+        spec = request.model_spec
         if spec.source_dir is not None and not request.overrides:
             return spec.source_dir
         return cached_checkpoint(

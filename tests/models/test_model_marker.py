@@ -120,3 +120,68 @@ def test_a_misspelled_override_is_a_setup_error_in_a_real_run(pytester: pytest.P
     result = pytester.runpytest(*RUN)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*num_hiden_layers=5 is not a field of LlamaConfig*Did you mean 'num_hidden_layers'?*"])
+
+
+# Counts the calls of the name resolve_model_spec reaches tiny_config by, per test item. The
+# lint's tiny meta-device structures read the catalog directly, once per process (cached): they
+# are not the test's model request, so they are not counted.
+COUNT_RESOLUTIONS = """
+import collections
+
+import pytest
+
+from pytest_modelpatch.models import checkpoints
+
+RESOLVED = collections.Counter()
+RUNNING = [None]
+_tiny_config = checkpoints.tiny_config
+
+
+def counting_tiny_config(model_type, **overrides):
+    RESOLVED[RUNNING[0]] += 1
+    return _tiny_config(model_type, **overrides)
+
+
+checkpoints.tiny_config = counting_tiny_config
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    RUNNING[0] = item.nodeid
+    try:
+        return (yield)
+    finally:
+        RUNNING[0] = None
+
+
+def pytest_terminal_summary(terminalreporter):
+    for nodeid, count in sorted(RESOLVED.items(), key=str):
+        terminalreporter.write_line(f"RESOLVED {nodeid} {count}")
+"""
+
+
+def test_each_test_resolves_its_model_request_once(pytester: pytest.Pytester) -> None:
+    # the patch mark's lint, both model fixtures and the patched load's key check read one request
+    pytester.makeconftest(COUNT_RESOLUTIONS)
+    pytester.makepyfile(
+        test_once="""
+        import pytest
+        from fixtures.patches import llama_fused_qkv as fused
+
+        @pytest.mark.model("llama")
+        @pytest.mark.patch(fused.MAPPING, conversions=fused.CONVERSIONS)
+        def test_patched_pair(reference_model, patched_model):
+            assert type(patched_model.model.layers[0].self_attn).__name__ == "LlamaFusedQKVAttention"
+
+        @pytest.mark.model("llama", num_hidden_layers=3)
+        def test_reference_only(reference_model):
+            assert len(reference_model.model.layers) == 3
+
+        def test_without_models():
+            pass
+        """
+    )
+    result = pytester.runpytest(*RUN)
+    result.assert_outcomes(passed=3)
+    counts = {line.split()[1]: int(line.split()[2]) for line in result.outlines if line.startswith("RESOLVED ")}
+    assert counts == {"test_once.py::test_patched_pair": 1, "test_once.py::test_reference_only": 1}
