@@ -17,11 +17,11 @@ from pytest_modelpatch.models import devices
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.leaks import LeakTally
-from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP
+from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 from pytest_modelpatch.isolation.scopes import IsolationScopes, leak_mode, patch_spec
 from pytest_modelpatch.models.model_cache import parse_model_cache
 from pytest_modelpatch.reporting.records import set_record_sink
-from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink
+from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink, note_implementations
 
 if TYPE_CHECKING:
     from pytest_modelpatch.models.builder import LoadChoices, ModelBuilder, ModelRequest
@@ -481,7 +481,9 @@ def reference_model(model_builder: ModelBuilder, device: str, dtype: Any, reques
     """The unpatched model of ``@pytest.mark.model``, loaded with ``from_pretrained``; shared, do not modify."""
     model_request = _required_model_request(request)
     _warn_shared_implementations(model_request, request.node.nodeid)
-    return model_builder.reference(model_request, dtype=dtype, device=device, choices=_load_choices(request))
+    model = model_builder.reference(model_request, dtype=dtype, device=device, choices=_load_choices(request))
+    note_implementations(request.node, "reference", model)
+    return model
 
 
 @pytest.fixture
@@ -494,7 +496,9 @@ def patched_model(
     model_request = _required_model_request(request)
     guard = PatchStateGuard()  # fusion_config registers global patches while loading
     try:
-        yield model_builder.patched(model_request, dtype=dtype, device=device, choices=_load_choices(request))
+        model = model_builder.patched(model_request, dtype=dtype, device=device, choices=_load_choices(request))
+        note_implementations(request.node, "patched", model)
+        yield model
     finally:
         guard.restore()
 

@@ -33,6 +33,8 @@ ROW_PROPERTY = "modelpatch_check"
 # key figures as their own JUnit properties, so CI UIs show them without parsing the row
 FIGURE_PROPERTIES = ("max_abs_error", "max_rel_error", "outcome")
 SWEEP_PROPERTY = "modelpatch_family"  # on each report of a test a family sweep made: its model type
+# side ("reference"/"patched") -> axis ("attention"/"experts") -> the implementation the fixture's model loaded with
+IMPLEMENTATIONS = pytest.StashKey[dict[str, dict[str, str]]]()
 
 
 # ---------------------------------------------------------------------------
@@ -56,8 +58,20 @@ class CheckSink:
         counts = self.counts
         counts[record.kind] = counts.get(record.kind, 0) + 1
         row = row_from_record(record, self.item.nodeid, counts[record.kind])
+        implementations = self.item.stash.get(IMPLEMENTATIONS, None)
+        if implementations:
+            row["implementations"] = {side: dict(axes) for side, axes in implementations.items()}
         self.item.user_properties.append((ROW_PROPERTY, row))
         self.item.user_properties += [(f"modelpatch_{k}", row[k]) for k in FIGURE_PROPERTIES if row[k] is not None]
+
+
+def note_implementations(item: pytest.Item, side: str, model: Any) -> None:
+    """Keep the attention and experts implementations ``model`` loaded with, for the test's report rows."""
+    config = getattr(model, "config", None)
+    axes = {axis: str(name) for axis, attribute in (("attention", "_attn_implementation"), ("experts", "_experts_implementation"))
+            if (name := getattr(config, attribute, None)) is not None}  # fmt: skip
+    if axes:
+        item.stash.setdefault(IMPLEMENTATIONS, {})[side] = axes
 
 
 @contextmanager

@@ -7,6 +7,8 @@ original computation, not with itself. Each scenario has a broken twin that must
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 ATTENTION = """
@@ -63,9 +65,15 @@ def test_typo(patched_model):
 
 def test_a_custom_attention_is_judged_against_eager_and_a_wrong_scale_fails(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_attention=ATTENTION)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA", "--modelpatch-report", "report.json")
     result.assert_outcomes(passed=3, failed=1, errors=1, warnings=1)
     result.stdout.fnmatch_lines(["*implementations: attention eager (reference) vs wrong_scale_attn (patched)*"])
+    # the report row names each side's implementation too, so a gate or a dashboard can tell the runs apart
+    rows = {row["nodeid"]: row for row in json.loads((pytester.path / "report.json").read_text())["rows"]}
+    implementations = rows["test_attention.py::test_wrong_scale"]["implementations"]
+    assert implementations["reference"]["attention"] == "eager"
+    assert implementations["patched"]["attention"] == "wrong_scale_attn"
+    assert rows["test_attention.py::test_good"]["implementations"]["patched"]["attention"] == "good_attn"
     result.stdout.fnmatch_lines(["FAILED test_attention.py::test_wrong_scale*"])
     result.stdout.fnmatch_lines(["*test_shared_on_the_model_marker_warns: @pytest.mark.model(attn_implementation='wrong_scale_attn') loads both models*cannot judge it*"])
     result.stdout.fnmatch_lines(["*attn_implementation='good_atn' is not an attention implementation. Did you mean 'good_attn'*"])
