@@ -36,7 +36,7 @@ import torch
 
 from fixtures import load_patch
 from pytest_modelpatch.compare.backward import assert_backward_equivalent
-from pytest_modelpatch.compare.outputs import default_inputs
+from pytest_modelpatch.compare.running import default_inputs
 from pytest_modelpatch.compare.training import with_labels
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.patch_spec import PatchSpec

@@ -52,7 +52,8 @@ from transformers.monkey_patching import register_patch_mapping
 from fixtures import load_patch
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.models.checkpoints import load_pretrained
-from pytest_modelpatch.compare.outputs import cache_keyword, compare_outputs
+from pytest_modelpatch.compare.outputs import compare_outputs
+from pytest_modelpatch.compare.running import cache_keyword
 from pytest_modelpatch.compare import decoding_properties
 from pytest_modelpatch.compare.decoding_properties import check_generation
 from pytest_modelpatch.compare.property_checks import check_equivalence

@@ -21,15 +21,8 @@ import torch
 from pytest_modelpatch.compare.backward_divergence import BackwardCall, BackwardDivergence, backward_calls, first_backward_divergence
 from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
-from pytest_modelpatch.compare.outputs import (
-    TensorComparison,
-    default_inputs,
-    describe_inputs,
-    describe_tolerances,
-    flatten_outputs,
-    placement,
-    unwrapped,
-)
+from pytest_modelpatch.compare.outputs import TensorComparison, describe_tolerances, flatten_outputs
+from pytest_modelpatch.compare.running import default_inputs, describe_inputs, placement, unwrapped
 from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import (

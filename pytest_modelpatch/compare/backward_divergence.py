@@ -19,13 +19,8 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.outputs import (
-    TensorComparison,
-    class_pair,
-    compare_flat,
-    describe_tolerances,
-    flatten_outputs,
-)
+from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, describe_tolerances, flatten_outputs
+from pytest_modelpatch.compare.running import class_pair
 from pytest_modelpatch.compare.tolerance import ToleranceSpec
 
 

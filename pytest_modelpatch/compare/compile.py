@@ -26,7 +26,7 @@ from pytest_modelpatch.compare.export import (
     skip_without,
     start_report,
 )
-from pytest_modelpatch.compare.outputs import evaluating
+from pytest_modelpatch.compare.running import evaluating
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.compare.trace_failures import SourceLocation, describe_failure, locate, user_frames

@@ -20,20 +20,8 @@ import torch
 
 from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
-from pytest_modelpatch.compare.outputs import (
-    TensorComparison,
-    cache_keyword,
-    compare_tensors,
-    describe_inputs,
-    describe_tolerances,
-    evaluating,
-    implementations_line,
-    model_device,
-    move_inputs,
-    placement,
-    unfilled_cache_hint,
-    unwrapped,
-)
+from pytest_modelpatch.compare.outputs import TensorComparison, compare_tensors, describe_tolerances
+from pytest_modelpatch.compare.running import cache_keyword, describe_inputs, evaluating, implementations_line, model_device, move_inputs, placement, unfilled_cache_hint, unwrapped
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.errors import PatchUsageError

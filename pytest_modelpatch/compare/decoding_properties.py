@@ -21,7 +21,7 @@ from pytest_modelpatch.compare.decoding import (
     compare_decoding,
     decode_pair,
 )
-from pytest_modelpatch.compare.outputs import describe_inputs
+from pytest_modelpatch.compare.running import describe_inputs
 from pytest_modelpatch.compare.property_loop import PropertyLoop, PropertyOutcome
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance

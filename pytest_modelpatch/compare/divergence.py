@@ -20,19 +20,8 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.check_report import CheckReport
-from pytest_modelpatch.compare.outputs import (
-    TensorComparison,
-    class_pair,
-    compare_flat,
-    default_inputs,
-    describe_inputs,
-    describe_tolerances,
-    evaluating,
-    flatten_outputs,
-    forward,
-    placement,
-    unwrapped,
-)
+from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, describe_tolerances, flatten_outputs
+from pytest_modelpatch.compare.running import class_pair, default_inputs, describe_inputs, evaluating, forward, placement, unwrapped
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.training import training_state
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError

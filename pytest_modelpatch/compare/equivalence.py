@@ -16,17 +16,8 @@ import torch
 
 from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
-from pytest_modelpatch.compare.outputs import (
-    TensorComparison,
-    cache_hint_for,
-    default_inputs,
-    implementations_line,
-    describe_inputs,
-    describe_tolerances,
-    evaluating,
-    placement,
-    unwrapped,
-)
+from pytest_modelpatch.compare.outputs import TensorComparison, describe_tolerances
+from pytest_modelpatch.compare.running import cache_hint_for, default_inputs, implementations_line, describe_inputs, evaluating, placement, unwrapped
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.same_model import check_same_model

@@ -20,15 +20,8 @@ import torch
 
 from pytest_modelpatch.compare.dynamo_state import fresh_dynamo
 from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
-from pytest_modelpatch.compare.outputs import (
-    TensorComparison,
-    compare_outputs,
-    describe_inputs,
-    describe_tolerances,
-    evaluating,
-    model_device,
-    placement,
-)
+from pytest_modelpatch.compare.outputs import TensorComparison, compare_outputs, describe_tolerances
+from pytest_modelpatch.compare.running import describe_inputs, evaluating, model_device, placement
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.trace_failures import SourceLocation, TraceFailure, describe_failure

@@ -20,7 +20,8 @@ from hypothesis.strategies import SearchStrategy
 from pytest_modelpatch.compare.backward import compare_training
 from pytest_modelpatch.compare.check_report import conclude
 from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_models
-from pytest_modelpatch.compare.outputs import TensorComparison, describe_inputs, evaluating, placement
+from pytest_modelpatch.compare.outputs import TensorComparison
+from pytest_modelpatch.compare.running import describe_inputs, evaluating, placement
 from pytest_modelpatch.compare.property_loop import PropertyLoop, PropertyOutcome
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.same_model import check_same_model

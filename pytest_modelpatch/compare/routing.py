@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.outputs import TensorComparison, compare_outputs, forward, oracle_outputs
+from pytest_modelpatch.compare.outputs import TensorComparison, compare_outputs
+from pytest_modelpatch.compare.running import forward, oracle_outputs
 from pytest_modelpatch.compare.tolerance import ToleranceSpec
 
 _ROUTERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.outputs import evaluating, model_device, move_inputs
+from pytest_modelpatch.compare.running import evaluating, model_device, move_inputs
 from pytest_modelpatch.reporting.records import SETTINGS, configure_checks
 
 DEFAULT_WARMUP = 2

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.outputs import flatten_outputs, forward, model_device
+from pytest_modelpatch.compare.outputs import flatten_outputs
+from pytest_modelpatch.compare.running import forward, model_device
 from pytest_modelpatch.errors import PatchUsageError
 
 LossFn = Callable[[Any], torch.Tensor]

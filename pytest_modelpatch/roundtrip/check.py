@@ -27,7 +27,7 @@ import torch
 import transformers
 
 from pytest_modelpatch.compare.check_report import conclude
-from pytest_modelpatch.compare.outputs import unwrapped
+from pytest_modelpatch.compare.running import unwrapped
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.models.builder import LoadChoices
 from pytest_modelpatch.models.checkpoints import check_checkpoint_dir, checkpoint_model_class, load_pretrained

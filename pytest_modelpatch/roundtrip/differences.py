@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.outputs import evaluating, flatten_outputs, forward
+from pytest_modelpatch.compare.outputs import flatten_outputs
+from pytest_modelpatch.compare.running import evaluating, forward
 
 # config.json keys that save_pretrained rewrites on every save; a change there says nothing about the patch
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "name_or_path"})
@@ -43,7 +44,7 @@ class OutputDiff:
 
 
 def output_leaves(model: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """One forward pass, run and flattened as every check runs it (``compare.outputs``): ``path -> leaf``.
+    """One forward pass, run and flattened as every check runs it (``compare.running``, ``compare.outputs``): ``path -> leaf``.
 
     ``forward`` seeds the pass, so a model that draws in eval mode (ViT-MAE's masking) draws
     the same before and after the round-trip; nested outputs and cache layers are kept.

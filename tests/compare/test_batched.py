@@ -12,7 +12,8 @@ from conftest import Pair
 from pytest_modelpatch.compare.backward import GRADIENT_POLICY, gradient_tolerance
 from pytest_modelpatch.compare import batched
 from pytest_modelpatch.compare.batched import compare_flat_batched
-from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, default_inputs
+from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat
+from pytest_modelpatch.compare.running import default_inputs
 from pytest_modelpatch.compare.tolerance import resolve_tolerance
 from pytest_modelpatch.compare.training import training_run, with_labels
 from pytest_modelpatch.isolation.pristine import pristine

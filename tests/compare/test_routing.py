@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
-from pytest_modelpatch.compare.outputs import compare_outputs, evaluating, forward
+from pytest_modelpatch.compare.outputs import compare_outputs
+from pytest_modelpatch.compare.running import evaluating, forward
 from pytest_modelpatch.compare.routing import RouterCall, compare_routed, find_flips, router_names
 from pytest_modelpatch.compare.tolerance import resolve_tolerance
 from pytest_modelpatch.models.weights import spread_weights

@@ -59,7 +59,7 @@ def test_a_model_source_compares_every_output_path_cache_layers_included(patch_r
 
 def test_a_model_that_draws_in_eval_mode_round_trips_with_identical_outputs(tmp_path: Path) -> None:
     # ViT-MAE masks random patches in every forward, eval mode included: the reference and the
-    # reloaded model must draw the same mask (compare.outputs.forward seeds each pass)
+    # reloaded model must draw the same mask (compare.running.forward seeds each pass)
     model = seeded_model(tiny_config("vit_mae"))
     torch.manual_seed(5)
     report = check_roundtrip(model, tmp_path=tmp_path)

@@ -1,0 +1,197 @@
+"""Running the models a check compares: a seeded forward in eval mode, on the model's device.
+
+``forward`` runs a model the one way every check runs it (seeded, so a model that draws in eval
+mode draws the same for both sides); ``unwrapped`` reaches the model inside a wrapper (PEFT's
+``PeftModel``); ``cache_keyword`` and the hints name the ``cache``/``past_key_values`` rename;
+``implementations_line`` names each side's attention and experts implementation. What the
+outputs are compared with is :mod:`.outputs`'.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from pytest_modelpatch.compare.outputs import TensorComparison, _describe_leaf, flatten_outputs
+from pytest_modelpatch.compare.tolerance import ToleranceSpec, dtype_label
+
+
+_FLOAT64_COPIES: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+
+
+def oracle_outputs(reference: torch.nn.Module, inputs: Mapping[str, Any], spec: ToleranceSpec) -> Any:
+    """The reference's output in float64 when ``spec`` is the ``oracle`` policy, else ``None``.
+
+    The float64 copy is made once per reference model (it is the unpatched model, so copying
+    it changes nothing global); floating inputs are cast to float64 too.
+    """
+    if not spec.uses_oracle:
+        return None
+    if reference not in _FLOAT64_COPIES:
+        _FLOAT64_COPIES[reference] = copy.deepcopy(reference).to(torch.float64).eval()
+    wide = {k: v.to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    with torch.no_grad():
+        return forward(_FLOAT64_COPIES[reference], wide)
+
+
+# ---------------------------------------------------------------------------
+# Running models
+# ---------------------------------------------------------------------------
+
+
+@contextmanager
+def evaluating(*models: torch.nn.Module) -> Iterator[None]:
+    """Eval mode and no_grad for a block; every module's training flag is restored after."""
+    flags = [(module, module.training) for model in models for module in model.modules()]
+    try:
+        # a shared reference is in eval already, and eval() walks every module through
+        # transformers' train() override: ~0.3 ms a call for two tiny models
+        if any(training for _, training in flags):
+            for model in models:
+                model.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        for module, training in flags:  # a plain attribute: skip nn.Module.__setattr__'s checks
+            module.__dict__["training"] = training
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def class_pair(reference_class: str, patched_class: str) -> str:
+    """``LlamaMLP`` when both models ran the same class, else which ran where: how reports name a module."""
+    if reference_class == patched_class:
+        return reference_class
+    return f"{reference_class} in the reference, {patched_class} in the patched model"
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a wrapper exposes with ``get_base_model()`` (PEFT's ``PeftModel``), else ``model`` itself.
+
+    Checks run the wrapper (its forward is what users call) and name modules, compare configs
+    and read patch usage on the model inside it, whose module names are the reference's.
+    """
+    get = getattr(model, "get_base_model", None)
+    if callable(get):
+        base = get()
+        if isinstance(base, torch.nn.Module) and base is not model:
+            return base
+    return model
+
+
+def placement(model: torch.nn.Module) -> dict[str, str]:
+    """``{"device": "cpu", "dtype": "float32"}`` from the model's first parameter (empty strings when it has none).
+
+    Every check report names where it ran this way; pass it on as ``**placement(model)``.
+    """
+    param = next(model.parameters(), None)
+    if param is None:
+        return {"device": "", "dtype": ""}
+    return {"device": str(param.device), "dtype": dtype_label(param.dtype)}
+
+
+def move_inputs(inputs: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """Inputs with every tensor on ``device`` (others untouched)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
+    """Example inputs drawn from the model's config, on its device."""
+    from pytest_modelpatch.families.inputs import example_inputs
+
+    return example_inputs(model.config, device=str(model_device(model)), model_class=type(model))
+
+
+def describe_inputs(inputs: Mapping[str, Any], limit: int = 64) -> str:
+    """``input_ids=[[5, 1, 9]], attention_mask=...``: values when small, shape and dtype when not."""
+    parts = []
+    for path, leaf in flatten_outputs(dict(inputs), caches=False):
+        small = isinstance(leaf, torch.Tensor) and leaf.numel() <= limit
+        parts.append(f"{path}={leaf.tolist() if small else _describe_leaf(leaf)}")
+    return ", ".join(parts)
+
+
+FORWARD_SEED = 0
+
+
+def forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Any:
+    """``model(**inputs)`` on the model's device, from the same random state every time.
+
+    Some forwards draw random numbers even in eval mode (ViT-MAE's masking, VITS's noise):
+    both models of a comparison must draw the same ones, and the caller's generator must
+    not move.
+    """
+    device = model_device(model)
+    if device.type != "cpu":
+        with torch.random.fork_rng(devices=[device], device_type=device.type):
+            torch.manual_seed(FORWARD_SEED)
+            return model(**move_inputs(inputs, device))
+    # CPU: the default generator alone; torch.manual_seed also probes every accelerator
+    # backend, which costs more than a tiny model's forward
+    generator = torch.default_generator
+    state = generator.get_state()
+    generator.manual_seed(FORWARD_SEED)
+    try:
+        return model(**move_inputs(inputs, device))
+    finally:
+        generator.set_state(state)
+
+
+# ---------------------------------------------------------------------------
+# The cache keyword (transformers 5.24 renamed past_key_values to cache)
+# ---------------------------------------------------------------------------
+
+_CACHE_KEYWORDS: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
+_CACHE_LEAF = re.compile(r"^(cache|past_key_values)\.layers\[\d+\]\.(keys|values)$")
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword ``model.forward`` takes its KV cache by: ``cache`` from transformers 5.24, else ``past_key_values``."""
+    cls = type(unwrapped(model))  # a wrapper's forward hands its keywords on
+    keyword = _CACHE_KEYWORDS.get(cls)
+    if keyword is None:
+        try:
+            params = inspect.signature(cls.forward).parameters  # follows deprecate_kwarg's __wrapped__
+        except (TypeError, ValueError):
+            params = {}
+        keyword = _CACHE_KEYWORDS[cls] = "cache" if "cache" in params else "past_key_values"
+    return keyword
+
+
+def unfilled_cache_hint(model: torch.nn.Module, where: str) -> str:
+    """Why a patched model's cache stays empty, for a failure message: usually the ``cache`` rename."""
+    rename = (
+        " transformers passes it as `cache=` since 5.24 (it was `past_key_values=`): a replacement forward that "
+        "names only `past_key_values` receives it in **kwargs and skips the update. Accept `cache`, or both "
+        "spellings (`cache = cache if cache is not None else past_key_values`); `modelpatch lint` names the class."
+        if cache_keyword(model) == "cache" else
+        " Pass the cache on (`past_key_values`) and call its `update(...)` as the original forward does."
+    )  # fmt: skip
+    return f"hint: the patched model's cache stayed empty {where} while the reference's was filled.{rename}"
+
+
+def cache_hint_for(model: torch.nn.Module, comparisons: list[TensorComparison]) -> str:
+    """:func:`unfilled_cache_hint` when a failure is a cache layer the patched model never wrote, else ``""``."""
+    empty = [c.path for c in comparisons if c.problem and _CACHE_LEAF.match(c.path) and "patched is absent" in c.problem]
+    return unfilled_cache_hint(model, f"({', '.join(empty[:2])}{', ...' if len(empty) > 2 else ''})") if empty else ""
+
+
+def implementations_line(reference: torch.nn.Module, patched: torch.nn.Module) -> str:
+    """Each side's attention and experts implementation, when they differ (the patch marker's load choices)."""
+    sides = []
+    for label, attribute in (("attention", "_attn_implementation"), ("experts", "_experts_implementation")):
+        ours = getattr(getattr(reference, "config", None), attribute, None)
+        theirs = getattr(getattr(patched, "config", None), attribute, None)
+        if ours != theirs:
+            sides.append(f"{label} {ours} (reference) vs {theirs} (patched)")
+    return f"implementations: {'; '.join(sides)}" if sides else ""
