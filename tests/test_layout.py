@@ -109,6 +109,15 @@ def test_each_room_imports_only_the_rooms_below_it() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_architecture_page_names_every_module_of_the_package() -> None:
+    page = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    unnamed = sorted(
+        path.relative_to(PACKAGE).as_posix() for path in _modules().values()
+        if path.name not in ("__init__.py", "__main__.py") and f"`{path.name}`" not in page
+    )  # fmt: skip
+    assert not unnamed, f"docs/architecture.md does not say what these modules hold: {unnamed}"
+
+
 def test_the_package_has_one_room_per_capability() -> None:
     entries = sorted(p.name for p in PACKAGE.iterdir() if p.name not in ("__pycache__", "py.typed"))
     assert len(entries) <= 14, entries
