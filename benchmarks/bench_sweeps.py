@@ -36,23 +36,10 @@ print(time.perf_counter() - start, len(swept))
 
 NORM = """
 import pytest
-import torch
-from torch import nn
+from fixtures.patches.mechanisms import LlamaStyleNorm
 from pytest_modelpatch import assert_equivalent
 
-
-class Norm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x):
-        wide = x.float()
-        return (self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps))).type_as(x)
-
-
-PATCH = pytest.mark.patch({{{key!r}: Norm}}, allow={{{key!r}: ["BROAD", "SIGNATURE"]}})
+PATCH = pytest.mark.patch({{{key!r}: LlamaStyleNorm}}, allow={{{key!r}: ["BROAD", "SIGNATURE"]}})
 """
 
 SWEPT = NORM + """

@@ -71,30 +71,8 @@ def test_a_sweep_that_is_not_a_list_of_model_types_is_a_usage_error(pytester: py
 
 PATCHED_SWEEP = """
 import pytest
-import torch
-from torch import nn
+from fixtures.patches.mechanisms import GemmaStyleNorm, LlamaStyleNorm
 from pytest_modelpatch import assert_equivalent
-
-
-class LlamaStyleNorm(nn.Module):
-    def __init__(self, hidden_size, eps=1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x):
-        wide = x.float()
-        return (self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps))).type_as(x)
-
-
-class GemmaStyleNorm(LlamaStyleNorm):
-    def __init__(self, dim, eps=1e-6):
-        super().__init__(dim, eps)
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x):
-        wide = x.float()
-        return ((1.0 + self.weight.float()) * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps))).type_as(x)
 
 
 @pytest.mark.model(families="patched")
