@@ -377,7 +377,7 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
 
     families = None
     if item.get_closest_marker("model") is not None:
-        from pytest_modelpatch.models.checkpoints import config_families
+        from pytest_modelpatch.models.specs import config_families
 
         request = _model_request(item)
         if request is not None:

@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.models.checkpoints import (
-    ModelSpec, check_init, cached_checkpoint, load_pretrained, resolve_model_spec,
-)  # fmt: skip
+from pytest_modelpatch.models.checkpoints import check_init, cached_checkpoint, load_pretrained
+from pytest_modelpatch.models.specs import ModelSpec, resolve_model_spec  # fmt: skip
 from pytest_modelpatch.models.devices import dtype_name
 from pytest_modelpatch.models.model_cache import CacheBound, ModelCache
 from pytest_modelpatch.errors import PatchNotAppliedError, PatchUsageError

@@ -112,7 +112,7 @@ def _build_towers() -> dict[str, list[str] | None]:
     from transformers.utils import logging as transformers_logging
 
     from pytest_modelpatch.families.catalog import available_model_types, tiny_config
-    from pytest_modelpatch.models.checkpoints import config_families
+    from pytest_modelpatch.models.specs import config_families
 
     towers: dict[str, list[str] | None] = {}
     verbosity = transformers_logging.get_verbosity()

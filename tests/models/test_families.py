@@ -11,14 +11,8 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from pytest_modelpatch.models.checkpoints import (
-    BUILD_INFO_FILE,
-    cached_checkpoint,
-    load_pretrained,
-    parse_dtype,
-    resolve_model_spec,
-    seeded_model,
-)
+from pytest_modelpatch.models.checkpoints import BUILD_INFO_FILE, cached_checkpoint, load_pretrained, parse_dtype, seeded_model
+from pytest_modelpatch.models.specs import resolve_model_spec
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.errors import CheckpointError
 from pytest_modelpatch.families.catalog import implicit_rope_defaults, model_class_for, tiny_config

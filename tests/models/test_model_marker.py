@@ -130,11 +130,11 @@ import collections
 
 import pytest
 
-from pytest_modelpatch.models import checkpoints
+from pytest_modelpatch.models import specs
 
 RESOLVED = collections.Counter()
 RUNNING = [None]
-_tiny_config = checkpoints.tiny_config
+_tiny_config = specs.tiny_config
 
 
 def counting_tiny_config(model_type, **overrides):
@@ -142,7 +142,7 @@ def counting_tiny_config(model_type, **overrides):
     return _tiny_config(model_type, **overrides)
 
 
-checkpoints.tiny_config = counting_tiny_config
+specs.tiny_config = counting_tiny_config
 
 
 @pytest.hookimpl(wrapper=True)
