@@ -192,7 +192,7 @@ def test_top_level_packages_are_found_through_the_import_systems_finders(tmp_pat
     import importlib.util
     import sys
 
-    from pytest_modelpatch.lint.index_builder import ModuleFinder
+    from pytest_modelpatch.lint.name_resolver import ModuleFinder
 
     package = tmp_path / "src" / "editable_demo_pkg"
     package.mkdir(parents=True)
