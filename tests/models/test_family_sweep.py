@@ -132,23 +132,24 @@ def test_families_all_runs_every_family_and_skips_the_documented_ones_with_their
                                  "*dinat does not run here (build): needs natten*"], consecutive=False)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("marks", "message"),
-    [
-        ('@pytest.mark.model(families="patched")', "*this test has no class mapping or method patch*"),
-        ('@pytest.mark.model(families="patched")\n@pytest.mark.patch({"^NoSuchNorm$": object}, allow={"^NoSuchNorm$": ["NO_MATCH"]})',
-         "*replace no class of any family*"),
-        ('@pytest.mark.model(families="some")', "*a sweep is one of 'patched', 'all', or a list of model types*"),
-        ('@pytest.mark.model("llama", families="all")', "*families= chooses the model types; drop the positional 'llama'*"),
-    ],
-)  # fmt: skip
-def test_a_families_sweep_that_cannot_be_resolved_is_a_usage_error_naming_the_test(
-    pytester: pytest.Pytester, marks: str, message: str
-) -> None:
-    pytester.makepyfile(f"import pytest\n\n\n{marks}\ndef test_swept(reference_model):\n    pass\n")
+UNRESOLVABLE = {
+    "no_mapping": ('@pytest.mark.model(families="patched")', "*this test has no class mapping or method patch*"),
+    "no_match": ('@pytest.mark.model(families="patched")\n'
+                 '@pytest.mark.patch({"^NoSuchNorm$": object}, allow={"^NoSuchNorm$": ["NO_MATCH"]})',
+                 "*replace no class of any family*"),
+    "unknown": ('@pytest.mark.model(families="some")', "*a sweep is one of 'patched', 'all', or a list of model types*"),
+    "both": ('@pytest.mark.model("llama", families="all")', "*families= chooses the model types; drop the positional 'llama'*"),
+}  # fmt: skip
+
+
+def test_a_families_sweep_that_cannot_be_resolved_is_a_usage_error_naming_the_test(pytester: pytest.Pytester) -> None:
+    # one session, a file per case: each file's collection error stands alone
+    pytester.makepyfile(**{f"test_{case}": f"import pytest\n\n\n{marks}\ndef test_swept(reference_model):\n    pass\n"
+                           for case, (marks, _) in UNRESOLVABLE.items()})  # fmt: skip
     result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
-    result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines([f"PatchUsageError: @pytest.mark.model on test_*::test_swept: {message}"])
+    result.assert_outcomes(errors=len(UNRESOLVABLE))
+    for case, (_, message) in UNRESOLVABLE.items():
+        result.stdout.fnmatch_lines([f"PatchUsageError: @pytest.mark.model on test_{case}.py::test_swept: {message}"], consecutive=False)
     assert "_caller.py" not in result.stdout.str()  # the message, not a traceback through pluggy and the plugin
 
 

@@ -98,6 +98,7 @@ def test_sink_stamps_the_node_id_numbers_checks_and_adds_key_figures(records: li
         def __init__(self) -> None:
             self.nodeid = "tests/test_x.py::test_a"
             self.user_properties: list[tuple[str, Any]] = []
+            self.stash = pytest.Stash()  # as every pytest item has
 
     item = Item()
     with attaching_checks(item):  # type: ignore[arg-type]
