@@ -11,6 +11,7 @@ on disk beside the scan index, keyed by the transformers version and the catalog
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -92,6 +93,7 @@ def skip_reason(family: str, built_from: list[str] | None) -> str:
     return ""
 
 
+@functools.cache  # read once a process: every swept test asks at collection, and the answer cannot change
 def family_towers() -> dict[str, list[str] | None]:
     """Every family -> the model types its tiny model is built from (itself first); None where none builds."""
     path = _towers_path()
