@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -60,22 +63,41 @@ def pytest_configure(config: pytest.Config) -> None:
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture
+def _modules_outlive_pytester() -> Iterator[dict[str, Any]]:
+    """Put back, after pytester's teardown, the modules the test imported in this process.
+
+    pytester drops every module first imported while it was active. Our runs are subprocesses,
+    so what the test imported here is torch, transformers and the plugin's own lazy imports:
+    dropped, the next test re-imports torch's C extensions ("SystemError: bad call flags").
+    """
+    imported: dict[str, Any] = {}
+    yield imported
+    for name, module in imported.items():
+        sys.modules.setdefault(name, module)
+
+
 @pytest.fixture(autouse=True)
-def _repo_on_pytester_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def _repo_on_pytester_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # pytester runs are subprocesses (--runpytest=subprocess: torch cannot be re-imported
     # in-process); give them the repo root so they can import the `fixtures` package.
-    if "pytester" in request.fixturenames:
-        import os
+    if "pytester" not in request.fixturenames:
+        yield
+        return
+    imported = request.getfixturevalue("_modules_outlive_pytester")  # set up before pytester: torn down after
+    pytester = request.getfixturevalue("pytester")  # first: pytester clears PYTEST_ADDOPTS when it starts
 
-        request.getfixturevalue("pytester")  # first: pytester clears PYTEST_ADDOPTS when it starts
-
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        if request.node.get_closest_marker("tests_ordering") is None:
-            # Runs inherit pytest-randomly when it is installed; their expected outcomes assume
-            # file order (test_a registers, test_b sees it cleaned up). One place for every run.
-            addopts = os.environ.get("PYTEST_ADDOPTS", "")
-            monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:randomly".strip())
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    if request.node.get_closest_marker("tests_ordering") is None:
+        # Runs inherit pytest-randomly when it is installed; their expected outcomes assume
+        # file order (test_a registers, test_b sees it cleaned up). One place for every run.
+        addopts = os.environ.get("PYTEST_ADDOPTS", "")
+        monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:randomly".strip())
+    yield
+    here = str(pytester.path)
+    imported.update((name, module) for name, module in sys.modules.items()
+                    if not str(getattr(module, "__file__", None) or "").startswith(here))  # fmt: skip
 
 
 @pytest.fixture(scope="session")
