@@ -21,6 +21,7 @@ import torch
 
 from pytest_modelpatch.compare.outputs import TensorComparison, _describe_leaf, flatten_outputs
 from pytest_modelpatch.compare.tolerance import ToleranceSpec, dtype_label
+from pytest_modelpatch.reporting.records import IMPLEMENTATION_AXES, implementations_of
 
 
 _FLOAT64_COPIES: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
@@ -188,10 +189,7 @@ def cache_hint_for(model: torch.nn.Module, comparisons: list[TensorComparison]) 
 
 def implementations_line(reference: torch.nn.Module, patched: torch.nn.Module) -> str:
     """Each side's attention and experts implementation, when they differ (the patch marker's load choices)."""
-    sides = []
-    for label, attribute in (("attention", "_attn_implementation"), ("experts", "_experts_implementation")):
-        ours = getattr(getattr(reference, "config", None), attribute, None)
-        theirs = getattr(getattr(patched, "config", None), attribute, None)
-        if ours != theirs:
-            sides.append(f"{label} {ours} (reference) vs {theirs} (patched)")
+    ours, theirs = implementations_of(reference), implementations_of(patched)
+    sides = [f"{axis} {ours.get(axis)} (reference) vs {theirs.get(axis)} (patched)"
+             for axis, _ in IMPLEMENTATION_AXES if ours.get(axis) != theirs.get(axis)]  # fmt: skip
     return f"implementations: {'; '.join(sides)}" if sides else ""

@@ -109,3 +109,14 @@ def configure_checks(**changes: Any) -> dict[str, Any]:
     for name, value in changes.items():
         setattr(SETTINGS, name, value)
     return previous
+
+
+# the implementation axes a model's config records, and the attribute each is read from
+IMPLEMENTATION_AXES = (("attention", "_attn_implementation"), ("experts", "_experts_implementation"))
+
+
+def implementations_of(model: Any) -> dict[str, str]:
+    """The attention and experts implementations ``model`` was loaded with, by axis (the ones its config sets)."""
+    config = getattr(model, "config", None)
+    return {axis: str(name) for axis, attribute in IMPLEMENTATION_AXES
+            if (name := getattr(config, attribute, None)) is not None}  # fmt: skip

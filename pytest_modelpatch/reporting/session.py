@@ -24,7 +24,7 @@ import pytest
 
 from pytest_modelpatch.errors import PatchUsageError, ReportFileError
 from pytest_modelpatch.reporting.gate import DEFAULT_FACTOR, DEFAULT_FLOOR, GateVerdict, Thresholds, evaluate
-from pytest_modelpatch.reporting.records import CheckRecord, configure_checks, set_record_sink
+from pytest_modelpatch.reporting.records import CheckRecord, configure_checks, implementations_of, set_record_sink
 from pytest_modelpatch.reporting.report import (
     REPORT_FORMAT, load_report, row_from_record, summary_lines, sweep_lines, write_report,
 )
@@ -67,10 +67,7 @@ class CheckSink:
 
 def note_implementations(item: pytest.Item, side: str, model: Any) -> None:
     """Keep the attention and experts implementations ``model`` loaded with, for the test's report rows."""
-    config = getattr(model, "config", None)
-    axes = {axis: str(name) for axis, attribute in (("attention", "_attn_implementation"), ("experts", "_experts_implementation"))
-            if (name := getattr(config, attribute, None)) is not None}  # fmt: skip
-    if axes:
+    if axes := implementations_of(model):
         item.stash.setdefault(IMPLEMENTATIONS, {})[side] = axes
 
 
