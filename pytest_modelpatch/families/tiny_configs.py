@@ -12,7 +12,7 @@ from typing import Any
 
 from pytest_modelpatch.families.rules import apply_config_rule
 from pytest_modelpatch.families.tiny_audio_configs import shrink_audio_level
-from pytest_modelpatch.families.tiny_layers import _resize_per_layer_lists, _shrink_layers, _shrink_uncounted_layer_list
+from pytest_modelpatch.families.tiny_layers import resize_per_layer_lists, shrink_layers, shrink_uncounted_layer_list
 from pytest_modelpatch.families.tiny_sizes import (  # noqa: F401  (re-exported: tests and callers read them here)
     EXPERT_KEYS,
     FFN_KEYS,
@@ -34,11 +34,11 @@ from pytest_modelpatch.families.tiny_sizes import (  # noqa: F401  (re-exported:
     TINY_IMAGE,
     TINY_PATCH,
     TINY_LORA_RANK,
-    _shrink_int,
+    shrink_int,
     is_int,
 )
 from pytest_modelpatch.families.tiny_vision import (
-    _fit_windows, _follow_channels, _replace_timm_backbone, _shrink_stage_widths, fit_layout_embeddings,
+    fit_windows, follow_channels, replace_timm_backbone, shrink_stage_widths, fit_layout_embeddings,
     fit_stage_widths, shrink_vision_sizes,
 )
 from pytest_modelpatch.families.tiny_consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
@@ -78,13 +78,13 @@ def _shrink_level(
             sub = overrides.get(key)
             out[key] = _shrink_level(value, sub if isinstance(sub, dict) else {}, implicit_rope, derived)
         elif is_int(value):
-            out[key] = _shrink_int(key, value)
+            out[key] = shrink_int(key, value)
         elif isinstance(value, (list, tuple)) and value and all(map(is_int, value)):
             out[key] = _shrink_int_list(key, list(value))  # Swin V2 defaults are tuples
     shrink_vision_sizes(out)
     fit_layout_embeddings(out)
-    _shrink_layers(level, out)
-    _shrink_uncounted_layer_list(level, out)
+    shrink_layers(level, out)
+    shrink_uncounted_layer_list(level, out)
     shrink_audio_level(level, out)
     if any(is_int(out.get(k)) for k in EXPERT_KEYS):
         # some defaults leave top-k unset (DeepSeek-V2) and the router then crashes
@@ -93,14 +93,14 @@ def _shrink_level(
                 out[key] = TINY_TOP_K
     apply_config_rule(level.get("model_type"), out)  # per-family rules: after the generic ones, before overrides
     plain = {k: v for k, v in overrides.items() if not (isinstance(v, dict) and _is_config_dict(k, out.get(k)))}
-    _resize_per_layer_lists(out, plain)
+    resize_per_layer_lists(out, plain)
     rederive_defaults(level, out, derived.get(str(level.get("model_type", "")), {}), set(plain))
     out.update(plain)
-    _replace_timm_backbone(out, set(plain))
-    _shrink_stage_widths(out, set(plain))
-    _follow_channels(level, out, set(plain))
+    replace_timm_backbone(out, set(plain))
+    shrink_stage_widths(out, set(plain))
+    follow_channels(level, out, set(plain))
     _derive_head_sizes(level, out, set(plain), implicit_rope.get(str(level.get("model_type", "")), {}))
-    _fit_windows(out, set(plain))
+    fit_windows(out, set(plain))
     fit_stage_widths(out, set(plain))
     return out
 
@@ -108,13 +108,13 @@ def _shrink_level(
 def _shrink_int_list(key: str, values: list[int]) -> list[int]:
     """Per-stage lists of hierarchical vision models (Swin: depths, heads per stage)."""
     if key in ("image_size", "patch_size"):
-        return [_shrink_int(key, v) for v in values]
+        return [shrink_int(key, v) for v in values]
     if key in HEAD_KEYS:
         return [TINY_HEADS] * len(values)  # every stage width (64 * 2**i) divides by it
     if key in ("depths", "depth"):  # CvT: depth per stage
         return [min(v, TINY_LAYERS) for v in values]
     if key in FFN_KEYS or key in MOE_FFN_KEYS:
-        return [_shrink_int(key, v) for v in values]  # per-layer feed-forward sizes (Gemma 3n)
+        return [shrink_int(key, v) for v in values]  # per-layer feed-forward sizes (Gemma 3n)
     return values
 
 

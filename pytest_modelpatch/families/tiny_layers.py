@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.tiny_sizes import HEAD_KEYS, KV_HEAD_KEYS, LAYER_KEYS, TINY_LAYERS, _shrink_int, is_int
+from pytest_modelpatch.families.tiny_sizes import HEAD_KEYS, KV_HEAD_KEYS, LAYER_KEYS, TINY_LAYERS, shrink_int, is_int
 
 
-def _shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
+def shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
     """Cut the layer count; keep one layer of each kind named in per-layer lists."""
     stages = before.get("depths")
     counts = {
@@ -61,7 +61,7 @@ def _shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
                 out[key] = sorted({i * n // old for i in value})
 
 
-def _shrink_uncounted_layer_list(before: dict[str, Any], out: dict[str, Any]) -> None:
+def shrink_uncounted_layer_list(before: dict[str, Any], out: dict[str, Any]) -> None:
     """A per-layer type list that is the only record of the depth (Nemotron-H's
     ``layers_block_type``, 52 long inside NeMo SpeechLM): keep the first layer of each kind."""
     if any(is_int(before.get(k)) for k in LAYER_KEYS):
@@ -93,7 +93,7 @@ def _keep_layer_entries(per_layer: dict[str, Any], keep: list[int]) -> dict[str,
 def _shrink_layer_entry(entry: dict[str, Any]) -> dict[str, Any]:
     """One layer's overrides (Dots3's wider indexed layers) shrunk like the config; kv heads
     that equalled the heads still do."""
-    out = {k: _shrink_int(k, v) if is_int(v) else v for k, v in entry.items()}
+    out = {k: shrink_int(k, v) if is_int(v) else v for k, v in entry.items()}
     heads = next((k for k in HEAD_KEYS if is_int(entry.get(k))), None)
     for kv in KV_HEAD_KEYS:
         if heads is not None and is_int(entry.get(kv)) and entry[kv] >= entry[heads]:
@@ -101,7 +101,7 @@ def _shrink_layer_entry(entry: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _resize_per_layer_lists(shrunk: dict[str, Any], overrides: dict[str, Any]) -> None:
+def resize_per_layer_lists(shrunk: dict[str, Any], overrides: dict[str, Any]) -> None:
     """An overridden layer count resizes the per-layer lists it did not override, cyclically."""
     for key in LAYER_KEYS:
         old, new = shrunk.get(key), overrides.get(key)

@@ -91,7 +91,8 @@ FIXED_SIZES: dict[str, int] = {
 }
 
 
-def _shrink_int(key: str, value: int) -> int:
+def shrink_int(key: str, value: int) -> int:
+    """``value`` of config key ``key`` cut to its tiny size (unchanged for a key no size applies to)."""
     if key in WIDTH_KEYS:
         return min(value, TINY_WIDTH) if value > 0 else value
     if key in FFN_KEYS:

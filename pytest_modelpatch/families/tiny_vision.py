@@ -88,7 +88,7 @@ STAGE_WIDTH_KEYS = (
 TINY_STAGE_WIDTH = 256
 
 
-def _shrink_stage_widths(out: dict[str, Any], fixed: set[str]) -> None:
+def shrink_stage_widths(out: dict[str, Any], fixed: set[str]) -> None:
     """Divide every per-stage width list of a level by one power of two, so the widest
     stage is at most ``TINY_STAGE_WIDTH``; one divisor for all lists keeps the equalities
     between them (HGNet's stage ``i + 1`` input is stage ``i``'s output) and every
@@ -113,7 +113,7 @@ TINY_RESNET_BACKBONE: dict[str, Any] = {
 }
 
 
-def _replace_timm_backbone(out: dict[str, Any], fixed: set[str]) -> None:
+def replace_timm_backbone(out: dict[str, Any], fixed: set[str]) -> None:
     """Swap a ``timm_backbone`` sub-config for a tiny transformers ResNet, same outputs."""
     backbone = out.get("backbone_config")
     if "backbone_config" in fixed or not (isinstance(backbone, dict) and backbone.get("model_type") == "timm_backbone"):
@@ -141,7 +141,7 @@ def _divide_stem(out: dict[str, Any], lists: dict[str, list[int]], divisor: int,
             out[key] = [value[0], *(v // divisor for v in value[1:])]
 
 
-def _follow_channels(before: dict[str, Any], out: dict[str, Any], fixed: set[str]) -> None:
+def follow_channels(before: dict[str, Any], out: dict[str, Any], fixed: set[str]) -> None:
     """Per-level channel lists a detector derives from other sizes (RT-DETR): the encoder
     reads the backbone's stages at ``out_indices``; the decoder reads the encoder width."""
     for key, value in before.items():
@@ -164,7 +164,7 @@ def _is_int_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(map(is_int, value))
 
 
-def _fit_windows(out: dict[str, Any], fixed: set[str]) -> None:
+def fit_windows(out: dict[str, Any], fixed: set[str]) -> None:
     """Swin-style stages halve the patch grid each time; every stage's grid must hold a
     window, or the relative-position tables (sized by the window) stop matching."""
     depths, window, image = out.get("depths"), out.get("window_size"), out.get("image_size")
