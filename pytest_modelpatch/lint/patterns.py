@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from functools import cached_property
 from typing import Any
 
-from pytest_modelpatch.lint import contract
+from pytest_modelpatch.lint import contract, contract_structures
 from pytest_modelpatch.lint.contract import StructureBuilder
 from pytest_modelpatch.lint.contract_cache import facts_cache
 from pytest_modelpatch.lint.findings import _EXAMPLES, FAILING_KINDS, WARNING_KINDS, Finding, Kind
@@ -261,11 +261,11 @@ class _Lint:
         facts = facts_cache()
         try:
             # the original side depends only on transformers: cached; the patched side is built each run
-            original = facts.lookup("originals", model_type, contract.OriginalModel.from_json)
+            original = facts.lookup("originals", model_type, contract_structures.OriginalModel.from_json)
             built, patched = structures(model_type, swaps, original=original is None)
             if original is None:
                 assert built is not None
-                original = contract.OriginalModel.of(model_type, built)
+                original = contract_structures.OriginalModel.of(model_type, built)
                 facts.put("originals", model_type, original.to_json())
         except Exception as error:  # the replacement cannot even be built: say so, with the cause
             first = replaced[0]
@@ -275,10 +275,10 @@ class _Lint:
         findings: list[Finding] = []
         if "weights" in checks:
             own = conversions.get(model_type)
-            findings += contract.weight_findings(replaced, model_type, original, patched,
+            findings += contract_structures.weight_findings(replaced, model_type, original, patched,
                                                  None if own is None else list(own))
         if "plan" in checks:
-            findings += contract.plan_findings(replaced, original, patched)
+            findings += contract_structures.plan_findings(replaced, original, patched)
         return findings
 
     def lint_key(self, key: str) -> list[Finding]:
