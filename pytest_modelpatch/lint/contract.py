@@ -87,11 +87,13 @@ def signature_findings(replaced: Replaced, scope_modules: Iterable[str]) -> list
     return findings
 
 
-def _finding(kind: Kind, replaced: Replaced, message: str, suggestion: str = "") -> Finding:
+def finding(kind: Kind, replaced: Replaced, message: str, suggestion: str = "") -> Finding:
+    """A finding of ``kind`` about the class ``replaced`` replaces."""
     return Finding(kind, replaced.key, replaced.name, replaced.family, replaced.module, message, suggestion)
 
 
-def _who(replaced: Replaced) -> str:
+def who(replaced: Replaced) -> str:
+    """The replacement named for a message: its qualified name, what it replaces, under which key."""
     return f"{_qualname(replaced.replacement)} (replacing {replaced.name} for key {replaced.key!r})"
 
 
@@ -112,7 +114,7 @@ def _init_findings(replaced: Replaced, sites: list[CallSite]) -> list[Finding]:
             problems.append(f"it requires {', '.join(extra)}, which {wanted} does not take")
     if not problems:
         return []
-    return [_finding(Kind.SIGNATURE, replaced, f"{_who(replaced)}: __init__{signature} cannot be built the way "
+    return [finding(Kind.SIGNATURE, replaced, f"{who(replaced)}: __init__{signature} cannot be built the way "
                      f"transformers builds {replaced.name}: {'; '.join(problems)}. Give it the signature of "
                      f"{wanted} (extra parameters need defaults).", suggestion=wanted)]
 
@@ -131,7 +133,7 @@ def _forward_findings(replaced: Replaced, original: source.Params | None, runs: 
     if not problems:
         return []
     wanted = f"{replaced.name}.forward({', '.join(original.names)}, **kwargs)" if original else "**kwargs"
-    return [_finding(Kind.SIGNATURE, replaced, f"{_who(replaced)}: forward{signature} would raise TypeError: "
+    return [finding(Kind.SIGNATURE, replaced, f"{who(replaced)}: forward{signature} would raise TypeError: "
                      f"{'; '.join(problems)}. Accept the same parameters ({wanted}).", suggestion=wanted)]
 
 
@@ -171,7 +173,7 @@ def _old_name(
 
 
 def _unused_finding(replaced: Replaced, name: str, old: str | None, renamed: bool) -> Finding:
-    head = f"{_who(replaced)}: forward accepts {name!r} through **kwargs but never reads it"
+    head = f"{who(replaced)}: forward accepts {name!r} through **kwargs but never reads it"
     effect = "A forward over the whole sequence still matches; generation with a cache may not."
     both = (f"`def forward(self, ..., {name}=None, {old}=None, **kwargs)` and "
             f"`{name} = {name} if {name} is not None else {old}`")
@@ -179,7 +181,7 @@ def _unused_finding(replaced: Replaced, name: str, old: str | None, renamed: boo
         message = (f"{head}, while {replaced.name}.forward uses it ({replaced.module}). {effect} Take {name} as "
                    f"a parameter and use it as {replaced.name} does.")
     elif renamed:
-        message = (f"{_who(replaced)}: forward names {old!r}, which transformers renamed to {name!r}: "
+        message = (f"{who(replaced)}: forward names {old!r}, which transformers renamed to {name!r}: "
                    f"{replaced.name}.forward ({replaced.module}) takes {name!r} and its callers pass {name}=..., "
                    f"which this forward accepts through **kwargs and never reads, while its {old!r} stays None. "
                    f"{effect} Accept {name!r}, or both spellings to support older transformers: {both}.")
@@ -187,7 +189,7 @@ def _unused_finding(replaced: Replaced, name: str, old: str | None, renamed: boo
         message = (f"{head}, while {replaced.name}.forward uses it ({replaced.module}); its own {old!r} is a "
                    f"parameter {replaced.name}.forward does not take and no caller passes. {effect} If {old!r} is "
                    f"what {name!r} was called before, accept {name!r}, or both spellings: {both}.")
-    return _finding(Kind.UNUSED_ARGUMENT, replaced, message, suggestion=name)
+    return finding(Kind.UNUSED_ARGUMENT, replaced, message, suggestion=name)
 
 
 def _mentioned(cls: type) -> set[str] | None:
@@ -274,8 +276,8 @@ def no_split_findings(replaced: Replaced, scope_modules: Iterable[str]) -> list[
         for owner, names in source.no_split_modules(module).items():
             new = replaced.replacement.__name__
             if replaced.name in names and new not in names:
-                findings.append(_finding(Kind.PARALLEL_PLAN, replaced, f"{owner}._no_split_modules names "
-                                f"{replaced.name}, which {_who(replaced)} replaces: accelerate matches class names, so "
+                findings.append(finding(Kind.PARALLEL_PLAN, replaced, f"{owner}._no_split_modules names "
+                                f"{replaced.name}, which {who(replaced)} replaces: accelerate matches class names, so "
                                 f"device_map='auto' may split {new} across devices. Name the replacement class "
                                 f"{replaced.name}, or add {new!r} to {owner}._no_split_modules.", suggestion=new))
     return findings

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_modelpatch.lint.contract import BuiltStructure, Replaced, Structure, _finding, _who
+from pytest_modelpatch.lint.contract import BuiltStructure, Replaced, Structure, finding, who
 from pytest_modelpatch.lint.findings import Finding, Kind
 
 
@@ -93,7 +93,7 @@ def weight_findings(replaced: list[Replaced], model_type: str, original: Origina
     advice = (f" Register one with the patch, e.g. conversions={{{model_type!r}: [{fix}]}}." if fix
               else " Keep the original's parameter names and shapes, or register a conversion for them.")
     return [Finding(Kind.WEIGHT_NAMES, r.key, r.name, r.family, r.module,
-                    f"{_who(r)}: loading a {model_type} checkpoint would report {'; '.join(parts)}. {covered}{advice}",
+                    f"{who(r)}: loading a {model_type} checkpoint would report {'; '.join(parts)}. {covered}{advice}",
                     fix) for r in owners]
 
 
@@ -200,9 +200,9 @@ def plan_findings(replaced: list[Replaced], original: Structure, patched: Struct
                 for r in owner:
                     news = _new_names(entry, original, patched)
                     hint = f" (it has {', '.join(news)} instead)" if news else ""
-                    findings.append(_finding(
+                    findings.append(finding(
                         Kind.PARALLEL_PLAN, r,
-                        f"{_who(r)}: the config's {plan_name} entry {entry!r}: {plan[entry]!r} no longer resolves in "
+                        f"{who(r)}: the config's {plan_name} entry {entry!r}: {plan[entry]!r} no longer resolves in "
                         f"the patched model{hint}, so tensor/pipeline-parallel loading will not shard it. Give the "
                         f"replacement a _tp_plan for its own submodules (or a matching {plan_name} entry), or keep "
                         f"the original names through a conversion back.", suggestion=entry))
