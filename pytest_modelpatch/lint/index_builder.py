@@ -18,6 +18,7 @@ Classes compiled into extension modules have no source and are not listed.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import sys
 from importlib import util
@@ -267,6 +268,7 @@ def main(argv: list[str]) -> int:
         return 1
     builder = Builder(Path(spec.origin).parent)
     index = builder.build(_version("transformers"))
+    index = dataclasses.replace(index, packages=builder.consulted_packages())  # what makes this file stale
     write_atomically(Path(argv[0]), index.to_json(_version("torch")))
     return 0
 

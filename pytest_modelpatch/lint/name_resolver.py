@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import ast
 import re
-from importlib import machinery, util
+import sys
+from importlib import machinery, metadata, util
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,20 @@ class NameResolver:
             except (OSError, SyntaxError, ValueError):
                 self.files[module] = None
         return self.files[module]
+
+    def consulted_packages(self) -> dict[str, list[str] | None]:
+        """Every top-level package outside the standard library that resolving read or probed:
+        ``[distribution, version]`` when installed (``["", ""]`` without metadata), None when absent."""
+        tops = {module.partition(".")[0] for module in self.finder.memo} | set(self.installed_memo)
+        owners = metadata.packages_distributions()
+        consulted: dict[str, list[str] | None] = {}
+        for top in sorted(tops - set(sys.stdlib_module_names)):
+            if self.finder.memo.get(top) is None and not self.installed(top):
+                consulted[top] = None
+                continue
+            distribution = (owners.get(top) or [""])[0]
+            consulted[top] = [distribution, metadata.version(distribution) if distribution else ""]
+        return consulted
 
     def installed(self, top: str) -> bool:
         """Whether a top-level module could be imported here: source, compiled or built in."""

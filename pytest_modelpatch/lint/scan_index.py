@@ -10,7 +10,10 @@ against module trees built on the meta device.
 
 Cache location: ``$MODELPATCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/pytest-modelpatch``,
 else ``~/.cache/pytest-modelpatch``. Workers that race to build it each write a private
-file and rename it into place, so readers never see half a file.
+file and rename it into place, so readers never see half a file. The file is named for the
+transformers and torch versions; it also lists every other package the build read or found
+absent (accelerate, peft, kernels: ``is_<package>_available()`` arms), and one of them installed,
+removed or upgraded since makes it stale.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from importlib import metadata
+from importlib import metadata, util
 from pathlib import Path
 from typing import Any
 
 from pytest_modelpatch.errors import ScanIndexError
 
-INDEX_FORMAT = 3  # bump whenever the builder changes what it records
+INDEX_FORMAT = 4  # bump whenever the builder changes what it records
 CORE = ""  # the family of modules outside transformers.models.*
 
 
@@ -54,6 +57,8 @@ class ScanIndex:
     # class index -> [(name looked up in its module, class index)]
     children: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
     model_types: dict[str, str] = field(default_factory=dict)  # model_type -> family
+    # every other top-level package the build read or probed: [distribution, version], or None when absent
+    packages: dict[str, list[str] | None] = field(default_factory=dict)
 
     @property
     def families(self) -> set[str]:
@@ -68,6 +73,7 @@ class ScanIndex:
             modules={name: (family, names) for name, (family, names) in data["modules"].items()},
             children={int(k): [(a, c) for a, c in v] for k, v in data["children"].items()},
             model_types=data["model_types"],
+            packages=data.get("packages", {}),
         )
 
     def to_json(self, torch_version: str) -> dict[str, Any]:
@@ -79,6 +85,7 @@ class ScanIndex:
             "modules": {name: [family, names] for name, (family, names) in self.modules.items()},
             "children": {str(k): [[a, c] for a, c in v] for k, v in self.children.items()},
             "model_types": self.model_types,
+            "packages": self.packages,
         }
 
 
@@ -132,6 +139,8 @@ def load_index(*, rebuild: bool = False) -> ScanIndex:
     if not rebuild and path in _LOADED:
         return _LOADED[path]
     data = None if rebuild else _read(path)
+    if data is not None and changed_packages(data.get("packages", {})):
+        data = None  # built beside other packages than those installed now
     if data is None:
         build_in_subprocess(path)
         data = _read(path)
@@ -140,6 +149,19 @@ def load_index(*, rebuild: bool = False) -> ScanIndex:
     index = ScanIndex.from_json(data)
     _LOADED[path] = index
     return index
+
+
+def changed_packages(packages: dict[str, list[str] | None]) -> list[str]:
+    """The packages of an index's ``packages`` that are installed differently now (added, removed, upgraded)."""
+    changed = []
+    for top, recorded in packages.items():
+        if recorded is None or not recorded[0]:  # absent, or installed without distribution metadata
+            now_present = util.find_spec(top) is not None  # a top-level name: found, not imported
+            if now_present != (recorded is not None):
+                changed.append(top)
+        elif _version(recorded[0]) != recorded[1]:
+            changed.append(top)
+    return changed
 
 
 def _read(path: Path) -> dict[str, Any] | None:

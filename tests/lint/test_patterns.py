@@ -25,7 +25,7 @@ from pytest_modelpatch.lint.patterns import (
     matched_classes,
     suggest,
 )
-from pytest_modelpatch.lint.scan_index import INDEX_FORMAT, ScanIndex, _read, index_path, load_index
+from pytest_modelpatch.lint.scan_index import INDEX_FORMAT, ScanIndex, _read, changed_packages, index_path, load_index
 
 FAMILIES = ["bert", "llama", "t5", "gpt2", "qwen2_moe", "mixtral", "vit", "clip"]
 
@@ -328,3 +328,41 @@ def test_index_of_another_format_is_not_read(tmp_path: Path) -> None:
     assert _read(stale) is None
     stale.write_text("{not json")
     assert _read(stale) is None
+
+
+def test_the_index_records_the_packages_it_read_and_names_those_installed_differently_now(index: ScanIndex) -> None:
+    from importlib import metadata
+
+    # accelerate's classes are in the index (transformers imports them when it is installed)
+    assert index.packages["accelerate"] == ["accelerate", metadata.version("accelerate")]
+    assert index.packages["torch"] == ["torch", metadata.version("torch")]
+    absent = [top for top, recorded in index.packages.items() if recorded is None]
+    assert absent and "json" not in index.packages  # optional packages probed; the standard library is not listed
+    assert changed_packages(index.packages) == []
+    upgraded = {**index.packages, "accelerate": ["accelerate", "0.0.1"]}
+    installed_since = {**index.packages, "accelerate": None}
+    removed_since = {**index.packages, "not_a_package_here": ["not-a-package-here", "1.0"]}
+    assert changed_packages(upgraded) == ["accelerate"]
+    assert changed_packages(installed_since) == ["accelerate"]
+    assert changed_packages(removed_since) == ["not_a_package_here"]
+
+
+def test_an_index_built_beside_other_packages_is_rebuilt(index: ScanIndex, monkeypatch, tmp_path: Path) -> None:
+    import json
+
+    data = _read(index_path())
+    assert data is not None
+    monkeypatch.setenv("MODELPATCH_CACHE_DIR", str(tmp_path))
+    path = index_path()
+    path.write_text(json.dumps(data))
+    assert load_index().packages == data["packages"]  # current: read as it is, not rebuilt
+    assert json.loads(path.read_text()) == data
+    # as if built before accelerate was installed: its classes missing, its arm not taken
+    data["packages"]["accelerate"] = None
+    data["classes"] = [row for row in data["classes"] if not row[1].startswith("accelerate")]
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr("pytest_modelpatch.lint.scan_index._LOADED", {})
+    rebuilt = load_index()
+    assert rebuilt.packages["accelerate"] is not None
+    assert any(c.module.startswith("accelerate") for c in rebuilt.classes)
+    assert json.loads(path.read_text())["packages"]["accelerate"] is not None
