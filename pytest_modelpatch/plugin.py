@@ -1,7 +1,8 @@
-"""pytest wiring for pytest-modelpatch: options, ini keys, markers, fixtures, hooks.
+"""pytest wiring for pytest-modelpatch: options, ini keys, markers, hooks; the fixtures are in
+:mod:`.fixtures` (registered through ``pytest_plugins``), what a test item asks for in :mod:`.items`.
 
 Nothing here imports torch or transformers at module level; the modules that do
-the work are imported inside the hooks and fixtures that need them.
+the work are imported inside the hooks that need them.
 """
 
 from __future__ import annotations
@@ -9,25 +10,25 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
-from pytest_modelpatch.models import devices
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.leaks import LeakTally
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
-from pytest_modelpatch.isolation.scopes import IsolationScopes, leak_mode, patch_spec
+from pytest_modelpatch.isolation.scopes import IsolationScopes, leak_mode
+from pytest_modelpatch.items import (
+    _FAMILY_PARAM, _GPU_SKIP, _model_request, _NoCallspec, _requested_device, _resolve_device,
+)
+from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.model_cache import parse_model_cache
 from pytest_modelpatch.reporting.records import set_record_sink
-from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink, note_implementations
+from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink
 
-if TYPE_CHECKING:
-    from pytest_modelpatch.models.builder import LoadChoices, ModelBuilder, ModelRequest
-    from pytest_modelpatch.isolation.registration import PatchRegistry
+pytest_plugins = ("pytest_modelpatch.fixtures",)
 
-_GPU_SKIP = pytest.StashKey[str]()
 
 MARKERS = {
     "patch": PATCH_MARKER_HELP,
@@ -160,11 +161,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 # ---------------------------------------------------------------------------
-# devices and dtypes
+# collection and setup: sweeps, devices and dtypes
 # ---------------------------------------------------------------------------
-
-
-_FAMILY_PARAM = "_modelpatch_family"  # the parameter a list of model types in @pytest.mark.model sweeps over
 
 
 def _sweep_families(metafunc: pytest.Metafunc) -> None:
@@ -207,16 +205,6 @@ def _patched_class_names(node: pytest.Item) -> list[str]:
     return [*spec.mapping, *(re.escape(name) for name in named if name)]
 
 
-def _swept_marker_args(item: pytest.Item, mark: pytest.Mark) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A sweep's marker as this item's one-family marker: its model type in place of the list or ``families=``."""
-    family = getattr(item, "callspec", _NoCallspec).params.get(_FAMILY_PARAM)
-    if family is None:
-        return mark.args, mark.kwargs
-    if "families" in mark.kwargs:
-        return (family,), {k: v for k, v in mark.kwargs.items() if k != "families"}
-    return (family, *mark.args[1:]), mark.kwargs
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     try:
         _parametrize(metafunc)
@@ -251,34 +239,6 @@ def _parametrize(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize(argname, params, ids=names, indirect=True)
 
 
-def _requested_device(item: pytest.Item) -> str:
-    """What the test asks for: its devices() param, a cpu/gpu mark, or the session default."""
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and "device" in callspec.params:
-        return str(callspec.params["device"])
-    if item.get_closest_marker("cpu") is not None:
-        return "cpu"
-    requested = devices.requested_device(item.config.getoption("modelpatch_device"))
-    if item.get_closest_marker("gpu") is not None and not devices.needs_gpu(requested):
-        return "cuda"
-    return requested
-
-
-def _resolve_device(item: pytest.Item, requested: str) -> str:
-    """Pick the concrete device; skip (or fail under --modelpatch-require-gpu) when a GPU is missing."""
-    if requested == "cpu":
-        return requested
-    status = devices.cuda_status()
-    device = devices.select_device(requested, status, devices.xdist_worker_index())
-    reason = devices.gpu_missing_reason(device, status) if devices.needs_gpu(device) else None
-    if reason is not None:
-        if item.config.getoption("modelpatch_require_gpu"):
-            pytest.fail(f"{reason}; --modelpatch-require-gpu forbids skipping it", pytrace=False)
-        item.stash[_GPU_SKIP] = reason
-        pytest.skip(reason)
-    return device
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     if "gpu" in item.keywords and item.get_closest_marker("gpu") is not None:
@@ -307,22 +267,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
-class _NoCallspec:
-    params: dict[str, Any] = {}
-
-
-@pytest.fixture
-def device(request: pytest.FixtureRequest) -> str:
-    """The torch device this test runs on, e.g. ``"cpu"`` or ``"cuda:1"`` (one GPU per xdist worker)."""
-    return _resolve_device(request.node, _requested_device(request.node))
-
-
-@pytest.fixture
-def dtype(request: pytest.FixtureRequest) -> Any:
-    """The ``torch.dtype`` this test runs at: from ``@pytest.mark.dtypes``, else ``torch.float32``."""
-    return devices.to_torch_dtype(getattr(request, "param", "float32"))
-
-
 # ---------------------------------------------------------------------------
 # patch isolation: isolation.scopes.IsolationScopes (registered in pytest_configure) holds each
 # test's scope; these are the parts of it that read other rooms, which isolation may not import
@@ -339,36 +283,6 @@ def _uses_plugin(item: pytest.Item) -> bool:
     return any(mark.name in MARKERS for mark in item.iter_markers()) or not PLUGIN_FIXTURES.isdisjoint(
         getattr(item, "fixturenames", ())
     )
-
-
-_MODEL_REQUEST = pytest.StashKey["ModelRequest | None"]()
-_UNRESOLVED: Any = object()  # not None: no model asked for is an answer too
-
-
-def _model_request(item: pytest.Item) -> ModelRequest | None:
-    """The test's model request, resolved on first need and kept on the item for the rest of it.
-
-    The patch marks' lint, both model fixtures and the builder's loads all read this one (a tiny
-    config is built anew on each resolution); a test that uses no model never resolves one. A
-    wrong marker is not kept: each reader raises its usage error again.
-    """
-    request = item.stash.get(_MODEL_REQUEST, _UNRESOLVED)
-    if request is _UNRESOLVED:
-        request = item.stash[_MODEL_REQUEST] = _marked_model_request(item)
-    return request
-
-
-def _marked_model_request(item: pytest.Item) -> ModelRequest | None:
-    """The test's ``@pytest.mark.model``, else ``--modelpatch-checkpoint``, else ``None``."""
-    from pytest_modelpatch.models.builder import ModelRequest
-
-    found = next(iter(item.iter_markers_with_node("model")), None)
-    if found is not None:
-        node, mark = found
-        args, kwargs = _swept_marker_args(item, mark)  # a sweep: this item's model type
-        return ModelRequest.from_marker(args, kwargs, item.nodeid if args is not mark.args else node.nodeid or node.name)
-    default = item.config.getoption("modelpatch_checkpoint")
-    return ModelRequest(default) if default else None
 
 
 def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
@@ -416,122 +330,6 @@ def _set_test_tolerance(item: pytest.Item) -> Any:
         )
     )
     return set_test_tolerance(*overrides)
-
-
-# ---------------------------------------------------------------------------
-# models
-# ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def model_builder(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> ModelBuilder:
-    """Session cache of seeded checkpoints and reference models (checkpoints shared across xdist workers)."""
-    from pytest_modelpatch.models.builder import ModelBuilder
-
-    base = tmp_path_factory.getbasetemp()
-    # under xdist every worker's basetemp sits in one run directory: share the checkpoints there
-    root = base.parent if devices.xdist_worker_index() is not None else base
-    bound = parse_model_cache(request.config.getini("modelpatch_model_cache"))
-    return ModelBuilder(root / "modelpatch-checkpoints", model_cache=bound)
-
-
-def _required_model_request(request: pytest.FixtureRequest) -> ModelRequest:
-    model_request = _model_request(request.node)
-    if model_request is None:
-        raise PatchUsageError(
-            f"{request.fixturename} needs a model: mark the test with @pytest.mark.model('llama') (a model type, "
-            "a PretrainedConfig or a checkpoint directory), or pass --modelpatch-checkpoint PATH."
-        )
-    return model_request
-
-
-def _load_choices(request: pytest.FixtureRequest) -> LoadChoices | None:
-    """The patch marks' load choices and transforms (for the patched load; the reference's follow from them)."""
-    spec = patch_spec(request.node)
-    if spec is None or not spec.load_choices:
-        return None
-    from pytest_modelpatch.models.builder import LoadChoices
-
-    return LoadChoices(dict(spec.load_kwargs), tuple(spec.transforms))
-
-
-def _warn_shared_implementations(model_request: ModelRequest, nodeid: str) -> None:
-    """A user's implementation on the model marker runs in both models: the comparison cannot judge it."""
-    from pytest_modelpatch.isolation.patch_spec import IMPLEMENTATIONS
-    from pytest_modelpatch.models.builder import is_transformers_own
-
-    for axis in IMPLEMENTATIONS:
-        name = getattr(model_request, axis)
-        if not is_transformers_own(axis, name):
-            import warnings
-
-            from pytest_modelpatch.errors import ModelPatchWarning
-
-            warnings.warn(
-                f"{nodeid}: @pytest.mark.model({axis}={name!r}) loads both models with {name!r}, so the comparison "
-                f"cannot judge it (it would pass with any bug in it). To verify it, put it on the patch marker: "
-                f"@pytest.mark.patch({axis}={name!r}) loads only the patched model with it, the reference with "
-                "transformers' eager one.",
-                ModelPatchWarning, stacklevel=2,
-            )  # fmt: skip
-
-
-@pytest.fixture
-def reference_model(model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest) -> Any:
-    """The unpatched model of ``@pytest.mark.model``, loaded with ``from_pretrained``; shared, do not modify."""
-    model_request = _required_model_request(request)
-    _warn_shared_implementations(model_request, request.node.nodeid)
-    model = model_builder.reference(model_request, dtype=dtype, device=device, choices=_load_choices(request))
-    note_implementations(request.node, "reference", model)
-    return model
-
-
-@pytest.fixture
-def patched_model(
-    model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest
-) -> Iterator[Any]:
-    """The same weights loaded with this test's patches and conversions (``@pytest.mark.patch``)."""
-    from pytest_modelpatch.isolation.guard import PatchStateGuard
-
-    model_request = _required_model_request(request)
-    guard = PatchStateGuard()  # fusion_config registers global patches while loading
-    try:
-        model = model_builder.patched(model_request, dtype=dtype, device=device, choices=_load_choices(request))
-        note_implementations(request.node, "patched", model)
-        yield model
-    finally:
-        guard.restore()
-
-
-@pytest.fixture
-def roundtrip(tmp_path: Any, request: pytest.FixtureRequest) -> Any:
-    """``check_roundtrip`` bound to this test's ``tmp_path``: ``roundtrip.check(checkpoint_or_model)``.
-
-    Its patched loads take the patch marks' load choices and transforms, as ``patched_model``'s do.
-    """
-    from pytest_modelpatch.roundtrip.check import Roundtrip
-
-    return Roundtrip(tmp_path, _load_choices(request))
-
-
-@pytest.fixture
-def patch_registry() -> Iterator[PatchRegistry]:
-    """Register patches from the test body; all global patch state is restored afterwards.
-
-    Example::
-
-        def test_fused(patch_registry):
-            patch_registry.register({"LlamaAttention": FusedAttention}, conversions={"llama": [...]})
-    """
-    from pytest_modelpatch.isolation.registration import PatchRegistry
-
-    from pytest_modelpatch.models.structure import meta_structures
-
-    registry = PatchRegistry(structures=meta_structures)
-    try:
-        yield registry
-    finally:
-        registry.close()
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

@@ -270,7 +270,7 @@ def test_reference_documents_every_option_and_ini_key_of_pytest_help(pytester: p
 
 def test_reference_documents_every_fixture_of_the_plugin(pytester: pytest.Pytester) -> None:
     output = str(pytester.runpytest("--fixtures").stdout)
-    section = output.split("fixtures defined from pytest_modelpatch.plugin", 1)[1].split("\n---", 1)[0]
+    section = output.split("fixtures defined from pytest_modelpatch.fixtures", 1)[1].split("\n---", 1)[0]
     fixtures = re.findall(r"^(\w+)(?: \[\w+ scope\])? -- ", section, re.M)
     assert {"reference_model", "patched_model", "patch_registry"} <= set(fixtures)
     reference = REFERENCE.read_text()
