@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_modelpatch.items import _load_choices, _requested_device, _required_model_request, _resolve_device
+from pytest_modelpatch.items import load_choices, item_device, required_model_request, resolve_device
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.model_cache import parse_model_cache
 from pytest_modelpatch.reporting.session import note_implementations
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 @pytest.fixture
 def device(request: pytest.FixtureRequest) -> str:
     """The torch device this test runs on, e.g. ``"cpu"`` or ``"cuda:1"`` (one GPU per xdist worker)."""
-    return _resolve_device(request.node, _requested_device(request.node))
+    return resolve_device(request.node, item_device(request.node))
 
 
 @pytest.fixture
@@ -69,9 +69,9 @@ def _warn_shared_implementations(model_request: ModelRequest, nodeid: str) -> No
 @pytest.fixture
 def reference_model(model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest) -> Any:
     """The unpatched model of ``@pytest.mark.model``, loaded with ``from_pretrained``; shared, do not modify."""
-    model_request = _required_model_request(request)
+    model_request = required_model_request(request)
     _warn_shared_implementations(model_request, request.node.nodeid)
-    model = model_builder.reference(model_request, dtype=dtype, device=device, choices=_load_choices(request))
+    model = model_builder.reference(model_request, dtype=dtype, device=device, choices=load_choices(request))
     note_implementations(request.node, "reference", model)
     return model
 
@@ -83,10 +83,10 @@ def patched_model(
     """The same weights loaded with this test's patches and conversions (``@pytest.mark.patch``)."""
     from pytest_modelpatch.isolation.guard import PatchStateGuard
 
-    model_request = _required_model_request(request)
+    model_request = required_model_request(request)
     guard = PatchStateGuard()  # fusion_config registers global patches while loading
     try:
-        model = model_builder.patched(model_request, dtype=dtype, device=device, choices=_load_choices(request))
+        model = model_builder.patched(model_request, dtype=dtype, device=device, choices=load_choices(request))
         note_implementations(request.node, "patched", model)
         yield model
     finally:
@@ -101,7 +101,7 @@ def roundtrip(tmp_path: Any, request: pytest.FixtureRequest) -> Any:
     """
     from pytest_modelpatch.roundtrip.check import Roundtrip
 
-    return Roundtrip(tmp_path, _load_choices(request))
+    return Roundtrip(tmp_path, load_choices(request))
 
 
 @pytest.fixture

@@ -19,19 +19,19 @@ if TYPE_CHECKING:
     from pytest_modelpatch.models.builder import LoadChoices, ModelRequest
 
 
-_GPU_SKIP = pytest.StashKey[str]()
+GPU_SKIP = pytest.StashKey[str]()  # why a test was skipped for want of a GPU: its report points at the test
+FAMILY_PARAM = "_modelpatch_family"  # the parameter a list of model types in @pytest.mark.model sweeps over
 
 
-_FAMILY_PARAM = "_modelpatch_family"  # the parameter a list of model types in @pytest.mark.model sweeps over
+class NoCallspec:
+    """The ``callspec`` of an item that was not parametrized: no parameters."""
 
-
-class _NoCallspec:
     params: dict[str, Any] = {}
 
 
 def _swept_marker_args(item: pytest.Item, mark: pytest.Mark) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A sweep's marker as this item's one-family marker: its model type in place of the list or ``families=``."""
-    family = getattr(item, "callspec", _NoCallspec).params.get(_FAMILY_PARAM)
+    family = getattr(item, "callspec", NoCallspec).params.get(FAMILY_PARAM)
     if family is None:
         return mark.args, mark.kwargs
     if "families" in mark.kwargs:
@@ -40,12 +40,10 @@ def _swept_marker_args(item: pytest.Item, mark: pytest.Mark) -> tuple[tuple[Any,
 
 
 _MODEL_REQUEST = pytest.StashKey["ModelRequest | None"]()
-
-
 _UNRESOLVED: Any = object()  # not None: no model asked for is an answer too
 
 
-def _model_request(item: pytest.Item) -> ModelRequest | None:
+def item_model_request(item: pytest.Item) -> ModelRequest | None:
     """The test's model request, resolved on first need and kept on the item for the rest of it.
 
     The patch marks' lint, both model fixtures and the builder's loads all read this one (a tiny
@@ -71,8 +69,9 @@ def _marked_model_request(item: pytest.Item) -> ModelRequest | None:
     return ModelRequest(default) if default else None
 
 
-def _required_model_request(request: pytest.FixtureRequest) -> ModelRequest:
-    model_request = _model_request(request.node)
+def required_model_request(request: pytest.FixtureRequest) -> ModelRequest:
+    """The test's model request, for a fixture that cannot do without one (a usage error when there is none)."""
+    model_request = item_model_request(request.node)
     if model_request is None:
         raise PatchUsageError(
             f"{request.fixturename} needs a model: mark the test with @pytest.mark.model('llama') (a model type, "
@@ -81,7 +80,7 @@ def _required_model_request(request: pytest.FixtureRequest) -> ModelRequest:
     return model_request
 
 
-def _load_choices(request: pytest.FixtureRequest) -> LoadChoices | None:
+def load_choices(request: pytest.FixtureRequest) -> LoadChoices | None:
     """The patch marks' load choices and transforms (for the patched load; the reference's follow from them)."""
     spec = patch_spec(request.node)
     if spec is None or not spec.load_choices:
@@ -91,7 +90,7 @@ def _load_choices(request: pytest.FixtureRequest) -> LoadChoices | None:
     return LoadChoices(dict(spec.load_kwargs), tuple(spec.transforms))
 
 
-def _requested_device(item: pytest.Item) -> str:
+def item_device(item: pytest.Item) -> str:
     """What the test asks for: its devices() param, a cpu/gpu mark, or the session default."""
     callspec = getattr(item, "callspec", None)
     if callspec is not None and "device" in callspec.params:
@@ -104,7 +103,7 @@ def _requested_device(item: pytest.Item) -> str:
     return requested
 
 
-def _resolve_device(item: pytest.Item, requested: str) -> str:
+def resolve_device(item: pytest.Item, requested: str) -> str:
     """Pick the concrete device; skip (or fail under --modelpatch-require-gpu) when a GPU is missing."""
     if requested == "cpu":
         return requested
@@ -114,6 +113,6 @@ def _resolve_device(item: pytest.Item, requested: str) -> str:
     if reason is not None:
         if item.config.getoption("modelpatch_require_gpu"):
             pytest.fail(f"{reason}; --modelpatch-require-gpu forbids skipping it", pytrace=False)
-        item.stash[_GPU_SKIP] = reason
+        item.stash[GPU_SKIP] = reason
         pytest.skip(reason)
     return device

@@ -20,7 +20,7 @@ from pytest_modelpatch.isolation.leaks import LeakTally
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 from pytest_modelpatch.isolation.scopes import IsolationScopes, leak_mode
 from pytest_modelpatch.items import (
-    _FAMILY_PARAM, _GPU_SKIP, _model_request, _NoCallspec, _requested_device, _resolve_device,
+    FAMILY_PARAM, GPU_SKIP, item_model_request, NoCallspec, item_device, resolve_device,
 )
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.model_cache import parse_model_cache
@@ -192,8 +192,8 @@ def _sweep_families(metafunc: pytest.Metafunc) -> None:
         params = [pytest.param(family, id=family) for family in families]
     else:
         return
-    metafunc.fixturenames.append(_FAMILY_PARAM)
-    metafunc.parametrize(_FAMILY_PARAM, params)
+    metafunc.fixturenames.append(FAMILY_PARAM)
+    metafunc.parametrize(FAMILY_PARAM, params)
 
 
 def _patched_class_names(node: pytest.Item) -> list[str]:
@@ -242,9 +242,9 @@ def _parametrize(metafunc: pytest.Metafunc) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     if "gpu" in item.keywords and item.get_closest_marker("gpu") is not None:
-        if item.get_closest_marker("cpu") is not None and "device" not in getattr(item, "callspec", _NoCallspec).params:
+        if item.get_closest_marker("cpu") is not None and "device" not in getattr(item, "callspec", NoCallspec).params:
             raise PatchUsageError(f"{item.nodeid} is marked both cpu and gpu: keep one.")
-        _resolve_device(item, _requested_device(item))
+        resolve_device(item, item_device(item))
     return (yield)
 
 
@@ -256,12 +256,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         from pytest_modelpatch.reporting.session import stamp_intent
 
         stamp_intent(item, report)
-    reason = item.stash.get(_GPU_SKIP, None)
+    reason = item.stash.get(GPU_SKIP, None)
     if reason is not None and report.skipped and isinstance(report.longrepr, tuple):
         # point the skip at the test, as pytest does for its own skip marks
         path, line, _ = item.reportinfo()
         report.longrepr = (str(path), (line or 0) + 1, f"Skipped: {reason}")
-    family = getattr(item, "callspec", _NoCallspec).params.get(_FAMILY_PARAM)
+    family = getattr(item, "callspec", NoCallspec).params.get(FAMILY_PARAM)
     if family is not None:  # the controller groups a sweep's outcomes by test (under xdist it has no items)
         report.user_properties.append((SWEEP_PROPERTY, family))
     return report
@@ -293,7 +293,7 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
     if item.get_closest_marker("model") is not None:
         from pytest_modelpatch.models.specs import config_families
 
-        request = _model_request(item)
+        request = item_model_request(item)
         if request is not None:
             # a composite model's towers are other families' classes: LLaVA runs Llama's, PaliGemma Gemma's
             families = config_families(request.model_spec.config)
