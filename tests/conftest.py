@@ -96,7 +96,7 @@ def _repo_on_pytester_path(request: pytest.FixtureRequest, monkeypatch: pytest.M
         monkeypatch.setenv("PYTEST_ADDOPTS", f"{addopts} -p no:randomly".strip())
     yield
     here = str(pytester.path)
-    imported.update((name, module) for name, module in sys.modules.items()
+    imported.update((name, module) for name, module in list(sys.modules.items())
                     if not str(getattr(module, "__file__", None) or "").startswith(here))  # fmt: skip
 
 
