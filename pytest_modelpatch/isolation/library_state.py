@@ -9,8 +9,9 @@ defined there, and the attention/mask function registries; ``changes()`` compare
 by identity and ``restore()`` puts the recorded objects back. A module imported
 after the snapshot is compared with what importing it produced (recorded by an
 import hook), and a module re-executed by ``importlib.reload`` is a revert, not a
-leak: its re-created definitions are replaced by the original objects, which the
-rest of transformers (auto mappings, ``transformers.LlamaForCausalLM``) still holds.
+leak: its re-created definitions (told from patches by ``redefinition.py``) are
+replaced by the original objects, which the rest of transformers (auto mappings,
+``transformers.LlamaForCausalLM``) still holds.
 Nothing here imports torch or transformers.
 """
 
@@ -22,6 +23,8 @@ import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any
+
+from pytest_modelpatch.isolation.redefinition import redefined
 
 _MISSING: Any = object()
 _MODELS_PREFIX = "transformers.models."
@@ -63,22 +66,7 @@ def _label(value: Any) -> str:
 
 def _recreated(original: Any, fresh: Any) -> bool:
     """``fresh`` is ``original`` defined again by re-executing its module (a reload)."""
-    if original is _MISSING or fresh is _MISSING or type(original) is not type(fresh):
-        return False
-    if not hasattr(original, "__qualname__"):  # module-level data (strings, dicts) built again
-        try:
-            return bool(original == fresh)
-        except Exception:  # noqa: BLE001 - e.g. a tensor's ambiguous truth value: data, not a patch
-            return True
-    if getattr(original, "__module__", _MISSING) != getattr(fresh, "__module__", None):
-        return False
-    if getattr(original, "__qualname__", _MISSING) != getattr(fresh, "__qualname__", None):
-        return False
-    code, fresh_code = getattr(original, "__code__", None), getattr(fresh, "__code__", None)
-    if code is not None and getattr(fresh_code, "co_filename", None) != code.co_filename:
-        return False
-    # a class patched by subclassing the original keeps module and name: not a re-creation
-    return not (isinstance(fresh, type) and isinstance(original, type) and issubclass(fresh, original))
+    return original is not _MISSING and fresh is not _MISSING and redefined(original, fresh)
 
 
 @dataclass

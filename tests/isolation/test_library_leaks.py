@@ -117,6 +117,125 @@ def test_b_sees_the_original_classes():
     result.assert_outcomes(passed=2)
 
 
+# What a kernel hub decorator makes of a function, three ways; each leaves a class as it is.
+KERNEL_DECORATORS = {
+    # kernels 0.16's use_kernel_forward_from_hub: an instance of an nn.Module class made per call
+    "class-per-call": """
+def kernel_func(layer_name):
+    def decorator(target):
+        if isinstance(target, type):
+            return target
+
+        class Func(torch.nn.Module):
+            kernel_layer_name = layer_name
+
+            def forward(self, *args, **kwargs):
+                return target(*args, **kwargs)
+
+        return Func()
+
+    return decorator
+""",
+    "callable-object": """
+class KernelFunc:
+    def __init__(self, func, layer_name):
+        self.func, self.layer_name = func, layer_name
+
+    def __call__(self, *args, **kwargs):
+        return self.func(*args, **kwargs)
+
+
+def kernel_func(layer_name):
+    return lambda target: target if isinstance(target, type) else KernelFunc(target, layer_name)
+""",
+    "functools-wraps": """
+def kernel_func(layer_name):
+    def decorator(target):
+        if isinstance(target, type):
+            return target
+
+        @functools.wraps(target)
+        def wrapper(*args, **kwargs):
+            return target(*args, **kwargs)
+
+        return wrapper
+
+    return decorator
+""",
+}
+
+
+@pytest.mark.parametrize("decorator", KERNEL_DECORATORS.values(), ids=KERNEL_DECORATORS.keys())
+def test_reload_rebuilds_a_kernel_decorated_function_and_a_patch_of_it_is_still_a_leak(
+    pytester: pytest.Pytester, decorator: str
+) -> None:
+    # With kernels installed (CI's transformers 5.17 lane), modeling_llama's apply_rotary_pos_emb
+    # is what kernels' decorator made of it, and a reload makes another. Without kernels, the
+    # decorator above stands in for kernels' in transformers.integrations, where modeling_llama
+    # reads it when a reload re-executes it, and builds the session's baseline the same way.
+    pytester.makeconftest(
+        """
+import functools
+import types
+
+import torch
+import transformers.integrations
+from transformers.models.llama import modeling_llama
+"""
+        + decorator
+        + """
+
+if isinstance(modeling_llama.apply_rotary_pos_emb, types.FunctionType):  # kernels not installed
+    # as if modeling_llama had been imported with it (use_kernel_func_from_hub: transformers 5.3)
+    for name in ("use_kernel_forward_from_hub", "use_kernel_func_from_hub"):
+        setattr(transformers.integrations, name, kernel_func)
+        if hasattr(modeling_llama, name):
+            setattr(modeling_llama, name, kernel_func)
+    modeling_llama.apply_rotary_pos_emb = kernel_func("rotary_pos_emb")(modeling_llama.apply_rotary_pos_emb)
+"""
+    )
+    pytester.makepyfile(
+        HEADER
+        + """
+from transformers import integrations
+
+ORIGINAL_ROPE = modeling_llama.apply_rotary_pos_emb
+
+
+def my_rope(q, k, cos, sin, unsqueeze_dim=1):
+    return q, k
+
+
+def test_a_patches_then_reloads():
+    modeling_llama.apply_rotary_pos_emb = integrations.use_kernel_forward_from_hub("rotary_pos_emb")(my_rope)
+    modeling_llama.LlamaRMSNorm = MyNorm
+    importlib.reload(modeling_llama)
+    assert modeling_llama.apply_rotary_pos_emb is not ORIGINAL_ROPE  # built anew by the decorator
+
+
+def test_b_runs_the_original():
+    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_ROPE
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=32)
+    assert LlamaForCausalLM(config)(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 32)
+
+
+def test_c_reloads_then_patches_the_decorated_function():
+    importlib.reload(modeling_llama)
+    modeling_llama.apply_rotary_pos_emb = integrations.use_kernel_forward_from_hub("rotary_pos_emb")(my_rope)
+
+
+def test_d_sees_the_original():
+    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_ROPE
+"""
+    )
+    result = pytester.runpytest("-p", "no:randomly", "-o", "modelpatch_leaks=error")
+    result.assert_outcomes(passed=4, errors=1)
+    result.stdout.fnmatch_lines(["*test_c_reloads_then_patches_the_decorated_function leaked*",
+                                 "*modeling_llama.apply_rotary_pos_emb: *"])  # fmt: skip
+    result.stdout.no_fnmatch_line("*test_a_patches_then_reloads leaked*")
+
+
 def test_patches_outside_the_leaking_test_are_charged_to_their_fixture(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(
         """
