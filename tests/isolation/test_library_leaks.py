@@ -231,8 +231,9 @@ def test_d_sees_the_original():
     )
     result = pytester.runpytest("-p", "no:randomly", "-o", "modelpatch_leaks=error")
     result.assert_outcomes(passed=4, errors=1)
+    # the label names the function inside the decorator's object: Func(apply_rotary_pos_emb) -> Func(my_rope)
     result.stdout.fnmatch_lines(["*test_c_reloads_then_patches_the_decorated_function leaked*",
-                                 "*modeling_llama.apply_rotary_pos_emb: *"])  # fmt: skip
+                                 "*modeling_llama.apply_rotary_pos_emb: *apply_rotary_pos_emb* -> *my_rope*"])  # fmt: skip
     result.stdout.no_fnmatch_line("*test_a_patches_then_reloads leaked*")
 
 
