@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_modelpatch.items import load_choices, item_device, required_model_request, resolve_device
+from pytest_modelpatch.items import item_device, load_choices, required_model_request, resolve_device
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.model_cache import parse_model_cache
 from pytest_modelpatch.reporting.session import note_implementations

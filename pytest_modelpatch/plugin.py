@@ -19,9 +19,7 @@ from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.leaks import LeakTally
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 from pytest_modelpatch.isolation.scopes import IsolationScopes, leak_mode
-from pytest_modelpatch.items import (
-    FAMILY_PARAM, GPU_SKIP, item_model_request, NoCallspec, item_device, resolve_device,
-)
+from pytest_modelpatch.items import FAMILY_PARAM, GPU_SKIP, NoCallspec, item_device, item_model_request, resolve_device
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.model_cache import parse_model_cache
 from pytest_modelpatch.reporting.records import set_record_sink
