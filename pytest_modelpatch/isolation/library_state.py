@@ -24,7 +24,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_modelpatch.isolation.redefinition import redefined
+from pytest_modelpatch.isolation.redefinition import held_function, redefined
 
 _MISSING: Any = object()
 _MODELS_PREFIX = "transformers.models."
@@ -63,25 +63,8 @@ def _label(value: Any) -> str:
     name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
     if isinstance(name, str):
         return name
-    inner = _held_function(value)  # a decorator's callable object (kernels' Func): name what it runs
+    inner = held_function(value)  # a decorator's callable object (kernels' Func): name what it runs
     return f"{type(value).__name__}({inner.__qualname__})" if inner is not None else type(value).__name__
-
-
-def _held_function(value: Any) -> types.FunctionType | None:
-    """The function a callable object holds: in its state, or in its class's ``forward``/``__call__`` closure."""
-    state = getattr(value, "__dict__", None)
-    for held in (state or {}).values():
-        if isinstance(held, types.FunctionType):
-            return held
-    for method in ("forward", "__call__"):
-        for cell in getattr(getattr(type(value), method, None), "__closure__", None) or ():
-            try:
-                held = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(held, types.FunctionType):
-                return held
-    return None
 
 
 def _recreated(original: Any, fresh: Any) -> bool:

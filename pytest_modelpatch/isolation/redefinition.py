@@ -114,3 +114,16 @@ def _contents(cell: types.CellType) -> Any:
         return cell.cell_contents
     except ValueError:  # an empty cell: a name the enclosing function had not bound yet
         return _ABSENT
+
+
+def held_function(value: Any) -> types.FunctionType | None:
+    """The function a decorator's callable object runs: in its state, or in its class's
+    ``forward``/``__call__`` closure (kernels' ``Func``); None when it holds none."""
+    for held in (getattr(value, "__dict__", None) or {}).values():
+        if isinstance(held, types.FunctionType):
+            return held
+    for method in ("forward", "__call__"):
+        for cell in getattr(getattr(type(value), method, None), "__closure__", None) or ():
+            if isinstance(held := _contents(cell), types.FunctionType):
+                return held
+    return None
