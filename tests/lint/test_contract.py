@@ -289,8 +289,6 @@ def test_a_no_op_patch_on_vibevoice_asr_runs_and_a_renaming_one_is_refused(pytes
 
 
 def test_the_function_the_cli_and_the_marker_give_the_same_findings(pytester: pytest.Pytester) -> None:
-    # torch and transformers are imported before pytester snapshots sys.modules (this module imports them):
-    # pytester drops what a test imported, and torch cannot be imported twice in one process
     from pytest_modelpatch import lint_patterns
 
     # the fused attention without its conversion: the checkpoint's q/k/v no longer load, llama's TP plan breaks
