@@ -111,10 +111,20 @@ def load_report(path: Path) -> dict[str, Any]:
     return data
 
 
-def worst_first(row: dict[str, Any]) -> tuple[float, str, str]:
-    """Sort key: largest max abs error first, then by node id and check."""
-    error = _read_figure(row.get("max_abs_error")) or 0.0
-    return -(math.inf if math.isnan(error) else error), row["nodeid"], row["check"]
+# failures first, then checks that passed against their test's intent, then those meant to fail, then passes
+_OUTCOME_ORDER = {"failed": 0, "xpassed": 1, "xfailed": 2, "passed": 3}
+
+
+def worst_first(row: dict[str, Any]) -> tuple[int, float, str, str]:
+    """Sort key: failures first, then by max abs error as printed (largest first), then by node id and check.
+
+    The error is rounded to the digits the table prints, so two rows whose figures print alike
+    keep the order of their ids whichever CPU's round-off made them (the docs quote this table).
+    """
+    error = _read_figure(row.get("max_abs_error"))
+    error = 0.0 if error is None else (math.inf if math.isnan(error) else float(figure(error)))
+    rank = _OUTCOME_ORDER.get(shown_outcome(row["outcome"], bool(row.get("expected_failure"))), 0)
+    return rank, -error, row["nodeid"], row["check"]
 
 
 def figure(value: Any) -> str:

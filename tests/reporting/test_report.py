@@ -135,6 +135,17 @@ def test_summary_table_puts_the_worst_error_first_and_caps_its_length() -> None:
     assert lines[-1] == "... and 1 more (see --modelpatch-report)"
 
 
+def test_summary_table_puts_failures_first_and_orders_figures_as_printed() -> None:
+    failed = row_from_record(CheckRecord(kind="equivalence", outcome="failed", max_abs_error=1e-3), "d.py::t", 1)
+    meant = row_from_record(CheckRecord(kind="equivalence", outcome="failed", max_abs_error=5.0, expected_failure=True), "e.py::t", 1)
+    # 1.2301 and 1.2299 print alike (1.23): CPU round-off must not reorder them, their ids do
+    rows = [_row("b.py::t", "equivalence", 1.2301), _row("a.py::t", "equivalence", 1.2299), failed, meant]
+    order = [line.split()[-1] for line in summary_lines(rows)[1:]]
+    assert order == ["d.py::t", "e.py::t", "a.py::t", "b.py::t"]
+    swapped = [_row("b.py::t", "equivalence", 1.2299), _row("a.py::t", "equivalence", 1.2301), failed, meant]
+    assert [line.split()[-1] for line in summary_lines(swapped)[1:]] == order
+
+
 def test_divergence_profile_is_zero_before_the_changed_layer_and_drawn_as_html(tmp_path: Any) -> None:
     import copy
 
