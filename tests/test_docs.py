@@ -13,7 +13,10 @@ changes that:
 - ``<!-- doc: skip: REASON -->``: not run (only for what cannot run here, e.g. needs a GPU).
 
 ``<!-- doc: pytest-args: -n 2 -->`` anywhere in a file adds arguments to its pytester run.
-Output blocks (```text, ```console, ```bash) are not run.
+Output blocks (```text, ```console, ```bash) are not run. A ```text block marked
+``<!-- doc: output -->`` quotes the failure of the expect-fail block above it (``<!-- doc: output:
+NAME -->``: of ``QUOTE_SOURCES[NAME]``): each line it quotes must be in the real failure, its
+figures up to CPU round-off (``quoted_output.py``). So must quickstart's quote of the main job.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from quoted_output import same_line
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [*sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "README.md"]
@@ -39,7 +43,7 @@ _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
 _DIRECTIVE = re.compile(r"^\s*<!--\s*doc:\s*(?P<name>[\w-]+)\s*(?::\s*(?P<arg>.*?))?\s*-->\s*$")
 _PYTEST_ARGS = re.compile(r"<!--\s*doc:\s*pytest-args:\s*(?P<args>.*?)\s*-->")
 _TEST_MODULE = re.compile(r"^(\s*(async\s+)?def test_|class Test|\s*@pytest\.mark\.|pytestmark\s*=)", re.M)
-_DIRECTIVES = ("expect-fail", "skip")
+_DIRECTIVES = ("expect-fail", "skip")  # on python blocks; "output" marks a text block (a quoted failure)
 
 
 @dataclass(frozen=True)
@@ -287,79 +291,35 @@ QUICKSTART = REPO_ROOT / "docs" / "quickstart.md"
 MAIN_JOB = ["-m", "pytest", "docs/examples", "-rxX", "-p", "no:cacheprovider", "-p", "no:randomly"]
 
 
-_NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
-_PASSED_ROW = re.compile(r"^passed +(\S+) +(\S+) ")
-
-
 def comparable_output(text: str) -> list[str]:
-    """pytest output from the progress line on, without what changes run to run or CPU to CPU.
+    """pytest output from the progress line on, without the time (and its padding) and the separators' rules.
 
-    That is the time and its padding, and the error figures of a passing check that are round-off
-    (under 0.01): which kernels torch picks for the CPU changes them, not the patch.
+    What is left is compared line by line with :func:`quoted_output.same_line`: figures up to CPU
+    round-off, everything else (counts, outcomes, ids, the order of rows) exactly.
     """
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("docs/examples/")), len(lines))
     kept = []
     for line in lines[start:]:
         line = re.sub(r" in [\d.]+s\b", " in Ns", line.rstrip())
-        row = _PASSED_ROW.match(line)
-        if row and all(_round_off(figure) for figure in row.groups()):
-            line = re.sub(r"^passed +\S+ +\S+ +", "passed   <round-off>  ", line)
         kept.append(line.strip("=- ") if re.fullmatch(r"[=-]+ .* [=-]+", line) else line)
     return [line for line in kept if line]
 
 
-def same_up_to_last_digit(quoted: str, real: str) -> bool:
-    """Equal text, numbers with a fraction or exponent within one unit of their last printed digit.
-
-    The last digit of a printed float differs between CPUs (torch's kernels for AVX2 and AVX-512
-    round differently); integers (counts, shapes, positions) and all other text must match exactly.
-    """
-    if quoted == real:
-        return True
-    if _NUMBER.split(quoted) != _NUMBER.split(real):
-        return False
-    return all(_close(a, b) for a, b in zip(_NUMBER.findall(quoted), _NUMBER.findall(real), strict=True))
+def same_output(quoted: list[str], real: list[str]) -> bool:
+    """The same lines in the same order, each :func:`quoted_output.same_line`."""
+    return len(quoted) == len(real) and all(map(same_line, quoted, real))
 
 
-def _close(a: str, b: str) -> bool:
-    if a == b:
-        return True
-    if not any(c in a + b for c in ".eE"):
-        return False  # integers: exact
-    return abs(float(a) - float(b)) <= 1.01 * max(_last_place(a), _last_place(b))
-
-
-def _last_place(number: str) -> float:
-    mantissa, _, exponent = number.lower().partition("e")
-    decimals = len(mantissa.partition(".")[2])
-    return 10.0 ** (int(exponent or 0) - decimals)
-
-
-def test_same_up_to_last_digit_forgives_only_the_last_digit_of_floats() -> None:
-    assert same_up_to_last_digit("max rel 312.3; reference 0.911082", "max rel 312.2; reference 0.911081")
-    assert same_up_to_last_digit("patched 1.0322 (allowed 1.37e-05)", "patched 1.03221 (allowed 1.37e-05)")
-    assert same_up_to_last_digit("4.83      1.56e+04  equivalence#1", "4.83      1.55e+04  equivalence#1")
-    assert not same_up_to_last_digit("max rel 312.3", "max rel 312.0")  # three units of the last digit
-    assert not same_up_to_last_digit("896/1024 elements", "895/1024 elements")  # counts are exact
-    assert not same_up_to_last_digit("worst at [1, 3, 1, 15]", "worst at [1, 3, 1, 14]")
-    assert not same_up_to_last_digit("max abs 4.297", "max rel 4.297")
-
-
-def _round_off(figure: str) -> bool:
-    return figure in ("0", "-") or (_NUMBER.fullmatch(figure) is not None and abs(float(figure)) < 0.01)
-
-
-def test_comparable_output_drops_only_the_time_and_round_off() -> None:
+def test_comparable_output_drops_only_the_time_and_the_rules() -> None:
     quoted = "intro\ndocs/examples/t.py ..x  [100%]\n\n==== 2 passed, 1 xfailed in 11.10s ====\n"
     assert comparable_output(quoted) == ["docs/examples/t.py ..x  [100%]", "2 passed, 1 xfailed in Ns"]
-    assert comparable_output(quoted) != comparable_output(quoted.replace("1 xfailed", "2 xfailed"))
+    assert not same_output(comparable_output(quoted), comparable_output(quoted.replace("1 xfailed", "2 xfailed")))
     row = "passed   4.71e-06  0.00459   equivalence#1  Qwen3VLModel  float32@cpu   t.py::test_a"
-    assert comparable_output(f"docs/examples/t.py\n{row}") == comparable_output(f"docs/examples/t.py\n{row.replace('0.00459', '0.00124')}")
-    # a passing check whose figures are not round-off, and any other outcome, compare as printed
-    assert comparable_output(f"docs/examples/t.py\n{row}") != comparable_output(f"docs/examples/t.py\n{row.replace('0.00459', '0.459')}")
-    failed = row.replace("passed", "failed")
-    assert comparable_output(f"docs/examples/t.py\n{failed}") != comparable_output(f"docs/examples/t.py\n{failed.replace('0.00459', '0.00124')}")
+    other = "xfailed  1.37      700       equivalence#1  LlamaForCausalLM  float32@cpu   t.py::test_b"
+    table = comparable_output(f"docs/examples/t.py\n{row}\n{other}")
+    assert same_output(table, comparable_output(f"docs/examples/t.py\n{row.replace('0.00459', '0.0247')}\n{other.replace('700', '699')}"))
+    assert not same_output(table, comparable_output(f"docs/examples/t.py\n{other}\n{row}"))  # the order of rows is exact
 
 
 def test_quickstart_quotes_what_the_main_job_prints() -> None:
@@ -368,33 +328,19 @@ def test_quickstart_quotes_what_the_main_job_prints() -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, *MAIN_JOB], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    expected, actual = comparable_output(quoted.code), comparable_output(done.stdout)
-    same = len(actual) == len(expected) and all(map(same_up_to_last_digit, expected, actual))
-    assert same, (
+    assert same_output(comparable_output(quoted.code), comparable_output(done.stdout)), (
         f"{quoted.id} no longer shows what `pytest {' '.join(MAIN_JOB[2:])}` prints; paste the real output:\n"
         + done.stdout[done.stdout.find("docs/examples/"):]
     )
 
 
-def test_quickstart_quotes_the_failure_its_example_really_raises(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ``E`` lines quoted after quickstart's expect-fail block are in that block's real failure."""
-    blocks = code_blocks(QUICKSTART)
-    failing = next(i for i, b in enumerate(blocks) if b.directive == "expect-fail")
-    quoted = next(b for b in blocks[failing + 1 :] if b.language == "text")
-    wanted = [line[1:].strip() for line in quoted.code.splitlines() if line.startswith("E ")]
-    assert len(wanted) > 5, f"{quoted.id}: expected the failure's E lines"
-    monkeypatch.setenv("MODELPATCH_CACHE_DIR", os.environ.get("MODELPATCH_CACHE_DIR") or str(LINT_CACHE))
-    (outcome, message), *_ = run_test_modules(QUICKSTART, pytester).outcomes[blocks[failing].line]
-    assert outcome == "failure"
-    real = [line.strip().removeprefix("E ").strip() for line in message.splitlines()]
-    stale = [line for line in wanted if not any(same_up_to_last_digit(line, r) for r in real)]
-    assert not stale, f"{quoted.id} quotes lines the failure no longer has:\n" + "\n".join(stale) + f"\n\nreal:\n{message[-5000:]}"
+# ---------------------------------------------------------------------------
+# failures the docs quote: every ```text block marked <!-- doc: output --> is in a real failure
+# ---------------------------------------------------------------------------
 
-
-# Failures docs/equivalence.md quotes, with the test that really raises each: the quote's first
-# E line picks the block, and every E line of it must be in the real failure.
-EQUIVALENCE_QUOTES = {
-    "E       AssertionError: patched LlamaForCausalLM differs": """
+# Failures quoted where no block of the page raises them: <!-- doc: output: NAME --> runs QUOTE_SOURCES[NAME]
+QUOTE_SOURCES = {
+    "noncausal fused qkv": """
 import pytest
 from fixtures.patches import llama_fused_qkv_noncausal as broken
 from pytest_modelpatch import assert_equivalent
@@ -405,7 +351,7 @@ from pytest_modelpatch import assert_equivalent
 def test_quoted(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
 """,
-    "E       AssertionError: check_equivalence(seed=0, max_examples=50)": """
+    "noncausal fused qkv, property": """
 import pytest
 from fixtures.patches import llama_fused_qkv_noncausal as broken
 from pytest_modelpatch import check_equivalence
@@ -419,17 +365,59 @@ def test_quoted(reference_model, patched_model):
 }
 
 
-@pytest.mark.parametrize("first_line", list(EQUIVALENCE_QUOTES), ids=["assert_equivalent", "check_equivalence"])
-def test_equivalence_quotes_failures_as_they_really_read(pytester: pytest.Pytester, first_line: str) -> None:
-    page = REPO_ROOT / "docs" / "equivalence.md"
-    (quoted,) = [b for b in code_blocks(page) if b.language == "text" and b.code.startswith(first_line)]
-    wanted = [line[1:].strip() for line in quoted.code.splitlines() if line.startswith("E ")]
-    pytester.makeconftest((REPO_ROOT / "docs" / "conftest.py").read_text())
-    pytester.makepyfile(test_quoted=EQUIVALENCE_QUOTES[first_line])
-    result = pytester.runpytest("-p", "no:cacheprovider")
-    result.assert_outcomes(failed=1)
-    real = [line[1:].strip() for line in result.outlines if line.startswith("E ")]
-    stale = [line for line in wanted if not any(same_up_to_last_digit(line, r) for r in real)]
-    assert not stale, f"{quoted.id} quotes lines the failure no longer has:\n" + "\n".join(stale) + "\n\nreal:\n" + "\n".join(
-        line for line in result.outlines if line.startswith("E ")
-    )
+def quoted_outputs() -> list[CodeBlock]:
+    """The text blocks that quote a failure (``<!-- doc: output -->``)."""
+    return [b for path in DOC_FILES for b in code_blocks(path) if b.language == "text" and b.directive == "output"]
+
+
+_SECTION = re.compile(r"^_{3,} .* _{3,}$")  # pytest's "____ ERROR at setup of test_x ____": terminal only
+_RAISED = re.compile(r'^(?:failed on \w+ with ")?(?:[\w.]*(?:Error|Exception|Failed|Warning): )+')
+_TEST_FILE = re.compile(r"\btest_\w+\.py\b")  # the page's name for its example file, the doc run's for its module
+
+
+def quoted_lines(text: str) -> list[str]:
+    """What a quote claims: its ``E`` lines when it has any, else every line, without pytest's ``E``, section rules and elisions."""
+    lines = [line.strip() for line in text.splitlines() if line.strip() and line.strip() != "..." and not _SECTION.match(line.strip())]
+    errors = [line for line in lines if line.startswith("E ")]
+    return [_TEST_FILE.sub("test_*.py", line.removeprefix("E").strip()) for line in errors or lines]
+
+
+def real_lines(message: str) -> list[str]:
+    """A failure's lines as a quote may show them: with and without the exception's name in front."""
+    lines = [_TEST_FILE.sub("test_*.py", line.strip().removeprefix("E ").strip()) for line in message.splitlines()]
+    return lines + [_RAISED.sub("", line) for line in lines if _RAISED.match(line)]
+
+
+def quoted_failure(quote: CodeBlock, pytester: pytest.Pytester, tmp_path: Path) -> str:
+    """The real failure ``quote`` quotes: of the ``output: NAME`` source, or of the expect-fail block above it."""
+    if quote.directive_arg:
+        assert quote.directive_arg in QUOTE_SOURCES, f"{quote.id}: no QUOTE_SOURCES entry {quote.directive_arg!r}"
+        pytester.makeconftest((REPO_ROOT / "docs" / "conftest.py").read_text())
+        pytester.makepyfile(test_quoted=QUOTE_SOURCES[quote.directive_arg])
+        result = pytester.runpytest("-p", "no:cacheprovider")
+        result.assert_outcomes(failed=1)
+        return "\n".join(result.outlines)
+    above = [b for b in code_blocks(quote.path) if b.language in ("python", "py") and b.line < quote.line]
+    assert above and above[-1].directive == "expect-fail", f"{quote.id}: <!-- doc: output --> quotes the expect-fail block above it; there is none"
+    block = above[-1]
+    run = run_test_modules(block.path, pytester) if block.is_test_module else run_snippets(block.path, tmp_path)
+    failures = [message for outcome, message in run.outcomes.get(block.line, []) if outcome in ("failure", "error")]
+    assert failures, f"{block} did not fail: {run.outcomes.get(block.line)}"
+    return failures[0]
+
+
+@pytest.mark.parametrize("quote", quoted_outputs(), ids=lambda b: b.id)
+def test_quoted_failure_is_what_the_code_raises(
+    quote: CodeBlock, pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MODELPATCH_CACHE_DIR", os.environ.get("MODELPATCH_CACHE_DIR") or str(LINT_CACHE))
+    message = quoted_failure(quote, pytester, tmp_path)
+    real = real_lines(message)
+    stale = [line for line in quoted_lines(quote.code) if not any(same_line(line, r) for r in real)]
+    assert not stale, f"{quote.id} quotes lines the failure no longer has:\n" + "\n".join(stale) + f"\n\nreal:\n{message[-6000:]}"
+
+
+def test_the_docs_quote_failures_and_each_quote_is_checked() -> None:
+    quotes = {b.id for b in quoted_outputs()}
+    assert {"docs/quickstart.md", "docs/equivalence.md", "docs/decoding.md"} <= {i.rpartition(":")[0] for i in quotes}
+    assert set(QUOTE_SOURCES) <= {b.directive_arg for b in quoted_outputs()}, "a QUOTE_SOURCES entry no quote uses"
