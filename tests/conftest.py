@@ -58,9 +58,27 @@ def tiny_llama_conftest(pytester: pytest.Pytester) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "tests_ordering: a pytester run that keeps pytest-randomly (not -p no:randomly)")
+    config.addinivalue_line(
+        "markers", "fresh_interpreter: pytester runs start a new interpreter, not a fork of the warm one (tests of what a session imports)"
+    )
+
+
+@pytest.fixture(scope="session")
+def _fork_server() -> Iterator[Any]:
+    """The warm interpreter pytester runs are forked from (``fork_server.py``), one per session and xdist worker."""
+    import tempfile
+
+    from fork_server import ForkServer
+
+    directory = tempfile.mkdtemp(prefix="modelpatch-fork-")  # short: a socket path has at most 107 characters
+    server = ForkServer(__import__("pathlib").Path(directory))
+    yield server
+    server.close()
+    __import__("shutil").rmtree(directory, ignore_errors=True)
 
 
 REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+CLIENT = REPO_ROOT / "tests" / "fork_client.py"
 
 
 @pytest.fixture
@@ -89,6 +107,11 @@ def _repo_on_pytester_path(request: pytest.FixtureRequest, monkeypatch: pytest.M
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    if request.node.get_closest_marker("fresh_interpreter") is None and os.environ.get("MODELPATCH_FORK_SERVER") != "off":
+        # `python -m pytest` forked from a server that imported torch and transformers once (fork_server.py)
+        server = request.getfixturevalue("_fork_server")
+        monkeypatch.setattr(pytester, "_getpytestargs", lambda: (sys.executable, str(CLIENT)))
+        monkeypatch.setenv("MODELPATCH_FORK_SERVER", server.path)
     if request.node.get_closest_marker("tests_ordering") is None:
         # Runs inherit pytest-randomly when it is installed; their expected outcomes assume
         # file order (test_a registers, test_b sees it cleaned up). One place for every run.

@@ -20,6 +20,7 @@ def test_importing_the_plugin_imports_neither_torch_nor_transformers() -> None:
     assert out.strip() == "HEAVY []"
 
 
+@pytest.mark.fresh_interpreter  # what the session imports is the point: not a fork of an interpreter with torch
 def test_a_session_not_using_the_plugin_never_imports_torch(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(
         """
