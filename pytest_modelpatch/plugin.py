@@ -1,5 +1,5 @@
-"""pytest wiring for pytest-modelpatch: options, ini keys, markers, hooks; the fixtures are in
-:mod:`.fixtures` (registered through ``pytest_plugins``), what a test item asks for in :mod:`.items`.
+"""pytest wiring for pytest-modelpatch: options, ini keys, markers, hooks; the fixtures, and what a test
+item asks for, are in :mod:`.fixtures` (registered through ``pytest_plugins``).
 
 Nothing here imports torch or transformers at module level; the modules that do
 the work are imported inside the hooks that need them.
@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.fixtures import FAMILY_PARAM, GPU_SKIP, NoCallspec, item_device, item_model_request, resolve_device
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.leaks import LeakTally
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 from pytest_modelpatch.isolation.scopes import IsolationScopes, leak_mode
-from pytest_modelpatch.items import FAMILY_PARAM, GPU_SKIP, NoCallspec, item_device, item_model_request, resolve_device
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.model_cache import parse_model_cache
 from pytest_modelpatch.reporting.records import set_record_sink

@@ -22,7 +22,7 @@ PACKAGE = REPO_ROOT / "pytest_modelpatch"
 NAME = "pytest_modelpatch"
 SUBPACKAGES = ["compare", "families", "isolation", "lint", "models", "reporting", "roundtrip"]
 
-# room -> the rooms its modules may import (the wiring modules plugin, fixtures, items and cli may import anything;
+# room -> the rooms its modules may import (the wiring modules plugin, fixtures and cli may import anything;
 # reporting.session, the pytest side of reporting, keeps to its room: it hands the session's seed and
 # timing to compare/ through reporting.records, no arrow back up); the data flow of
 # docs/architecture.md, lowest room first
@@ -36,7 +36,7 @@ ALLOWED = {
     "compare": {"errors", "families", "isolation", "models", "reporting"},
     "roundtrip": {"errors", "families", "isolation", "models", "compare", "reporting"},
 }
-WIRING = {f"{NAME}.plugin", f"{NAME}.fixtures", f"{NAME}.items", f"{NAME}.cli", f"{NAME}.__main__", NAME}
+WIRING = {f"{NAME}.plugin", f"{NAME}.fixtures", f"{NAME}.cli", f"{NAME}.__main__", NAME}
 
 
 def _modules() -> dict[str, Path]:
