@@ -83,6 +83,8 @@ def verify_entry(entry: Path, *, full: bool | None = None) -> str | None:
         return f"{manifest} is missing: the entry was never finished"
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{manifest} is unreadable ({exc})"
+    if "config.json" not in files or not any(name.endswith(".safetensors") for name in files):
+        return f"{manifest} lists no config.json or no safetensors file: the save wrote no checkpoint"
     for name, expected in files.items():
         path = entry / name
         try:
