@@ -2,10 +2,12 @@
 
 Liger-Kernel, Unsloth and their kin rebind module globals
 (``modeling_llama.LlamaRMSNorm = LigerRMSNorm``), rebind class attributes
-(``LlamaMLP.forward = fast_forward``) and register attention or mask functions.
+(``LlamaMLP.forward = fast_forward``) and register attention or mask functions;
+tensor-parallel patches set a config class's plan (``LlamaConfig.base_model_tp_plan = {...}``).
 ``LibraryState.take()`` records, by reference, the globals of every loaded
-``transformers.models.*.modeling_*`` module, the ``__dict__`` of the classes
-defined there, and the attention/mask function registries; ``changes()`` compares
+``transformers.models.*.modeling_*`` and ``configuration_*`` module, the ``__dict__`` of the
+classes defined there (and a copy of each config class's parallelism plans, which a patch may
+edit in place), and the attention/mask function registries; ``changes()`` compares
 by identity and ``restore()`` puts the recorded objects back. A module imported
 after the snapshot is compared with what importing it produced (recorded by an
 import hook), and a module re-executed by ``importlib.reload`` is a revert, not a
@@ -28,6 +30,9 @@ from pytest_modelpatch.isolation.redefinition import held_function, redefined
 
 _MISSING: Any = object()
 _MODELS_PREFIX = "transformers.models."
+_WATCHED_PREFIXES = ("modeling_", "configuration_")
+# a config class's parallelism plans: dicts a patch may assign or edit in place
+_PLAN_ATTRIBUTES = ("base_model_tp_plan", "base_model_pp_plan", "base_model_ep_plan", "base_model_fsdp_plan")
 # Registries of name -> function that a library can add to: (module, interface class, singleton, label).
 _REGISTRIES = (
     ("transformers.modeling_utils", "AttentionInterface", "ALL_ATTENTION_FUNCTIONS", "attention function"),
@@ -38,11 +43,13 @@ _CACHE_SUFFIX = "_cached_value"
 _REGISTRY_MODULES = frozenset(module for module, *_ in _REGISTRIES)
 # Set by Python itself at run time, not by a patch (warnings' per-module registry).
 _IGNORED_GLOBALS = frozenset({"__warningregistry__", "__spec__", "__loader__", "__file__", "__cached__"})
+# ...and on a class: copyreg's cache of a class's slots, written when an instance is pickled or deep-copied
+_IGNORED_CLASS_KEYS = frozenset({"__slotnames__"})
 
 
 def is_modeling_module(name: str) -> bool:
-    """``transformers.models.llama.modeling_llama`` and the like; not the auto classes' mapping tables."""
-    return name.startswith(_MODELS_PREFIX) and name.rpartition(".")[2].startswith("modeling_") and ".auto." not in name
+    """``transformers.models.llama.modeling_llama``, ``configuration_llama`` and the like; not the auto classes' tables."""
+    return name.startswith(_MODELS_PREFIX) and name.rpartition(".")[2].startswith(_WATCHED_PREFIXES) and ".auto." not in name
 
 
 def _same(live: Any, saved: dict[str, Any]) -> bool:
@@ -74,12 +81,13 @@ def _recreated(original: Any, fresh: Any) -> bool:
 
 @dataclass
 class _ModuleRecord:
-    """One modeling module's globals and the ``__dict__`` of each class it defines."""
+    """One modeling or configuration module's globals, the ``__dict__`` of each class it defines, its plans' contents."""
 
     module: types.ModuleType
     spec: Any
     globals: dict[str, Any]
     classes: dict[str, tuple[type, dict[str, Any]]]
+    plans: list[tuple[str, dict[Any, Any], dict[Any, Any]]] = field(default_factory=list)  # (owner.attr, live, copy)
 
     @classmethod
     def capture(cls, module: types.ModuleType) -> _ModuleRecord:
@@ -89,7 +97,9 @@ class _ModuleRecord:
             name = module.__name__
             keys = _CLASS_KEYS[name] = [k for k, v in namespace.items() if isinstance(v, type) and v.__module__ == name]
         classes = {k: (v, dict(v.__dict__)) for k in keys if isinstance(v := namespace.get(k), type)}
-        return cls(module, namespace.get("__spec__"), dict(namespace), classes)
+        plans = [(f"{klass.__qualname__}.{attr}", plan, dict(plan)) for klass, own in classes.values()
+                 for attr in _PLAN_ATTRIBUTES if isinstance(plan := own.get(attr), dict)]  # fmt: skip
+        return cls(module, namespace.get("__spec__"), dict(namespace), classes, plans)
 
     @property
     def short(self) -> str:
@@ -107,6 +117,11 @@ class _ModuleRecord:
         for key, (klass, saved) in self.classes.items():
             owner = key if key == klass.__qualname__ else f"{self.short}.{key}"
             found += _reconcile_class(owner, klass, saved, fresh_classes.get(key))
+        for owner, plan, saved_plan in self.plans:
+            if plan != saved_plan:  # edited in place: the same dict, other entries
+                found.append(f"{owner} edited ({_plan_change(saved_plan, plan)})")
+                plan.clear()
+                plan.update(saved_plan)
         return found
 
     def _reconcile_globals(self, namespace: dict[str, Any], reloaded: bool) -> list[str]:
@@ -125,13 +140,19 @@ class _ModuleRecord:
         return found
 
 
+def _plan_change(saved: dict[Any, Any], live: dict[Any, Any]) -> str:
+    changed = [f"{k!r} added" for k in live.keys() - saved.keys()] + [f"{k!r} removed" for k in saved.keys() - live.keys()]
+    changed += [f"{k!r}: {saved[k]!r} -> {live[k]!r}" for k in saved.keys() & live.keys() if saved[k] != live[k]]
+    return ", ".join(sorted(changed))
+
+
 def _reconcile_class(owner: str, klass: type, saved: dict[str, Any], fresh: Any) -> list[str]:
     live = klass.__dict__
     if _same(live, saved):
         return []
     found = []
     for key in list(live.keys() - saved.keys()):
-        if key.endswith(_CACHE_SUFFIX):
+        if key.endswith(_CACHE_SUFFIX) or key in _IGNORED_CLASS_KEYS:
             continue
         found.append(f"{owner}.{key} added")
         delattr(klass, key)
@@ -216,6 +237,7 @@ class LibraryState:
             self._watched = [r.module.__dict__ for r in self.modules.values()]
             self._watched += [klass.__dict__ for r in self.modules.values() for klass, _ in r.classes.values()]
             self._watched += [r.live for r in self.registries]
+            self._watched += [plan for r in self.modules.values() for _, plan, _ in r.plans]
         self._settled = [dict(d) for d in self._watched]
 
     def unchanged(self) -> bool:
