@@ -20,6 +20,7 @@ import torch
 
 from pytest_modelpatch.compare.backward_divergence import BackwardCall, BackwardDivergence, backward_calls, first_backward_divergence
 from pytest_modelpatch.compare.batched import compare_flat_batched
+from pytest_modelpatch.compare.sharded import logical_tensors
 from pytest_modelpatch.compare.divergence import Divergence, first_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, describe_tolerances, flatten_outputs
 from pytest_modelpatch.compare.running import default_inputs, describe_inputs, placement, unwrapped
@@ -162,7 +163,8 @@ def checkpoint_gradients(model: torch.nn.Module, gradients: Mapping[str, torch.T
         return dict(gradients), ""
     from transformers.core_model_loading import revert_weight_conversion
 
-    present = {name: grad for name, grad in gradients.items() if grad is not None}
+    # a sharded model's gradients whole and in the checkpoint's layout first (fused ones are packed per rank)
+    present = logical_tensors(model, {name: grad for name, grad in gradients.items() if grad is not None})
     mapped: dict[str, Any] = dict(revert_weight_conversion(model, present))
     missing = {name: None for name, grad in gradients.items() if grad is None}
     names = ", ".join(sorted({type(op).__name__ for c in conversions for op in getattr(c, "operations", [])}) or {"renamings"})

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, compare_tensors
+from pytest_modelpatch.compare.sharded import whole
 from pytest_modelpatch.compare.tolerance import Tolerance, ToleranceSpec, dtype_label
 
 _Pair = tuple[str, torch.Tensor, torch.Tensor]
@@ -30,6 +31,7 @@ def compare_flat_batched(reference: Mapping[str, Any], patched: Mapping[str, Any
 
     Example: ``compare_flat_batched(ref.gradients, pat.gradients, spec)[0].max_abs``.
     """
+    patched = whole(reference, patched)  # a sharded patched model's DTensors and slices, made whole
     if _nested_under_none(reference, patched):  # compare_flat folds such paths into one problem
         return compare_flat(reference, patched, spec)
     groups: dict[tuple[torch.dtype, torch.device], list[_Pair]] = defaultdict(list)

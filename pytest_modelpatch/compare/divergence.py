@@ -21,6 +21,7 @@ import torch
 
 from pytest_modelpatch.compare.check_report import CheckReport
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, describe_tolerances, flatten_outputs
+from pytest_modelpatch.compare.sharded import sharding_line
 from pytest_modelpatch.compare.running import class_pair, default_inputs, describe_inputs, evaluating, forward, placement, unwrapped
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.training import training_state
@@ -113,11 +114,13 @@ class Divergence:
     input_differences: list[TensorComparison] = field(default_factory=list)
     profile: list[tuple[str, float]] = field(default_factory=list, repr=False)
     mutated_inputs: list[str] = field(default_factory=list)  # changed in place by the patched module only
+    sharding: str = ""  # a sharded patched model: how, and the rank that saw it (compare.sharded.sharding_line)
 
     def __str__(self) -> str:
         call = f" (call {self.index + 1})" if self.index else ""
         classes = class_pair(self.reference_class, self.patched_class)
-        lines = [f"first diverging module: {self.name}{call} ({classes})"]
+        seen = f"; {self.sharding}" if self.sharding else ""
+        lines = [f"first diverging module: {self.name}{call} ({classes}{seen})"]
         if self.mutated_inputs:
             lines.append(
                 f"  it changes its input {', '.join(self.mutated_inputs)} in place, which the original does not: "
@@ -192,6 +195,7 @@ def first_divergence(
     result = found or fallback
     if result is not None:
         result.profile = profile
+        result.sharding = sharding_line(patched)
     return result
 
 

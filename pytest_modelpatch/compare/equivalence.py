@@ -21,6 +21,7 @@ from pytest_modelpatch.compare.running import cache_hint_for, default_inputs, im
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.sharded import sharding_line
 from pytest_modelpatch.compare.timing import timing_if_enabled
 from pytest_modelpatch.models.usage import coverage_lines, unused_message, unused_replacements
 
@@ -113,7 +114,8 @@ def compare_models(
         **placement(reference),
     )  # fmt: skip
     if not report.passed:
-        report.extra += [line for line in (implementations_line(reference, patched), cache_hint_for(patched, comparisons)) if line]
+        found = (implementations_line(reference, patched), cache_hint_for(patched, comparisons), sharding_line(patched))
+        report.extra += [line for line in found if line]
     if locate and not report.passed:
         report.divergence = first_divergence(reference, patched, inputs, spec)
     report.duration_s = time.perf_counter() - start

@@ -81,7 +81,10 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
     Checks run the wrapper (its forward is what users call) and name modules, compare configs
     and read patch usage on the model inside it, whose module names are the reference's.
+    ``DistributedDataParallel`` (a ``parallel("ddp")`` test's patched model) is such a wrapper too.
     """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return unwrapped(model.module)
     get = getattr(model, "get_base_model", None)
     if callable(get):
         base = get()

@@ -263,9 +263,15 @@ def parameter_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None
     """``{name: p.grad for name, p in model.named_parameters() if p.requires_grad}``, from the cached scan.
 
     Same names, order and de-duplication of shared parameters as ``named_parameters``, whose
-    generators cost ~0.1 ms a tiny model on each side of every backward check.
+    generators cost ~0.1 ms a tiny model on each side of every backward check. Under
+    ``DistributedDataParallel`` the names are the wrapped model's, as the reference names them.
     """
-    return {name: param.grad for name, param in _module_scan(model).parameters if param.requires_grad}
+    return {name: param.grad for name, param in _module_scan(data_parallel_inner(model)).parameters if param.requires_grad}
+
+
+def data_parallel_inner(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside ``DistributedDataParallel``, which names parameters and embeddings as the reference does."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 @contextmanager
@@ -359,7 +365,7 @@ class TrainingRun:
 @contextmanager
 def _input_embedding_gradients(model: torch.nn.Module, found: dict[str, torch.Tensor]) -> Iterator[None]:
     """Keep the gradient of every output of the model's input embeddings (one per call)."""
-    getter = getattr(model, "get_input_embeddings", None)
+    getter = getattr(data_parallel_inner(model), "get_input_embeddings", None)
     try:
         embeddings = getter() if getter is not None else None
     except NotImplementedError:  # a model without text embeddings

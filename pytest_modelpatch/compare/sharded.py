@@ -1,0 +1,203 @@
+"""A sharded patched model's tensors made whole before they are compared with the unsharded reference's.
+
+Under ``@pytest.mark.parallel`` the patched model is sharded across the ranks and the reference
+is whole on every rank. What the patched side hands a comparison is then either a ``DTensor``
+(parameters and gradients under tensor parallelism and FSDP2: gathered with ``full_tensor()``)
+or, under tensor parallelism, a rank's plain slice of an activation or a cache tensor: a
+colwise layer's output holds this rank's features, a KV cache this rank's heads. Those are
+all-gathered along the one dimension where they differ from the reference's tensor, in rank
+order. Every rank gathers the same tensors in the same order (the shapes are agreed first in one
+collective), so a comparison stays a collective every rank takes part in: a check on a sharded
+model runs on every rank, as the parallel tests run it.
+
+Slices are gathered only within :func:`gathering_shards` (the ``patched_model`` fixture of a
+``parallel("tp")`` test enters it for the test); ``DTensor`` leaves are made whole always.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+_GATHER_SLICES: ContextVar[bool] = ContextVar("modelpatch_gather_slices", default=False)
+
+
+@contextmanager
+def gathering_shards() -> Iterator[None]:
+    """Within the block, a patched tensor that is one rank's slice of the reference's is gathered whole first.
+
+    Example (in every rank): ``with gathering_shards(): assert_equivalent(reference, tp_model)``.
+    """
+    token = _GATHER_SLICES.set(True)
+    try:
+        yield
+    finally:
+        _GATHER_SLICES.reset(token)
+
+
+def _distributed() -> Any:
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    return torch.distributed
+
+
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
+
+
+def whole(reference: Mapping[str, Any], patched: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``patched`` with every ``DTensor`` gathered and, when gathering, every rank's slice all-gathered.
+
+    Returns ``patched`` itself when there is nothing to gather (outside a process group, no DTensor).
+    """
+    dist = _distributed()
+    if dist is None:
+        return patched
+    slices = _GATHER_SLICES.get() and dist.get_world_size() > 1
+    if not slices and not any(_is_dtensor(v) for v in patched.values()):
+        return patched
+    local = {p: tuple(v.shape) for p, v in patched.items() if isinstance(v, torch.Tensor) and not _is_dtensor(v)}
+    every: list[Any] = [None] * dist.get_world_size()
+    if slices:
+        dist.all_gather_object(every, local)  # one collective: every rank then decides the same gathers
+    out = dict(patched)
+    for path, value in patched.items():
+        if _is_dtensor(value):
+            out[path] = value.full_tensor()
+            continue
+        ref = reference.get(path)
+        if not slices or not isinstance(value, torch.Tensor) or not isinstance(ref, torch.Tensor):
+            continue
+        dim = _split_dim(tuple(ref.shape), [shapes.get(path) for shapes in every])
+        if dim is not None:
+            out[path] = _all_gather(value, dim, [shapes[path][dim] for shapes in every], dist)
+    return out
+
+
+def _split_dim(full: tuple[int, ...], shapes: list[tuple[int, ...] | None]) -> int | None:
+    """The one dimension along which the ranks' shapes split ``full`` (sizes summing to it), else ``None``."""
+    if any(s is None or len(s) != len(full) for s in shapes) or all(s == full for s in shapes):
+        return None
+    differing = {d for s in shapes for d, (a, b) in enumerate(zip(s, full)) if a != b}  # type: ignore[arg-type]
+    if len(differing) != 1:
+        return None
+    (dim,) = differing
+    if any(s[:dim] + s[dim + 1 :] != full[:dim] + full[dim + 1 :] for s in shapes):  # type: ignore[index]
+        return None
+    return dim if sum(s[dim] for s in shapes) == full[dim] else None  # type: ignore[index]
+
+
+def _all_gather(value: torch.Tensor, dim: int, sizes: list[int], dist: Any) -> torch.Tensor:
+    """Every rank's slice along ``dim``, concatenated in rank order (slices may differ in size: padded to send)."""
+    largest = max(sizes)
+    padded = value.detach().contiguous()
+    if padded.shape[dim] < largest:
+        pad = list(padded.shape)
+        pad[dim] = largest - padded.shape[dim]
+        padded = torch.cat([padded, padded.new_zeros(pad)], dim=dim)
+    pieces = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(pieces, padded)
+    return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes)], dim=dim)
+
+
+def sharding_line(model: torch.nn.Module) -> str:
+    """``"sharded: tensor parallel over 2 ranks (gloo), seen on rank 0"`` for a sharded model, else ``""``.
+
+    What a failure says about where it was seen; the rank is this process's.
+    """
+    dist = _distributed()
+    if dist is None or dist.get_world_size() < 2:
+        return ""
+    kind = sharding_kind(model)
+    if kind is None:
+        return ""
+    return f"sharded: {kind} over {dist.get_world_size()} ranks ({dist.get_backend()}), seen on rank {dist.get_rank()}"
+
+
+def sharding_kind(model: torch.nn.Module) -> str | None:
+    """How ``model`` is sharded: ``"DistributedDataParallel"``, ``"FSDP2"``, ``"tensor parallel"``, or ``None``."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "DistributedDataParallel"
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "FSDP2"
+    if any(_is_dtensor(p) for p in model.parameters()):
+        return "tensor parallel"
+    return None
+
+
+def logical_tensors(model: torch.nn.Module, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """A sharded model's parameters or gradients made whole, each in the layout its checkpoint names describe.
+
+    A ``DTensor`` is gathered with ``full_tensor()``, except one that a weight conversion filled from
+    several checkpoint tensors (a fused ``qkv_proj`` from ``q/k/v_proj``): transformers shards each of
+    those before fusing them, so a rank holds ``[q_r | k_r | v_r]`` while the placement says a plain
+    ``Shard``, and ``full_tensor()`` would interleave the ranks' slices. Such a tensor is rebuilt as
+    ``[q | k | v]``, which the conversion's reverse then splits as ``save_pretrained`` would.
+    Every rank must call this with the same names, in the same order.
+    """
+    dist = _distributed()
+    if dist is None or not any(_is_dtensor(v) for v in tensors.values()):
+        return dict(tensors)
+    out = {}
+    for name, value in tensors.items():
+        if not _is_dtensor(value):
+            out[name] = value
+            continue
+        dim = _shard_dim(value)
+        sizes = _fused_source_sizes(model, name, tuple(value.shape), dim) if dim is not None else None
+        out[name] = value.full_tensor() if sizes is None else _unpack_fused(value.to_local(), dim, sizes, dist)  # type: ignore[arg-type]
+    return out
+
+
+def _shard_dim(value: Any) -> int | None:
+    """The dimension a one-mesh-dimension ``Shard`` placement splits (not a strided one), else ``None``."""
+    placements = getattr(value, "placements", ())
+    if len(placements) != 1 or type(placements[0]).__name__ != "Shard":
+        return None
+    return placements[0].dim % value.dim()
+
+
+def _fused_source_sizes(model: torch.nn.Module, name: str, shape: tuple[int, ...], dim: int) -> list[int] | None:
+    """The sizes along ``dim`` of the checkpoint tensors a conversion fused into ``name``, in order; ``None`` if not fused."""
+    if not getattr(model, "_weight_conversions", None):
+        return None
+    from transformers.core_model_loading import revert_weight_conversion
+
+    try:
+        split = revert_weight_conversion(model, {name: torch.empty(shape, device="meta")})
+    except Exception:  # noqa: BLE001 - a reverse op that cannot run on meta tensors: gathered as it is
+        return None
+    parts = [t[0] if isinstance(t, list) else t for t in split.values()]
+    if len(parts) < 2 or not all(isinstance(p, torch.Tensor) and p.dim() == len(shape) for p in parts):
+        return None
+    rest = [shape[:dim] + shape[dim + 1 :] == tuple(p.shape[:dim] + p.shape[dim + 1 :]) for p in parts]
+    sizes = [int(p.shape[dim]) for p in parts]
+    return sizes if all(rest) and sum(sizes) == shape[dim] else None
+
+
+def _chunk(size: int, rank: int, world: int) -> tuple[int, int]:
+    """(offset, length) of rank ``rank``'s ``Shard`` slice of ``size`` elements (``torch.chunk``'s sizes)."""
+    step = -(-size // world)
+    start = min(rank * step, size)
+    return start, min(step, size - start)
+
+
+def _unpack_fused(local: torch.Tensor, dim: int, sizes: list[int], dist: Any) -> torch.Tensor:
+    """The logical ``[s1 | s2 | ...]`` from every rank's ``[s1_r | s2_r | ...]``."""
+    world = dist.get_world_size()
+    held = [sum(_chunk(size, r, world)[1] for size in sizes) for r in range(world)]
+    locals_ = _all_gather(local, dim, held, dist).split(held, dim=dim)
+    sources = []
+    for s, size in enumerate(sizes):
+        pieces = []
+        for r, block in enumerate(locals_):
+            offset = sum(_chunk(sizes[i], r, world)[1] for i in range(s))
+            pieces.append(block.narrow(dim, offset, _chunk(size, r, world)[1]))
+        sources.append(torch.cat(pieces, dim=dim))
+    return torch.cat(sources, dim=dim)
