@@ -68,3 +68,7 @@ class ModelPatchWarning(UserWarning):
 
 class ModelMismatchError(ModelPatchError):
     """A check was given two different models (family, architecture or config shape) to compare."""
+
+
+class RankPoolError(ModelPatchError):
+    """The rank processes of a ``@pytest.mark.parallel`` test could not be started (the reason and their output follow)."""

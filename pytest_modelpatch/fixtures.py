@@ -8,7 +8,9 @@ Nothing here imports torch or transformers at module level; each fixture imports
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -17,6 +19,7 @@ from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.scopes import patch_spec
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.model_cache import parse_model_cache
+from pytest_modelpatch.parallel.session import in_rank, parallel_spec
 from pytest_modelpatch.reporting.session import note_implementations
 
 if TYPE_CHECKING:
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------
 
 
+CHECKPOINTS_ENV = "MODELPATCH_CHECKPOINTS"  # a rank's checkpoint folder: the one of the session that started it
 GPU_SKIP = pytest.StashKey[str]()  # why a test was skipped for want of a GPU: its report points at the test
 FAMILY_PARAM = "_modelpatch_family"  # the parameter a list of model types in @pytest.mark.model sweeps over
 
@@ -150,11 +154,19 @@ def model_builder(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
     """Session cache of seeded checkpoints and reference models (checkpoints shared across xdist workers)."""
     from pytest_modelpatch.models.builder import ModelBuilder
 
+    bound = parse_model_cache(request.config.getini("modelpatch_model_cache"))
+    return ModelBuilder(checkpoint_root(tmp_path_factory), model_cache=bound)
+
+
+def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where this session's seeded checkpoints are saved, shared by its xdist workers and parallel ranks."""
+    shared = os.environ.get(CHECKPOINTS_ENV)
+    if shared and in_rank():  # a rank uses the folder of the process that sent it the test
+        return Path(shared)
     base = tmp_path_factory.getbasetemp()
     # under xdist every worker's basetemp sits in one run directory: share the checkpoints there
     root = base.parent if devices.xdist_worker_index() is not None else base
-    bound = parse_model_cache(request.config.getini("modelpatch_model_cache"))
-    return ModelBuilder(root / "modelpatch-checkpoints", model_cache=bound)
+    return root / "modelpatch-checkpoints"
 
 
 def _warn_shared_implementations(model_request: ModelRequest, nodeid: str) -> None:
@@ -192,17 +204,58 @@ def reference_model(model_builder: ModelBuilder, device: str, dtype: Any, reques
 def patched_model(
     model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest
 ) -> Iterator[Any]:
-    """The same weights loaded with this test's patches and conversions (``@pytest.mark.patch``)."""
+    """The same weights loaded with this test's patches and conversions (``@pytest.mark.patch``).
+
+    In a rank of a ``@pytest.mark.parallel`` test, sharded the way its kind says (the reference is not).
+    """
     from pytest_modelpatch.isolation.guard import PatchStateGuard
 
     model_request = required_model_request(request)
     guard = PatchStateGuard()  # fusion_config registers global patches while loading
     try:
-        model = model_builder.patched(model_request, dtype=dtype, device=device, choices=load_choices(request))
+        choices, kind = sharded_choices(request, model_builder, model_request, dtype, device)
+        model = model_builder.patched(model_request, dtype=dtype, device=device, choices=choices)
         note_implementations(request.node, "patched", model)
-        yield model
+        if kind == "tp":  # its activations and caches hold this rank's slice: gathered for each comparison
+            from pytest_modelpatch.compare.sharded import gathering_shards
+
+            with gathering_shards():
+                yield model
+        else:
+            yield model
     finally:
         guard.restore()
+
+
+def sharded_choices(
+    request: pytest.FixtureRequest, model_builder: ModelBuilder, model_request: ModelRequest, dtype: Any, device: str
+) -> tuple[LoadChoices | None, str | None]:
+    """The patched load's choices, with the sharding of the test's ``parallel`` kind when this process is a rank."""
+    choices = load_choices(request)
+    spec = parallel_spec(request.node) if in_rank() else None
+    if spec is None or spec.kind is None:
+        return choices, None
+    from pytest_modelpatch.models.builder import LoadChoices
+    from pytest_modelpatch.parallel import sharding
+
+    reference = model_builder.reference(model_request, dtype=dtype, device=device, choices=choices)
+    kwargs = dict(choices.kwargs) if choices is not None else {}
+    transforms = tuple(choices.transforms) if choices is not None else ()
+    if spec.kind == "tp":
+        marks = patch_spec(request.node)
+        structure = model_builder.patched_structure(model_request, dtype=dtype)
+        plan = sharding.resolve_tp_plan(marks.tp_plan if marks is not None else {}, structure, reference)
+        if plan.empty:
+            pytest.skip(
+                f"{type(reference).__name__} has no tensor-parallel plan (its config's base_model_tp_plan is empty): "
+                "parallel('tp') cannot shard it; give one with @pytest.mark.patch(tp_plan={...})"
+            )
+        kwargs.update(sharding.tp_load_kwargs(plan))
+    elif spec.kind == "fsdp":
+        transforms += (sharding.fully_shard_layers(sharding.decoder_layer_paths(reference)),)
+    else:
+        transforms += (sharding.data_parallel,)
+    return LoadChoices(kwargs, transforms), spec.kind
 
 
 @pytest.fixture

@@ -15,13 +15,17 @@ from typing import Any
 import pytest
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.fixtures import FAMILY_PARAM, GPU_SKIP, NoCallspec, item_device, item_model_request, resolve_device
+from pytest_modelpatch.fixtures import (
+    CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, checkpoint_root, item_device, item_model_request, resolve_device,
+)
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.leaks import LeakTally
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 from pytest_modelpatch.isolation.scopes import IsolationScopes, leak_mode
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.model_cache import parse_model_cache
+from pytest_modelpatch.parallel.marker import PARALLEL_MARKER_HELP, ParallelSpec
+from pytest_modelpatch.parallel.session import ParallelSession, in_rank
 from pytest_modelpatch.reporting.records import set_record_sink
 from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink
 
@@ -41,6 +45,7 @@ MARKERS = {
     "models included), families='all' once per family; an unknown keyword is a usage error",
     "tolerance": "tolerance(*, atol=None, rtol=None, policy=None): tolerance for this test's equivalence checks "
     "(arguments > this marker > modelpatch_atol/modelpatch_rtol ini > the per-dtype policy)",
+    "parallel": PARALLEL_MARKER_HELP,
 }
 
 
@@ -143,6 +148,11 @@ def pytest_configure(config: pytest.Config) -> None:
         plugin_fixtures=PLUGIN_FIXTURES,
     )  # fmt: skip
     config.pluginmanager.register(scopes, "modelpatch-isolation")
+    if not in_rank():  # a rank runs the tests it is sent; the process that sent them runs them in ranks
+        rank_env = lambda: {CHECKPOINTS_ENV: str(checkpoint_root(config._tmp_path_factory))}  # noqa: E731
+        config.pluginmanager.register(
+            ParallelSession(config, session.session_seed(config), _parallel_backend, rank_env), "modelpatch-parallel"
+        )
     hold_for_session(True)
     if config.get_verbosity() > 0:
         from pytest_modelpatch.models.quiet import set_verbose_loads  # torch-free
@@ -328,6 +338,20 @@ def _set_test_tolerance(item: pytest.Item) -> Any:
         )
     )
     return set_test_tolerance(*overrides)
+
+
+def _parallel_backend(item: pytest.Item, spec: ParallelSpec) -> str:
+    """gloo on the CPU; nccl on CUDA, with a GPU per rank (else the test skips, or fails under --modelpatch-require-gpu)."""
+    requested = item_device(item)
+    if not devices.needs_gpu(requested):
+        return "gloo"
+    resolve_device(item, requested)  # skips without a GPU
+    problem = devices.parallel_gpu_problem(spec.world_size, devices.cuda_status())
+    if problem is not None:
+        if item.config.getoption("modelpatch_require_gpu"):
+            pytest.fail(f"{problem}; --modelpatch-require-gpu forbids skipping it", pytrace=False)
+        pytest.skip(problem)
+    return "nccl"
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

@@ -20,7 +20,7 @@ import pytest_modelpatch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = REPO_ROOT / "pytest_modelpatch"
 NAME = "pytest_modelpatch"
-SUBPACKAGES = ["compare", "families", "isolation", "lint", "models", "reporting", "roundtrip"]
+SUBPACKAGES = ["compare", "families", "isolation", "lint", "models", "parallel", "reporting", "roundtrip"]
 
 # room -> the rooms its modules may import (the wiring modules plugin, fixtures and cli may import anything;
 # reporting.session, the pytest side of reporting, keeps to its room: it hands the session's seed and
@@ -35,6 +35,7 @@ ALLOWED = {
     "models": {"errors", "families", "isolation", "lint"},
     "compare": {"errors", "families", "isolation", "models", "reporting"},
     "roundtrip": {"errors", "families", "isolation", "models", "compare", "reporting"},
+    "parallel": {"errors", "reporting"},
 }
 WIRING = {f"{NAME}.plugin", f"{NAME}.fixtures", f"{NAME}.cli", f"{NAME}.__main__", NAME}
 

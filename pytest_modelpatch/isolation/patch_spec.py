@@ -16,13 +16,13 @@ from pytest_modelpatch.errors import PatchUsageError
 
 PATCH_MARKER_HELP = (
     "patch(mapping=None, *, conversions=None, overwrite=False, methods=None, allow=None, context=None, "
-    "attn_implementation=None, experts_implementation=None, load_kwargs=None, transform=None, **context_kwargs):"
-    " register transformers patches for this test and restore all global patch state afterwards; the load choices "
-    "and transforms reach the patched model only"
+    "attn_implementation=None, experts_implementation=None, load_kwargs=None, transform=None, tp_plan=None, "
+    "**context_kwargs): register transformers patches for this test and restore all global patch state afterwards; "
+    "the load choices, transforms and tensor-parallel plan entries reach the patched model only"
 )
 _KEYWORDS = (
     "mapping", "conversions", "overwrite", "methods", "allow", "context",
-    "attn_implementation", "experts_implementation", "load_kwargs", "transform",
+    "attn_implementation", "experts_implementation", "load_kwargs", "transform", "tp_plan",
 )  # fmt: skip
 # the from_pretrained choices of both markers that select an implementation; the builder loads the
 # reference with transformers' eager one on each axis only the patch marker sets
@@ -46,6 +46,8 @@ class PatchSpec:
     # from_pretrained choices for the patched load only: implementations, then any other keyword
     load_kwargs: dict[str, Any] = field(default_factory=dict)
     transforms: list[Callable[[Any], Any]] = field(default_factory=list)  # fn(model) -> model or None, in order
+    # entries merged into the patched model's tensor-parallel plan under @pytest.mark.parallel("tp"); None removes one
+    tp_plan: dict[str, str | None] = field(default_factory=dict)
     _origin: dict[tuple[str, str], str] = field(default_factory=dict)
 
     @property
@@ -128,6 +130,7 @@ def _merge_mark(spec: PatchSpec, mark: pytest.Mark, where: str) -> None:
         spec.allow.setdefault(key, [])
         spec.allow[key].extend(k for k in kinds_list if k not in spec.allow[key])
     _merge_load_choices(spec, kwargs, where)
+    _merge_tp_plan(spec, kwargs.get("tp_plan"), where)
     if context is not None:
         if not callable(context):
             raise PatchUsageError(
@@ -168,3 +171,18 @@ def _merge_load_choices(spec: PatchSpec, kwargs: dict[str, Any], where: str) -> 
             )
         if transform not in spec.transforms:
             spec.transforms.append(transform)
+
+
+def _merge_tp_plan(spec: PatchSpec, given: Any, where: str) -> None:
+    if given is None:
+        return
+    if not isinstance(given, Mapping) or not all(
+        isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in given.items()
+    ):
+        raise PatchUsageError(
+            f"@pytest.mark.patch on {where}: tp_plan must be a dict {{module pattern: style or None}}, written as "
+            "config.base_model_tp_plan is, e.g. {'layers.*.self_attn.qkv_proj': 'colwise', "
+            f"'layers.*.self_attn.q_proj': None}}; got {given!r}."
+        )
+    for key, value in given.items():
+        spec._merge_key("tp_plan", spec.tp_plan, key, value, where)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.models.checkpoints import check_init, cached_checkpoint, load_pretrained
+from pytest_modelpatch.models.checkpoints import check_init, cached_checkpoint, checkpoint_model_class, load_pretrained
 from pytest_modelpatch.models.specs import ModelSpec, resolve_model_spec  # fmt: skip
 from pytest_modelpatch.models.devices import dtype_name
 from pytest_modelpatch.models.model_cache import CacheBound, ModelCache
@@ -273,6 +273,21 @@ class ModelBuilder:
             if scope is not None:
                 scope.settle()  # an instance patcher may rebind class or module attributes
         return model
+
+
+    def patched_structure(self, request: ModelRequest, *, dtype: Any = "float32") -> torch.nn.Module:
+        """The patched model's modules on the meta device: what a load with the patches registered now builds.
+
+        No weights are read or allocated (milliseconds): enough to check a plan against its names
+        before a sharded load. ``from_config`` applies the registered patch mapping, as loading does.
+        """
+        from transformers import AutoConfig
+
+        path = self.checkpoint(request, dtype=dtype)
+        cls = checkpoint_model_class(path)
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            return cls._from_config(config)
 
 
 def module_class_names(model: torch.nn.Module) -> set[str]:

@@ -115,3 +115,13 @@ def gpu_missing_reason(device: str, cuda: CudaStatus) -> str | None:
     if index and int(index) >= cuda.device_count:
         return f"needs {device}, but this machine has {cuda.device_count} CUDA device(s)"
     return None
+
+
+def parallel_gpu_problem(world_size: int, cuda: CudaStatus) -> str | None:
+    """Why ``world_size`` ranks cannot each have a GPU here (nccl needs one per rank), or ``None``.
+
+    Example: ``parallel_gpu_problem(2, CudaStatus(True, 1))`` names the missing GPU.
+    """
+    if cuda.device_count >= world_size:
+        return None
+    return f"needs a CUDA GPU for each of its {world_size} ranks (nccl), and this machine has {cuda.device_count}"

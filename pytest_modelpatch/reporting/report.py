@@ -144,13 +144,21 @@ def speedup_cell(row: dict[str, Any]) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def parallel_cell(row: dict[str, Any]) -> str:
+    """``/tp2`` after the device of a row from a ``parallel("tp")`` test over 2 ranks (``/ranks2`` unsharded), else ``""``."""
+    parallel = row.get("parallel")
+    if not isinstance(parallel, dict):
+        return ""
+    return f"/{parallel.get('kind') or 'ranks'}{parallel.get('world_size')}"
+
+
 def summary_lines(rows: list[dict[str, Any]], limit: int = 20) -> list[str]:
     """A compact table of checks, worst max abs error first; a ``speedup`` column when any check was timed."""
     ordered = sorted(rows, key=worst_first)
     timed = any(speedup(r) is not None for r in rows)
     table = [("outcome", "max abs", "max rel", *(("speedup",) if timed else ()), "check", "model", "dtype@device", "test")]
     for r in ordered[:limit]:
-        where = f"{r.get('dtype') or '-'}@{r.get('device') or '-'}"
+        where = f"{r.get('dtype') or '-'}@{r.get('device') or '-'}{parallel_cell(r)}"
         table.append((shown_outcome(r["outcome"], bool(r.get("expected_failure"))), figure(r.get("max_abs_error")), figure(r.get("max_rel_error")),
                       *((speedup_cell(r),) if timed else ()), r["check"], r.get("model") or "-", where, r["nodeid"]))  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]

@@ -1,0 +1,140 @@
+"""The pytest side of parallel tests: a test marked ``parallel`` runs in the ranks, not here.
+
+:class:`ParallelSession` is registered by ``plugin.py`` in every process that runs tests (each
+pytest-xdist worker, or the single process), never in a rank. For a marked test it takes over
+``pytest_runtest_protocol`` as xdist's controller does for its workers: it logs the test's start,
+hands it to the pool of its world size and backend, logs the merged reports of the ranks
+(:mod:`.outcomes`), and logs its end. Pools are started on first use and kept for the session.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from pytest_modelpatch.errors import PatchUsageError, RankPoolError
+from pytest_modelpatch.parallel.marker import ParallelSpec
+from pytest_modelpatch.parallel.outcomes import merge
+from pytest_modelpatch.parallel.pool import RankOutcome, RankPool
+
+RANK_ENV = "MODELPATCH_RANK"  # set in every rank process: the plugin there runs tests, it does not dispatch them
+
+
+def in_rank() -> bool:
+    """This process is a rank of a parallel test's pool."""
+    return os.environ.get(RANK_ENV) is not None
+
+
+def parallel_spec(item: pytest.Item) -> ParallelSpec | None:
+    """The test's ``@pytest.mark.parallel``, validated; ``None`` when it has none."""
+    mark = item.get_closest_marker("parallel")
+    if mark is None:
+        return None
+    return ParallelSpec.from_marker(mark.args, mark.kwargs, item.nodeid)
+
+
+def rank_arguments(config: pytest.Config, seed: int) -> list[str]:
+    """The pytest arguments of a rank's session: this session's ini file, rootdir and modelpatch options.
+
+    The ranks neither distribute (no xdist) nor reorder (no randomly): they run what they are sent.
+    ``addopts`` is left out (it may hold ``-n``); the ini file's markers and filters still apply.
+    """
+    args = ["-p", "no:xdist", "-p", "no:randomly", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
+            f"--rootdir={config.rootpath}", f"--import-mode={config.getoption('importmode')}",
+            f"--modelpatch-seed={seed}"]  # fmt: skip
+    if config.inipath is not None:
+        args += ["-c", str(config.inipath)]
+    for dest, flag in (("modelpatch_device", "--modelpatch-device"), ("modelpatch_checkpoint", "--modelpatch-checkpoint"),
+                       ("modelpatch_leaks", "--modelpatch-leaks")):  # fmt: skip
+        value = config.getoption(dest)
+        if value:
+            args.append(f"{flag}={value}")
+    for dest, flag in (("modelpatch_require_gpu", "--modelpatch-require-gpu"), ("modelpatch_verify_cache", "--modelpatch-verify-cache"),
+                       ("modelpatch_timing", "--modelpatch-timing")):  # fmt: skip
+        if config.getoption(dest):
+            args.append(flag)
+    for warning in config.known_args_namespace.pythonwarnings or []:
+        args += ["-W", warning]
+    if config.getoption("strict_markers", False):
+        args.append("--strict-markers")
+    return args
+
+
+class ParallelSession:
+    """Runs this process's parallel tests in pools of ranks, one pool per (world size, backend).
+
+    ``backend_of(item)`` names the test's backend (``gloo``, or ``nccl`` for a CUDA device) or
+    skips it (no GPU, too few GPUs); ``rank_env()`` what the ranks' environment adds (where this
+    session keeps its checkpoints, so ranks and workers share them). ``plugin.py`` gives both, since
+    devices and checkpoints are the fixtures' to resolve.
+    """
+
+    def __init__(
+        self, config: pytest.Config, seed: int, backend_of: Callable[[pytest.Item, ParallelSpec], str],
+        rank_env: Callable[[], dict[str, str]],
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.seed = seed
+        self.backend_of = backend_of
+        self.rank_env = rank_env
+        self.pools: dict[tuple[int, str], RankPool] = {}
+
+    def pool(self, world_size: int, backend: str) -> RankPool:
+        """The pool for ``world_size`` ranks on ``backend``: kept, or started (again, after a crash or a hang)."""
+        key = (world_size, backend)
+        pool = self.pools.get(key)
+        if pool is None or pool.broken:
+            pool = self.pools[key] = RankPool(world_size, backend, rank_arguments(self.config, self.seed), self.rank_env())
+        return pool
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        if item.get_closest_marker("parallel") is None:
+            return None
+        ihook = item.ihook
+        ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        for report in self._reports(item):
+            ihook.pytest_runtest_logreport(report=report)
+        ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    def _reports(self, item: pytest.Item) -> list[pytest.TestReport]:
+        setup = pytest.CallInfo.from_call(lambda: self._spec_and_backend(item), "setup")
+        if setup.excinfo is not None:
+            return [item.ihook.pytest_runtest_makereport(item=item, call=setup)]
+        spec, backend = setup.result
+        try:
+            pool = self.pool(spec.world_size, backend)
+        except RankPoolError as exc:
+            outcome = RankOutcome(0, error=f"the ranks did not start: {exc}")
+            return merge(item, spec, backend, [outcome], self._deserialize)
+        outcomes = pool.run({"arg": _collect_arg(item), "nodeid": item.nodeid}, spec.timeout)
+        return merge(item, spec, backend, outcomes, self._deserialize)
+
+    def _spec_and_backend(self, item: pytest.Item) -> tuple[ParallelSpec, str]:
+        try:
+            spec = parallel_spec(item)
+        except PatchUsageError as exc:  # the message says what to fix: no traceback through the plugin
+            pytest.fail(f"PatchUsageError: {exc}", pytrace=False)
+        assert spec is not None
+        return spec, self.backend_of(item, spec)
+
+    def _deserialize(self, data: dict[str, Any]) -> pytest.TestReport:
+        return self.config.hook.pytest_report_from_serializable(config=self.config, data=data)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self.close()
+
+
+def _collect_arg(item: pytest.Item) -> str:
+    """The command-line argument that collects ``item`` alone, from any working directory: its file's path and id."""
+    _, _, rest = item.nodeid.partition("::")
+    return f"{item.path}::{rest}" if rest else str(item.path)

@@ -1,0 +1,132 @@
+"""How each kind of ``@pytest.mark.parallel`` shards the patched model in a rank (the reference stays whole).
+
+- ``"tp"``: transformers' own tensor parallelism at load, ``distributed_config=DistributedConfig(tp_plan=...)``
+  (``tp_plan=`` on releases without it), with the patch marks' ``tp_plan`` entries merged in;
+- ``"fsdp"``: torch's ``fully_shard`` on each decoder layer, then on the model, as accelerate and trl do;
+- ``"ddp"``: ``DistributedDataParallel`` around the model.
+
+Before a TP load the plan is checked against the patched model's own structure (built on the
+meta device with the test's patches): an entry that names nothing, or a plan entry of transformers'
+that named a module the patch replaced, is a usage error here. transformers itself only logs the
+second, on rank 0, and then runs that module unsharded (or fails on a shape much later).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pytest_modelpatch.errors import PatchUsageError
+
+# a plan entry the patch marks remove: transformers' style that shards nothing and hooks nothing
+REPLICATE = "replicate"
+
+
+def wildcard_names(model: torch.nn.Module) -> set[str]:
+    """Every module and parameter name with layer numbers as ``*``, as transformers matches plan keys."""
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    return {re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), n) for n in names if n}
+
+
+@dataclass
+class TensorParallelPlan:
+    """The patched model's plan: transformers' (from its config and classes) with the marks' entries merged."""
+
+    override: dict[str, str] = field(default_factory=dict)  # what DistributedConfig(tp_plan=...) is given
+    effective: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not any(style != REPLICATE for style in self.effective.values())
+
+
+def resolve_tp_plan(entries: Mapping[str, str | None], patched_structure: torch.nn.Module, reference: torch.nn.Module) -> TensorParallelPlan:
+    """Merge the marks' ``tp_plan`` entries into the patched model's plan; refuse entries that shard nothing.
+
+    ``entries`` are written as in ``config.base_model_tp_plan`` (``"layers.*.self_attn.qkv_proj"``) or
+    from the top model (``"lm_head"``, ``"model.layers.*.mlp"``); ``None`` removes an entry.
+    ``patched_structure`` is the patched model on the meta device, ``reference`` the whole reference.
+    """
+    names = wildcard_names(patched_structure)
+    base = dict(getattr(patched_structure, "tp_plan", None) or {})
+    prefix = _base_prefix(patched_structure)
+    plan = TensorParallelPlan()
+    problems = []
+    for key, style in entries.items():
+        top = key if key in names or key in base or not prefix else f"{prefix}.{key}"
+        if top not in names and top not in base:
+            close = difflib.get_close_matches(top, sorted(names), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            problems.append(f"tp_plan entry {key!r} names no module or parameter of the patched model.{hint}")
+            continue
+        plan.override[top] = REPLICATE if style is None else str(style)
+    plan.effective = {**base, **plan.override}
+    reference_names = wildcard_names(reference)
+    for key, style in plan.effective.items():
+        if style != REPLICATE and key not in names and key in reference_names:
+            problems.append(
+                f"tp_plan entry {key!r} ({style}, transformers' plan for this model) shards a module the patch replaced: "
+                "the patched model has no such module, so it would run unsharded (transformers only logs this, on "
+                f"rank 0). Plan the modules that replaced it, and remove this entry: tp_plan={{{key!r}: None, ...}}."
+            )
+    if problems:
+        raise PatchUsageError("the tensor-parallel plan does not fit the patched model:\n  " + "\n  ".join(problems))
+    return plan
+
+
+def _base_prefix(model: torch.nn.Module) -> str:
+    """``"model"`` when the top model holds its base model there (LlamaForCausalLM), else ``""``."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return prefix if prefix and getattr(model, "base_model", model) is not model else ""
+
+
+def tp_load_kwargs(plan: TensorParallelPlan) -> dict[str, Any]:
+    """The ``from_pretrained`` keywords that shard the model with ``plan`` across the process group."""
+    override: Any = plan.override or "auto"
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:  # transformers before DistributedConfig took the plan: tp_plan= on from_pretrained
+        return {"tp_plan": override}
+    return {"distributed_config": DistributedConfig(tp_plan=override)}
+
+
+def decoder_layer_paths(reference: torch.nn.Module) -> list[str]:
+    """Where the reference's decoder layers are (its ``_no_split_modules`` classes), outermost first.
+
+    The patched model is sharded at the same places, whatever class a patch put there.
+    """
+    classes = set(getattr(reference, "_no_split_modules", None) or [])
+    found: list[str] = []
+    for name, module in reference.named_modules():
+        if name and type(module).__name__ in classes and not any(name.startswith(f"{outer}.") for outer in found):
+            found.append(name)
+    return found
+
+
+def fully_shard_layers(layer_paths: list[str]) -> Callable[[torch.nn.Module], torch.nn.Module]:
+    """A transform: ``fully_shard`` each module at ``layer_paths``, then the model (FSDP2, as accelerate applies it)."""
+
+    def shard(model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        modules = dict(model.named_modules())
+        for path in layer_paths:
+            if path in modules:
+                fully_shard(modules[path])
+        fully_shard(model)
+        return model
+
+    shard.__name__ = "fully_shard"
+    return shard
+
+
+def data_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """A transform: the model inside ``DistributedDataParallel`` (on its own GPU under nccl)."""
+    device = next(model.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
