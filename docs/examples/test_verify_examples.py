@@ -13,6 +13,7 @@ from fixtures.patches import (
     bert_broad_attention,
     llama_fused_qkv,
     llama_fused_qkv_noncausal,
+    llama_fused_qkv_tp,
     llama_nan_guard_mlp,
     llama_past_key_values_only,
     mechanisms,
@@ -50,6 +51,21 @@ def test_qwen2_moe_module_list_experts_and_fused_qkv(reference_model, patched_mo
 @pytest.mark.model("qwen3_moe")
 @pytest.mark.patch(qwen3_moe_router.MAPPING)
 def test_qwen3_moe_replayable_router(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    _verify(reference_model, patched_model)
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(llama_fused_qkv_tp.MAPPING, conversions=llama_fused_qkv_tp.CONVERSIONS, tp_plan=llama_fused_qkv_tp.TP_PLAN)
+@pytest.mark.parallel("tp")
+def test_fused_qkv_llama_sharded_by_tensor_parallelism(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    _verify(reference_model, patched_model)
+
+
+@pytest.mark.xfail(strict=True, reason="caught: packed_colwise shards the fused qkv_proj a second time under tensor parallelism")
+@pytest.mark.model("llama")
+@pytest.mark.patch(llama_fused_qkv_tp.MAPPING, conversions=llama_fused_qkv_tp.CONVERSIONS, tp_plan=llama_fused_qkv_tp.TP_PLAN_PACKED)
+@pytest.mark.parallel("tp")
+def test_caught_fused_qkv_with_a_packed_plan_under_tensor_parallelism(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
     _verify(reference_model, patched_model)
 
 
