@@ -131,12 +131,12 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         leaks = leak_mode(config)
         parse_model_cache(config.getini("modelpatch_model_cache"))
-        devices.requested_device(config.getoption("modelpatch_device"))
+        default_device = devices.requested_device(config.getoption("modelpatch_device"))
     except PatchUsageError as exc:
         raise pytest.UsageError(str(exc)) from None
     from pytest_modelpatch.reporting import session  # torch-free: reads options, registers the report hooks
 
-    session.configure(config)
+    session.configure(config, default_device)
     config.pluginmanager.register(LeakTally(leaks), "modelpatch-leak-tally")
     scopes = IsolationScopes(
         leaks, lint_for=_registration_lint, tolerance_for=_set_test_tolerance, opted_in=_uses_plugin,
