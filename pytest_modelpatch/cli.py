@@ -1,4 +1,6 @@
-"""The ``modelpatch`` command line: ``modelpatch lint PATTERN... [--family F] [--json]``.
+"""The ``modelpatch`` command line: ``modelpatch lint PATTERN... [--family F] [--json]`` and
+``modelpatch gate REPORT.json [REPORT.json ...] [--baseline BASE.json]`` (the reports of shards and
+devices judged as one run).
 
 ``modelpatch lint --family llama --mapping fixtures.patches.llama_fused_qkv:MAPPING`` lints the
 replacement classes' contract too (``--check signature,weights,plan``).

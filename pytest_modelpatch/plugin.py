@@ -100,11 +100,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--modelpatch-seed", dest="modelpatch_seed", type=_seed_option, default=None, metavar="N",
                     help="session seed for property checks, sent to every xdist worker (default: ini modelpatch_seed, else 0)")
     group.addoption("--modelpatch-report", dest="modelpatch_report", default=None, metavar="PATH",
-                    help="write every check's row (errors, tolerance, device, patches) and a header to PATH as JSON")
+                    help="write every check's row (errors, tolerance, device and its class, patches), a header and "
+                    "the tests selected to PATH as JSON")
     group.addoption("--modelpatch-baseline", dest="modelpatch_baseline", default=None, metavar="PATH",
-                    help="fail the session when a check's max error grew beyond this earlier report, or a check vanished")
+                    help="fail the session when a check's max error grew beyond this earlier report's row of its device "
+                    "class, or a check of a test it selected vanished")
     group.addoption("--modelpatch-update-baseline", dest="modelpatch_update_baseline", action="store_true", default=False,
-                    help="rewrite --modelpatch-baseline PATH with this run's checks instead of comparing")
+                    help="rewrite --modelpatch-baseline PATH with this run's checks instead of comparing: the rows of "
+                    "the tests and devices it ran are replaced, the others kept")
     group.addoption("--modelpatch-html", dest="modelpatch_html", default=None, metavar="PATH",
                     help="write an HTML page with the divergence profile of each failing equivalence check")
     group.addoption("--modelpatch-verify-cache", dest="modelpatch_verify_cache", action="store_true", default=False,
