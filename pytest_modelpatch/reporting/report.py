@@ -78,9 +78,9 @@ def device_class(device: str, gpu_names: Sequence[str] = (), current: int = 0) -
     return str(gpu_names[position]) if position < len(gpu_names) else "cuda"
 
 
-def class_of(row: Mapping[str, Any]) -> str:
+def class_of(row: Mapping[str, Any], gpu_names: Sequence[str] = ()) -> str:
     """A row's device class: its ``device_class``, or derived from its ``device`` for rows made before there was one."""
-    return str(row.get("device_class") or device_class(str(row.get("device") or "")))
+    return str(row.get("device_class") or device_class(str(row.get("device") or ""), gpu_names))
 
 
 def device_order(classes: Iterable[str]) -> list[str]:
@@ -156,9 +156,9 @@ def load_report(path: Path) -> dict[str, Any]:
         )
     # reports before version 3 have no device class: a row is the GPU its device names in the
     # header's accelerators (cuda:1 -> accelerators[1]), or the device type ("cpu" when none)
-    gpus = header.get("accelerators") or ()
-    data["rows"] = [{**read_figures(row), "device_class": row.get("device_class") or device_class(str(row.get("device") or ""), gpus)}
-                    for row in data["rows"]]  # fmt: skip
+    data["rows"] = [read_figures(row) for row in data["rows"]]
+    for row in data["rows"]:
+        row["device_class"] = class_of(row, header.get("accelerators") or ())
     return data
 
 

@@ -6,7 +6,7 @@ test report from xdist workers to the controller (and into JUnit XML as properti
 The controller's :class:`ReportSession` collects them, writes ``--modelpatch-report``,
 prints the terminal table and runs the gate (:mod:`pytest_modelpatch.reporting.gate`).
 ``plugin.py`` registers these hooks; nothing here imports torch or transformers unless
-a report file is written.
+a report file is written or a baseline read (the header names the GPUs), or a check ran on CUDA.
 """
 
 from __future__ import annotations
