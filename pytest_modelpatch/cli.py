@@ -1,4 +1,6 @@
-"""The ``modelpatch`` command line: ``modelpatch lint PATTERN... [--family F] [--json]``.
+"""The ``modelpatch`` command line: ``modelpatch lint PATTERN... [--family F] [--json]`` and
+``modelpatch gate REPORT.json [REPORT.json ...] [--baseline BASE.json]`` (the reports of shards and
+devices judged as one run).
 
 ``modelpatch lint --family llama --mapping fixtures.patches.llama_fused_qkv:MAPPING`` lints the
 replacement classes' contract too (``--check signature,weights,plan``).
@@ -134,12 +136,19 @@ def _conversions(args: argparse.Namespace) -> Any:
 def _add_gate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gate = subparsers.add_parser(
         "gate",
-        help="judge a --modelpatch-report file against thresholds and a baseline",
-        description="Print the verdict and a markdown summary (for $GITHUB_STEP_SUMMARY). "
-        "Exit 1 when a check failed, passed a threshold, grew beyond the baseline or vanished from it.",
+        help="judge --modelpatch-report files (shards, devices) as one run against thresholds and a baseline",
+        description="Merge the reports of shards and jobs into one run and print the verdict and a markdown "
+        "summary with a section per device (for $GITHUB_STEP_SUMMARY). Each check is compared with the "
+        "baseline's row of its device class. Exit 1 when a check failed, passed a threshold, grew beyond the "
+        "baseline or is missing from every report; 2 on wrong use, e.g. two reports from one device holding "
+        "the same check.",
     )
-    gate.add_argument("report", metavar="REPORT.json", help="a report written by pytest --modelpatch-report")
+    gate.add_argument("reports", nargs="+", metavar="REPORT.json",
+                      help="reports written by pytest --modelpatch-report: one per shard and device")
     gate.add_argument("--baseline", metavar="BASE.json", help="an earlier report to compare against")
+    gate.add_argument("--update-baseline", action="store_true",
+                      help="rewrite --baseline with these reports' checks instead of comparing: the rows of the "
+                      "tests and devices they ran are replaced, the others kept")
     gate.add_argument("--markdown", metavar="OUT.md", help="also write (append) the markdown summary to this file")
     gate.add_argument("--max-abs-error", type=float, metavar="X", help="fail when a check's max abs error exceeds X")
     gate.add_argument("--max-rel-error", type=float, metavar="X", help="fail when a check's max rel error exceeds X")
@@ -156,9 +165,12 @@ def _add_gate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
 def _run_gate(args: argparse.Namespace) -> int:
     from pytest_modelpatch.reporting import gate
     from pytest_modelpatch.reporting.report import load_report
+    from pytest_modelpatch.reporting.shards import merge_reports, rewrite_baseline
 
-    rows = load_report(args.report)["rows"]
-    baseline = load_report(args.baseline)["rows"] if args.baseline else None
+    if args.update_baseline and not args.baseline:
+        raise ValueError("--update-baseline needs --baseline BASE.json: the file to rewrite")
+    loaded = [(name, load_report(name)) for name in args.reports]
+    run = merge_reports(loaded)
     thresholds = gate.Thresholds(
         args.max_abs_error, args.max_rel_error,
         gate.DEFAULT_FACTOR if args.factor is None else args.factor, gate.DEFAULT_FLOOR if args.floor is None else args.floor,
@@ -166,8 +178,15 @@ def _run_gate(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if args.max_speedup_drop is not None and not 0 <= args.max_speedup_drop < 1:
         raise ValueError(f"--max-speedup-drop {args.max_speedup_drop:g}: expected a fraction in [0, 1), e.g. 0.2")
-    verdict = gate.evaluate(rows, thresholds, baseline, args.baseline or "")
-    markdown = verdict.markdown(rows)
+    if args.update_baseline:
+        header = {**loaded[0][1]["header"], "merged_from": list(args.reports)}
+        note = rewrite_baseline(args.baseline, run, header)
+        verdict = gate.evaluate(run.rows, thresholds, run=run)
+        verdict.notes.append(note)
+    else:
+        baseline = load_report(args.baseline)["rows"] if args.baseline else None
+        verdict = gate.evaluate(run.rows, thresholds, baseline, args.baseline or "", run)
+    markdown = verdict.markdown(run.rows)
     print(verdict)
     print()
     print(markdown, end="")

@@ -62,6 +62,10 @@ class ReportFileError(ModelPatchError):
     """
 
 
+class ReportMergeError(ReportFileError):
+    """Reports given to one verdict overlap: the same check from the same device in two of them (the message names both)."""
+
+
 class ModelPatchWarning(UserWarning):
     """Warning category for everything pytest-modelpatch warns about."""
 

@@ -105,11 +105,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--modelpatch-seed", dest="modelpatch_seed", type=_seed_option, default=None, metavar="N",
                     help="session seed for property checks, sent to every xdist worker (default: ini modelpatch_seed, else 0)")
     group.addoption("--modelpatch-report", dest="modelpatch_report", default=None, metavar="PATH",
-                    help="write every check's row (errors, tolerance, device, patches) and a header to PATH as JSON")
+                    help="write every check's row (errors, tolerance, device and its class, patches), a header and "
+                    "the tests selected to PATH as JSON")
     group.addoption("--modelpatch-baseline", dest="modelpatch_baseline", default=None, metavar="PATH",
-                    help="fail the session when a check's max error grew beyond this earlier report, or a check vanished")
+                    help="fail the session when a check's max error grew beyond this earlier report's row of its device "
+                    "class, or a check of a test it selected vanished")
     group.addoption("--modelpatch-update-baseline", dest="modelpatch_update_baseline", action="store_true", default=False,
-                    help="rewrite --modelpatch-baseline PATH with this run's checks instead of comparing")
+                    help="rewrite --modelpatch-baseline PATH with this run's checks instead of comparing: the rows of "
+                    "the tests and devices it ran are replaced, the others kept")
     group.addoption("--modelpatch-html", dest="modelpatch_html", default=None, metavar="PATH",
                     help="write an HTML page with the divergence profile of each failing equivalence check")
     group.addoption("--modelpatch-verify-cache", dest="modelpatch_verify_cache", action="store_true", default=False,
@@ -136,12 +139,12 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         leaks = leak_mode(config)
         parse_model_cache(config.getini("modelpatch_model_cache"))
-        devices.requested_device(config.getoption("modelpatch_device"))
+        default_device = devices.requested_device(config.getoption("modelpatch_device"))
     except PatchUsageError as exc:
         raise pytest.UsageError(str(exc)) from None
     from pytest_modelpatch.reporting import session  # torch-free: reads options, registers the report hooks
 
-    session.configure(config)
+    session.configure(config, default_device)
     config.pluginmanager.register(LeakTally(leaks), "modelpatch-leak-tally")
     scopes = IsolationScopes(
         leaks, lint_for=_registration_lint, tolerance_for=_set_test_tolerance, opted_in=_uses_plugin,

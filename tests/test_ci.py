@@ -1,8 +1,12 @@
-"""CI's lanes (.ci/lanes.sh, which .ci/run sources): every lane runs, the summary names the ones that failed."""
+"""CI's lanes (.ci/lanes.sh, which .ci/run and .ci/gpu source): every lane runs, the summary names the ones that failed;
+the GPU lane stops at once where there is no GPU."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -43,3 +47,35 @@ def test_ci_run_lists_its_lanes_through_lanes_sh() -> None:
     run = (REPO_ROOT / ".ci" / "run").read_text()
     assert "source .ci/lanes.sh" in run and "set -e" not in run.replace("set -euo pipefail; ", "")
     assert 'lane "test suite' in run and "ATEN_CPU_CAPABILITY=$capability" in run
+
+
+def run_gpu_lane(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess[str]:
+    # CUDA_VISIBLE_DEVICES="": no GPU, even on a machine that has one
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MODELPATCH_GPU_PYTHON": python}
+    return subprocess.run(["bash", str(REPO_ROOT / ".ci" / "gpu"), *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_the_gpu_lane_without_a_gpu_stops_before_any_lane_saying_it_needs_one() -> None:
+    start = time.monotonic()
+    done = run_gpu_lane()
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(".ci/gpu needs a CUDA GPU, and torch.cuda.is_available() is False here (torch ")
+    assert "Run it on a GPU machine with a CUDA build of torch (MODELPATCH_GPU_PYTHON)" in done.stderr
+    assert done.stdout == ""  # no lane started, no report written, no summary
+    assert time.monotonic() - start < 60  # the time to import torch once
+    wrong = run_gpu_lane("--update-baselines")
+    assert wrong.returncode == 2 and "usage: .ci/gpu [--update-baseline]" in wrong.stderr
+    nowhere = run_gpu_lane(python="/nonexistent/python")
+    assert nowhere.returncode == 2 and ".ci/gpu: no python at /nonexistent/python" in nowhere.stderr
+
+
+def test_the_committed_baseline_names_only_examples_that_still_exist() -> None:
+    # the GPU lane and CI's shards lane gate against it; a renamed example would leave a row no run gives
+    from pytest_modelpatch.reporting.report import load_report
+
+    baseline = load_report(REPO_ROOT / "tests" / "modelpatch-baseline.json")
+    examples = (REPO_ROOT / "docs" / "examples" / "test_verify_examples.py").read_text()
+    tests = {row["nodeid"].split("::")[1].partition("[")[0] for row in baseline["rows"]}
+    assert baseline["schema_version"] == 3 and len(tests) > 10
+    assert not [test for test in tests if f"def {test}(" not in examples]
+    assert {row["device_class"] for row in baseline["rows"]} == set(baseline["header"]["device_classes"])

@@ -1,10 +1,13 @@
 """The CI gate: judge a run's check rows against thresholds and a baseline report.
 
 A check is named by its test's node id and ``kind#n`` (the n-th check of that kind in
-the test). The gate fails when a check failed (unless the test meant it to: an
+the test), and compared with the baseline's row of the same device class (the GPU's name, or
+``cpu``). The gate fails when a check failed (unless the test meant it to: an
 ``expected_failure`` row, from an xfail test or a caught AssertionError, is only noted), when its max error passes an ini
 threshold, when its max abs error grew beyond ``factor`` times the baseline's (and by
-more than ``floor``, so 0 -> 1e-9 noise passes), or when a baseline check did not run.
+more than ``floor``, so 0 -> 1e-9 noise passes), or when a baseline check the run was expected to
+run did not (one of a test it selected, on a device it ran on: ``reporting.shards``). A device
+with no rows in the baseline is new: its checks face the thresholds, not another device's figures.
 
 Example::
 
@@ -14,11 +17,14 @@ Example::
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_modelpatch.reporting.records import shown_outcome
-from pytest_modelpatch.reporting.report import figure, speedup, speedup_cell, worst_first
+from pytest_modelpatch.reporting.report import class_of, device_order, figure, speedup, speedup_cell, worst_first
+from pytest_modelpatch.reporting.shards import Run, check_key, merge_reports
 
 DEFAULT_FACTOR = 2.0
 DEFAULT_FLOOR = 1e-6
@@ -40,56 +46,81 @@ class Thresholds:
         return max(baseline * self.factor, baseline + self.floor)
 
 
-def check_name(row: dict[str, Any]) -> str:
-    """``tests/test_x.py::test_attn equivalence#1 (LlamaForCausalLM, logits)``: how messages name a check."""
+def check_name(row: dict[str, Any], device: bool = False) -> str:
+    """``tests/test_x.py::test_attn equivalence#1 (LlamaForCausalLM, logits)``: how messages name a check.
+
+    ``device``: add `` on NVIDIA H100 80GB HBM3`` (its device class), for a verdict over several devices.
+    """
     extra = ", ".join(str(v) for v in (row.get("model"), row.get("output")) if v)
-    return f"{row['nodeid']} {row['check']}" + (f" ({extra})" if extra else "")
-
-
-def _key(row: dict[str, Any]) -> tuple[str, str]:
-    return row["nodeid"], row["check"]
+    where = f" on {class_of(row)}" if device else ""
+    return f"{row['nodeid']} {row['check']}" + (f" ({extra})" if extra else "") + where
 
 
 @dataclass
 class GateVerdict:
-    """What the gate found: failures (each names the check and both numbers) and notes."""
+    """What the gate found: failures (each names the check and both numbers), warnings and notes."""
 
     checks: int
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     baseline: str = ""
+    warnings: list[str] = field(default_factory=list)  # not failures: e.g. shards of one device on different versions
+    reports: int = 1  # how many reports were judged as one run
+    new_devices: list[str] = field(default_factory=list)  # device classes the baseline has no rows for: not judged against it
+    device_failures: Counter[str] = field(default_factory=Counter)  # failures per device class
 
     @property
     def passed(self) -> bool:
         return not self.failures
 
+    def fail(self, message: str, row: dict[str, Any] | None = None) -> None:
+        """Record a failure, counted against ``row``'s device class when it is about one check."""
+        self.failures.append(message)
+        if row is not None:
+            self.device_failures[class_of(row)] += 1
+
+    def _what(self) -> str:
+        sources = f" from {self.reports} reports" if self.reports > 1 else ""
+        return f"{self.checks} checks{sources}"
+
     def __str__(self) -> str:
         against = f" against baseline {self.baseline}" if self.baseline else ""
-        head = f"modelpatch gate {'PASSED' if self.passed else 'FAILED'}: {self.checks} checks{against}, "
+        head = f"modelpatch gate {'PASSED' if self.passed else 'FAILED'}: {self._what()}{against}, "
         head += f"{len(self.failures)} failures"
-        return "\n".join([head, *(f"FAIL {f}" for f in self.failures), *(f"note {n}" for n in self.notes)])
+        return "\n".join([head, *(f"FAIL {f}" for f in self.failures), *(f"WARNING {w}" for w in self.warnings),
+                          *(f"note {n}" for n in self.notes)])  # fmt: skip
 
     def markdown(self, rows: list[dict[str, Any]] | None = None, limit: int = 30) -> str:
-        """A summary for ``$GITHUB_STEP_SUMMARY``: verdict, failures, then the worst checks as a table."""
+        """A summary for ``$GITHUB_STEP_SUMMARY``: verdict, failures, then a section per device with its worst checks."""
         mark = ":white_check_mark:" if self.passed else ":x:"
         against = f" against `{self.baseline}`" if self.baseline else ""
         lines = [f"### {mark} modelpatch gate {'passed' if self.passed else 'failed'}", "",
-                 f"{self.checks} checks{against}, {len(self.failures)} failures."]  # fmt: skip
-        items = [f"- :x: {_md(f)}" for f in self.failures] + [f"- {_md(n)}" for n in self.notes]
+                 f"{self._what()}{against}, {len(self.failures)} failures."]  # fmt: skip
+        items = [f"- :x: {_md(f)}" for f in self.failures] + [f"- :warning: {_md(w)}" for w in self.warnings]
+        items += [f"- {_md(n)}" for n in self.notes]
         lines += ["", *items] if items else []
-        if rows:
-            timed = any(speedup(r) is not None for r in rows)
-            head, rule = ("| speedup ", "---|") if timed else ("", "")
-            lines += ["", f"| outcome | max abs | max rel {head}| check | model | dtype@device | test |", f"|---|---|---|{rule}---|---|---|---|"]
-            for r in sorted(rows, key=worst_first)[:limit]:
-                cell = f" {speedup_cell(r)} |" if timed else ""
-                lines.append(
-                    f"| {outcome(r)} | {figure(r.get('max_abs_error'))} | {figure(r.get('max_rel_error'))} |{cell} {r['check']} "
-                    f"| {_md(r.get('model') or '-')} | {r.get('dtype') or '-'}@{r.get('device') or '-'} | `{r['nodeid']}` |"
-                )
-            if len(rows) > limit:
-                lines.append(f"\n{len(rows) - limit} more checks in the JSON report.")
+        for device in device_order(class_of(r) for r in rows or []):
+            mine = [r for r in rows or [] if class_of(r) == device]
+            new = ", new device: not judged against the baseline" if device in self.new_devices else ""
+            lines += ["", f"#### {_md(device)}: {len(mine)} checks, {self.device_failures[device]} failures{new}", ""]
+            lines += table_lines(mine, limit)
         return "\n".join(lines) + "\n"
+
+
+def table_lines(rows: list[dict[str, Any]], limit: int) -> list[str]:
+    """The markdown table of ``rows``, worst first, at most ``limit`` of them; a ``speedup`` column when any was timed."""
+    timed = any(speedup(r) is not None for r in rows)
+    head, rule = ("| speedup ", "---|") if timed else ("", "")
+    lines = [f"| outcome | max abs | max rel {head}| check | model | dtype@device | test |", f"|---|---|---|{rule}---|---|---|---|"]
+    for r in sorted(rows, key=worst_first)[:limit]:
+        cell = f" {speedup_cell(r)} |" if timed else ""
+        lines.append(
+            f"| {outcome(r)} | {figure(r.get('max_abs_error'))} | {figure(r.get('max_rel_error'))} |{cell} {r['check']} "
+            f"| {_md(r.get('model') or '-')} | {r.get('dtype') or '-'}@{r.get('device') or '-'} | `{r['nodeid']}` |"
+        )
+    if len(rows) > limit:
+        lines.append(f"\n{len(rows) - limit} more checks in the JSON report.")
+    return lines
 
 
 def outcome(row: dict[str, Any]) -> str:
@@ -102,7 +133,8 @@ def _md(text: str) -> str:
 
 
 def _judge_speed(
-    rows: list[dict[str, Any]], thresholds: Thresholds, baseline: list[dict[str, Any]] | None, verdict: GateVerdict
+    rows: list[dict[str, Any]], thresholds: Thresholds, baseline: list[dict[str, Any]] | None, verdict: GateVerdict,
+    name: Callable[[dict[str, Any]], str],
 ) -> None:
     """``min_speedup`` on every timed check; ``max_speedup_drop`` against the baseline's timed checks."""
     if thresholds.min_speedup is None and (thresholds.max_speedup_drop is None or baseline is None):
@@ -110,7 +142,7 @@ def _judge_speed(
     gated = [r for r in rows if not r.get("expected_failure")]
     timed = [r for r in gated if speedup(r) is not None]
     if not timed:
-        verdict.failures.append(
+        verdict.fail(
             "a speed gate is set but no check was timed: run pytest with --modelpatch-timing "
             "(or ini modelpatch_timing = true) to record timing on equivalence checks"
         )
@@ -119,71 +151,115 @@ def _judge_speed(
     for row in timed:
         value = speedup(row)
         if limit is not None and not value >= limit:  # type: ignore[operator]  # NaN passes no floor
-            verdict.failures.append(f"{check_name(row)}: speedup {speedup_cell(row)} is below min speedup {limit:g}x")
+            verdict.fail(f"{name(row)}: speedup {speedup_cell(row)} is below min speedup {limit:g}x", row)
     if thresholds.max_speedup_drop is not None and baseline is not None:
-        before = {_key(r): speedup(r) for r in baseline}
+        before = {check_key(r): speedup(r) for r in baseline}
         for row in timed:
-            old = before.get(_key(row))
+            old = before.get(check_key(row))
             allowed = None if old is None else old * (1.0 - thresholds.max_speedup_drop)
             if allowed is not None and not speedup(row) >= allowed:  # type: ignore[operator]
-                verdict.failures.append(
-                    f"{check_name(row)}: speedup fell from {old:.2f}x (baseline) to {speedup_cell(row)}, below the "
-                    f"allowed {allowed:.2f}x (max speedup drop {thresholds.max_speedup_drop:g})"
-                )
+                verdict.fail(
+                    f"{name(row)}: speedup fell from {old:.2f}x (baseline) to {speedup_cell(row)}, below the "
+                    f"allowed {allowed:.2f}x (max speedup drop {thresholds.max_speedup_drop:g})", row,
+                )  # fmt: skip
     if len(timed) < len(gated):
         verdict.notes.append(f"{len(gated) - len(timed)} checks have no timing (only equivalence and property checks are timed)")
 
 
 def evaluate(
-    rows: list[dict[str, Any]], thresholds: Thresholds, baseline: list[dict[str, Any]] | None = None, baseline_name: str = ""
+    rows: list[dict[str, Any]], thresholds: Thresholds, baseline: list[dict[str, Any]] | None = None,
+    baseline_name: str = "", run: Run | None = None,
 ) -> GateVerdict:
-    """Judge ``rows`` against ``thresholds`` and, when given, the ``baseline`` rows."""
-    verdict = GateVerdict(checks=len(rows), baseline=baseline_name)
+    """Judge ``rows`` against ``thresholds`` and, when given, the ``baseline`` rows of their device classes.
+
+    ``run``: what the reports behind ``rows`` set out to check (:func:`~pytest_modelpatch.reporting.shards.merge_reports`);
+    without it, every test on the device classes of ``rows``.
+    """
+    run = run if run is not None else merge_reports([("", {"header": {}, "rows": rows})])
+    several = len(run.device_classes | {class_of(r) for r in rows}) > 1
+
+    def name(row: dict[str, Any]) -> str:
+        return check_name(row, device=several)
+
+    verdict = GateVerdict(checks=len(rows), baseline=baseline_name, reports=len(run.scopes), notes=list(run.notes),
+                          warnings=list(run.warnings))  # fmt: skip
     expected = [r for r in rows if r.get("expected_failure")]
     if expected:
         failing = sum(r["outcome"] != "passed" for r in expected)
         verdict.notes.append(
             f"{len(expected)} checks in tests meant to fail (xfail or a caught AssertionError), not gated: "
-            f"{failing} xfailed, {len(expected) - failing} xpassed (e.g. {check_name(expected[0])}: {expected[0].get('intent')})"
+            f"{failing} xfailed, {len(expected) - failing} xpassed (e.g. {name(expected[0])}: {expected[0].get('intent')})"
         )
     for row in rows:
         if row.get("expected_failure"):
             continue
         if row["outcome"] != "passed":
-            verdict.failures.append(f"{check_name(row)}: the check failed (max abs error {figure(row.get('max_abs_error'))})")
-        for name in ("max_abs_error", "max_rel_error"):
-            limit, value = getattr(thresholds, name), row.get(name)
+            verdict.fail(f"{name(row)}: the check failed (max abs error {figure(row.get('max_abs_error'))})", row)
+        for field_name in ("max_abs_error", "max_rel_error"):
+            limit, value = getattr(thresholds, field_name), row.get(field_name)
             # not (value <= limit): a NaN error passes no ceiling
             if limit is not None and value is not None and not value <= limit:
-                verdict.failures.append(
-                    f"{check_name(row)}: {name.replace('_', ' ')} {value:.4g} exceeds modelpatch_{name} = {limit:g}"
+                verdict.fail(
+                    f"{name(row)}: {field_name.replace('_', ' ')} {value:.4g} exceeds modelpatch_{field_name} = {limit:g}", row
                 )
-    _judge_speed(rows, thresholds, baseline, verdict)
-    if baseline is None:
-        return verdict
-    current = {_key(r): r for r in rows}
-    before = {_key(r): r for r in baseline}
-    for key, old in before.items():
-        new = current.get(key)
-        if new is None:
-            verdict.failures.append(
-                f"{check_name(old)}: in the baseline (max abs error {figure(old.get('max_abs_error'))}) but did not run; "
-                "if it was removed on purpose, rewrite the baseline with --modelpatch-update-baseline"
-            )
-            continue
-        if old.get("expected_failure") and not new.get("expected_failure") and new["outcome"] == "passed":
-            verdict.notes.append(f"{check_name(new)}: meant to fail in the baseline, now passes and is gated")
-        old_err, new_err = old.get("max_abs_error"), new.get("max_abs_error")
-        if old_err is None or new_err is None or new.get("expected_failure"):
-            continue
-        allowed = thresholds.allowed_growth(old_err)
-        if not new_err <= allowed:  # NaN grew beyond any baseline
-            verdict.failures.append(
-                f"{check_name(new)}: max abs error grew from {old_err:.4g} (baseline) to {new_err:.4g}, "
-                f"more than allowed {allowed:.4g} (modelpatch_baseline_factor = {thresholds.factor:g}, "
-                f"modelpatch_baseline_floor = {thresholds.floor:g})"
-            )
-    added = [k for k in current if k not in before]
-    if added:
-        verdict.notes.append(f"{len(added)} checks not in the baseline (e.g. {check_name(current[added[0]])})")
+    _judge_speed(rows, thresholds, baseline, verdict, name)
+    if baseline is not None:
+        _judge_against_baseline(rows, baseline, run, thresholds, verdict, name)
     return verdict
+
+
+def _judge_against_baseline(
+    rows: list[dict[str, Any]], baseline: list[dict[str, Any]], run: Run, thresholds: Thresholds, verdict: GateVerdict,
+    name: Callable[[dict[str, Any]], str],
+) -> None:
+    """Each check against the baseline's row of its test, check and device class; missing, new and unjudged rows noted."""
+    before = {check_key(r): r for r in baseline}
+    known = {key[2] for key in before}
+    current: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for row in rows:  # a matrix may run one check on one device class in two jobs: each is judged
+        current.setdefault(check_key(row), []).append(row)
+    verdict.new_devices = [device for device in device_order(class_of(r) for r in rows) if device not in known]
+    for device in verdict.new_devices:
+        count = sum(class_of(r) == device for r in rows)
+        verdict.notes.append(
+            f"new device {device}: {count} checks not judged against the baseline, which has no rows for it "
+            f"(it has {', '.join(sorted(known)) or 'none'}); add them with --modelpatch-update-baseline"
+        )
+    where = f" in any of the {verdict.reports} reports" if verdict.reports > 1 else ""
+    outside: Counter[str] = Counter()
+    for key, old in before.items():
+        for new in current.get(key, []):
+            _compare(old, new, thresholds, verdict, name)
+        if key in current:
+            continue
+        why = run.not_expected(key)
+        if why:
+            outside[why] += 1
+            continue
+        verdict.fail(
+            f"{name(old)}: in the baseline (max abs error {figure(old.get('max_abs_error'))}) but did not run{where}; "
+            "if it was removed on purpose, rewrite the baseline with --modelpatch-update-baseline", old,
+        )  # fmt: skip
+    if outside:
+        parts = ", ".join(f"{count} {why}" for why, count in sorted(outside.items()))
+        verdict.notes.append(f"{sum(outside.values())} baseline checks are outside this run, not judged: {parts}")
+    added = [rows_[0] for key, rows_ in current.items() if key not in before and key[2] in known]
+    if added:
+        verdict.notes.append(f"{len(added)} checks not in the baseline (e.g. {name(added[0])})")
+
+
+def _compare(old: dict[str, Any], new: dict[str, Any], thresholds: Thresholds, verdict: GateVerdict,
+             name: Callable[[dict[str, Any]], str]) -> None:  # fmt: skip
+    """One check against its baseline row: its max abs error may grow by the factor, or the floor."""
+    if old.get("expected_failure") and not new.get("expected_failure") and new["outcome"] == "passed":
+        verdict.notes.append(f"{name(new)}: meant to fail in the baseline, now passes and is gated")
+    old_err, new_err = old.get("max_abs_error"), new.get("max_abs_error")
+    if old_err is None or new_err is None or new.get("expected_failure"):
+        return
+    allowed = thresholds.allowed_growth(old_err)
+    if not new_err <= allowed:  # NaN grew beyond any baseline
+        verdict.fail(
+            f"{name(new)}: max abs error grew from {old_err:.4g} (baseline) to {new_err:.4g}, "
+            f"more than allowed {allowed:.4g} (modelpatch_baseline_factor = {thresholds.factor:g}, "
+            f"modelpatch_baseline_floor = {thresholds.floor:g})", new,
+        )  # fmt: skip

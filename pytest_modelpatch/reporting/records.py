@@ -26,6 +26,9 @@ class CheckRecord:
     patch_keys: list[str] = field(default_factory=list)
     replacements: list[str] = field(default_factory=list)  # qualified replacement class names
     device: str = ""
+    # what the figures are comparable within: the GPU's name as torch reports it, or "cpu";
+    # filled in when the row is made (row_from_record), so a baseline compares H100 with H100
+    device_class: str = ""
     dtype: str = ""
     examples: int = 1
     max_abs_error: float | None = None

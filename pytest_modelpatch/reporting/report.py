@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from pytest_modelpatch.errors import ReportFileError
 from pytest_modelpatch.reporting.records import CheckRecord, shown_outcome
 
 # 2: strict JSON (non-finite numbers as "nan"/"inf"/"-inf"), expected_failure and intent on rows
-SCHEMA_VERSION = 2
+# 3: each row's device_class, the header's default device and device classes, the report's selection
+SCHEMA_VERSION = 3
 REPORT_FORMAT = SCHEMA_VERSION  # the header's "format", kept for readers of version 1
 SCHEMA_FILE = Path(__file__).with_name("report.schema.json")
 NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -61,10 +63,39 @@ def _current_patches() -> tuple[list[str], list[str]]:
     return sorted(map(str, mapping)), sorted(f"{c.__module__}.{c.__qualname__}" for c in mapping.values())
 
 
-def row_from_record(record: CheckRecord, nodeid: str, index: int) -> dict[str, Any]:
-    """The JSON row of one record: node id stamped, patch keys filled in, ``check`` naming it in its test."""
+def device_class(device: str, gpu_names: Sequence[str] = (), current: int = 0) -> str:
+    """The class of ``device`` a baseline compares within: a CUDA GPU's name as torch reports it, else the device type.
+
+    ``gpu_names`` are ``torch.cuda.get_device_name(i)`` for each index ``i``, ``current`` the index a
+    bare ``cuda`` means. A row with no device ran on the CPU; a CUDA device whose name is not known
+    (a report written before version 3 without ``accelerators``) is the class ``cuda``.
+    Example: ``device_class("cuda:1", ["NVIDIA A10", "NVIDIA H100 80GB HBM3"]) == "NVIDIA H100 80GB HBM3"``.
+    """
+    kind, _, index = str(device).strip().lower().partition(":")
+    if kind != "cuda":
+        return kind or "cpu"
+    position = int(index) if index.isdigit() else current
+    return str(gpu_names[position]) if position < len(gpu_names) else "cuda"
+
+
+def class_of(row: Mapping[str, Any], gpu_names: Sequence[str] = ()) -> str:
+    """A row's device class: its ``device_class``, or derived from its ``device`` for rows made before there was one."""
+    return str(row.get("device_class") or device_class(str(row.get("device") or ""), gpu_names))
+
+
+def device_order(classes: Iterable[str]) -> list[str]:
+    """Device classes once each, ``cpu`` first, then by name: how reports and summaries list devices."""
+    return sorted(set(classes), key=lambda device: (device != "cpu", device))
+
+
+def row_from_record(record: CheckRecord, nodeid: str, index: int, gpu_names: Sequence[str] = ()) -> dict[str, Any]:
+    """The JSON row of one record: node id stamped, patch keys and device class filled in, ``check`` naming it in its test.
+
+    ``gpu_names``: this machine's CUDA GPU names (only read for a check that ran on CUDA).
+    """
     row = record.to_dict()
     row["nodeid"] = nodeid
+    row["device_class"] = row["device_class"] or device_class(row["device"], gpu_names)
     if not row["patch_keys"]:
         keys, classes = _current_patches()
         row["patch_keys"] = keys
@@ -82,14 +113,19 @@ def sort_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def write_report(
     path: Path, header: dict[str, Any], rows: list[dict[str, Any]],
-    sweeps: dict[str, dict[str, tuple[str, str]]] | None = None,
+    sweeps: dict[str, dict[str, tuple[str, str]]] | None = None, selection: dict[str, Any] | None = None,
 ) -> None:
     """Write the report as strict JSON (no NaN/Infinity tokens), valid against ``report.schema.json``.
 
     ``sweeps``: each swept test -> family -> (outcome, first diverging module), as ``sweep_lines`` reads them.
+    ``selection``: the session's test paths and the tests it selected and deselected (none for a
+    baseline, which holds every test it was given).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    data: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "header": header, "rows": sort_rows(rows)}
+    data: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "header": header}
+    if selection is not None:
+        data["selection"] = selection
+    data["rows"] = sort_rows(rows)
     if sweeps:
         data["sweeps"] = {test: {family: {"outcome": outcome, "divergence": where}
                                  for family, (outcome, where) in sorted(families.items())}
@@ -107,7 +143,22 @@ def load_report(path: Path) -> dict[str, Any]:
         raise ReportFileError(f"{path}: not a modelpatch JSON report ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise ReportFileError(f"{path}: not a modelpatch JSON report (no 'rows' list); write one with --modelpatch-report")
+    header = data.setdefault("header", {})
+    if not isinstance(header, dict):
+        raise ReportFileError(f"{path}: not a modelpatch JSON report ('header' is not an object)")
+    version = data.get("schema_version", header.get("format", 1))
+    if not isinstance(version, int):
+        raise ReportFileError(f"{path}: not a modelpatch JSON report (schema_version {version!r} is not a number)")
+    if version > SCHEMA_VERSION:
+        raise ReportFileError(
+            f"{path}: schema_version {version!r} is newer than this pytest-modelpatch reads ({SCHEMA_VERSION}); "
+            "upgrade pytest-modelpatch where you gate"
+        )
+    # reports before version 3 have no device class: a row is the GPU its device names in the
+    # header's accelerators (cuda:1 -> accelerators[1]), or the device type ("cpu" when none)
     data["rows"] = [read_figures(row) for row in data["rows"]]
+    for row in data["rows"]:
+        row["device_class"] = class_of(row, header.get("accelerators") or ())
     return data
 
 

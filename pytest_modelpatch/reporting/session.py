@@ -6,12 +6,13 @@ test report from xdist workers to the controller (and into JUnit XML as properti
 The controller's :class:`ReportSession` collects them, writes ``--modelpatch-report``,
 prints the terminal table and runs the gate (:mod:`pytest_modelpatch.reporting.gate`).
 ``plugin.py`` registers these hooks; nothing here imports torch or transformers unless
-a report file is written.
+a report file is written or a baseline read (the header names the GPUs), or a check ran on CUDA.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import platform
 import re
 from collections.abc import Iterator
@@ -26,8 +27,11 @@ from pytest_modelpatch.errors import PatchUsageError, ReportFileError
 from pytest_modelpatch.reporting.gate import DEFAULT_FACTOR, DEFAULT_FLOOR, GateVerdict, Thresholds, evaluate
 from pytest_modelpatch.reporting.records import CheckRecord, configure_checks, implementations_of, set_record_sink
 from pytest_modelpatch.reporting.report import (
-    REPORT_FORMAT, load_report, row_from_record, summary_lines, sweep_lines, write_report,
+    REPORT_FORMAT, class_of, device_class, device_order, load_report, row_from_record, summary_lines, sweep_lines,
+    write_report,
 )
+from pytest_modelpatch.reporting.selection import SelectionRecorder, XdistSelection
+from pytest_modelpatch.reporting.shards import Run, merge_reports, rewrite_baseline
 
 ROW_PROPERTY = "modelpatch_check"
 # key figures as their own JUnit properties, so CI UIs show them without parsing the row
@@ -57,7 +61,9 @@ class CheckSink:
     def __call__(self, record: CheckRecord) -> None:
         counts = self.counts
         counts[record.kind] = counts.get(record.kind, 0) + 1
-        row = row_from_record(record, self.item.nodeid, counts[record.kind])
+        # the GPU's name is asked of torch only for a check that ran on CUDA (torch is loaded then)
+        names = gpu_names() if str(record.device).startswith("cuda") else ()
+        row = row_from_record(record, self.item.nodeid, counts[record.kind], names)
         implementations = self.item.stash.get(IMPLEMENTATIONS, None)
         if implementations:
             row["implementations"] = {side: dict(axes) for side, axes in implementations.items()}
@@ -138,22 +144,26 @@ class XdistSeed:
         node.workerinput["modelpatch_seed"] = self.seed
 
 
-def configure(config: pytest.Config) -> None:
+def configure(config: pytest.Config, default_device: str = "cpu") -> None:
     """Set the session seed and timing in this process; on the controller, register the report and xdist hooks.
 
     They go into ``records.SETTINGS``, which compare/ reads: nothing here imports compare/ (or torch).
     Each xdist worker runs this too, with the controller's seed and its own reading of the timing option.
+    ``default_device``: the session's ``--modelpatch-device`` (validated by the plugin), for the report header.
     """
     seed = session_seed(config)
     validate_options(config)
     timing = bool(config.getoption("modelpatch_timing") or config.getini("modelpatch_timing"))
     previous = configure_checks(seed=seed, timing=timing)
     config.add_cleanup(lambda: configure_checks(**previous))  # an in-process pytester run must not leave them set
+    recorder = SelectionRecorder(config)
+    config.pluginmanager.register(recorder, "modelpatch-selection")
     if is_worker(config):
         return
-    config.pluginmanager.register(ReportSession(config, seed), "modelpatch-report")
+    config.pluginmanager.register(ReportSession(config, seed, default_device, recorder), "modelpatch-report")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistSeed(seed), "modelpatch-xdist-seed")
+        config.pluginmanager.register(XdistSelection(recorder), "modelpatch-xdist-selection")
 
 
 # ---------------------------------------------------------------------------
@@ -161,21 +171,28 @@ def configure(config: pytest.Config) -> None:
 # ---------------------------------------------------------------------------
 
 
-def report_header(config: pytest.Config, seed: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Everything needed to reproduce the run: versions, devices, seed, command line, time."""
+def report_header(config: pytest.Config, seed: int, rows: list[dict[str, Any]], default_device: str = "cpu") -> dict[str, Any]:
+    """Everything needed to reproduce the run: versions, devices and their names, seed, command line, time."""
     versions = {}
     for dist in ("torch", "transformers", "hypothesis", "pytest", "pytest-xdist", "pytest-modelpatch", "safetensors"):
         try:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             versions[dist] = None
+    accelerators = list(gpu_names())
+    resolved = ("cuda" if accelerators else "cpu") if default_device == "auto" else default_device
+    default_class = device_class(resolved, accelerators)
     return {
         "format": REPORT_FORMAT,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "versions": versions,
         "devices": sorted({str(r["device"]) for r in rows if r.get("device")}),
-        "accelerators": _accelerator_names(),
+        "accelerators": accelerators,
+        # the device tests run on unless marked otherwise, by its class: what this report's job is for
+        "default_device": default_device,
+        "default_device_class": default_class,
+        "device_classes": device_order([default_class, *(class_of(r) for r in rows)]),
         "seed": seed,
         "command_line": ["pytest", *config.invocation_params.args],
         "workers": int(getattr(config.option, "numprocesses", 0) or 0),
@@ -183,14 +200,16 @@ def report_header(config: pytest.Config, seed: int, rows: list[dict[str, Any]]) 
     }
 
 
-def _accelerator_names() -> list[str]:
+@functools.cache
+def gpu_names() -> tuple[str, ...]:
+    """This machine's CUDA GPUs by index, named as torch names them (``NVIDIA H100 80GB HBM3``); empty without CUDA."""
     try:
         import torch
     except ImportError:
-        return []
+        return ()
     if not torch.cuda.is_available():
-        return []
-    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return ()
+    return tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
 
 
 def _ini_float(config: pytest.Config, name: str, default: float | None) -> float | None:
@@ -234,30 +253,35 @@ def gate_requested(config: pytest.Config) -> bool:
     )
 
 
-def session_verdict(config: pytest.Config, rows: list[dict[str, Any]], header: dict[str, Any] | None) -> GateVerdict | None:
-    """The gate for this session (``None`` when no threshold or baseline is set); rewrites the baseline if asked."""
+def session_verdict(config: pytest.Config, run: Run, header: dict[str, Any] | None) -> GateVerdict | None:
+    """The gate for this session (``None`` when no threshold or baseline is set); rewrites the baseline if asked.
 
+    ``run``: this session's rows and what it set out to check (its selection and device classes),
+    so a shard is judged on its share and a rewrite replaces only the rows of what it ran.
+    """
     path = config.getoption("modelpatch_baseline")
-    if config.getoption("modelpatch_update_baseline"):
-        write_report(Path(path), header or {}, rows)
-        verdict = evaluate(rows, thresholds_from_ini(config))
-        verdict.notes.append(f"baseline {path} rewritten with {len(rows)} checks")
-        return verdict
-    if not gate_requested(config):
-        return None
     try:
+        if config.getoption("modelpatch_update_baseline"):
+            note = rewrite_baseline(Path(path), run, header or {})
+            verdict = evaluate(run.rows, thresholds_from_ini(config), run=run)
+            verdict.notes.append(note)
+            return verdict
+        if not gate_requested(config):
+            return None
         baseline = load_report(Path(path))["rows"] if path else None
     except ReportFileError as exc:
         raise PatchUsageError(str(exc)) from None
-    return evaluate(rows, thresholds_from_ini(config), baseline, str(path or ""))
+    return evaluate(run.rows, thresholds_from_ini(config), baseline, str(path or ""), run)
 
 
 class ReportSession:
     """Controller-side hooks: collect rows from test reports, write the report, print the table, gate."""
 
-    def __init__(self, config: pytest.Config, seed: int) -> None:
+    def __init__(self, config: pytest.Config, seed: int, default_device: str, recorder: SelectionRecorder) -> None:
         self.config = config
         self.seed = seed
+        self.default_device = default_device
+        self.recorder = recorder
         self.rows: list[dict[str, Any]] = []
         self.verdict: Any = None
         self.sweeps: dict[str, dict[str, tuple[str, str]]] = {}  # swept test -> family -> (outcome, divergence)
@@ -291,11 +315,14 @@ class ReportSession:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         config = self.config
         header = None
-        if config.getoption("modelpatch_report") or config.getoption("modelpatch_update_baseline"):
-            header = report_header(config, self.seed, self.rows)
-        if config.getoption("modelpatch_report"):
-            write_report(Path(config.getoption("modelpatch_report")), header or {}, self.rows, self.sweeps)
-        self.verdict = session_verdict(config, self.rows, header)
+        report = config.getoption("modelpatch_report")
+        if report or config.getoption("modelpatch_baseline"):
+            header = report_header(config, self.seed, self.rows, self.default_device)
+        selection = self.recorder.selection()
+        if report:
+            write_report(Path(report), header or {}, self.rows, self.sweeps, selection)
+        run = merge_reports([("this run", {"header": header or {}, "rows": self.rows, "selection": selection})])
+        self.verdict = session_verdict(config, run, header)
         if self.verdict is not None and not self.verdict.passed and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         html = config.getoption("modelpatch_html")

@@ -120,3 +120,75 @@ def test_new_checks_are_noted_not_failed_and_markdown_shows_the_verdict() -> Non
     assert markdown.startswith("### :white_check_mark: modelpatch gate passed\n")
     table = [line for line in markdown.splitlines() if line.startswith("| passed")]
     assert table[0].endswith("`new.py::t` |") and "| 0.1 |" in table[0]
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _on(device_class: str, nodeid: str, error: float, check: str = "equivalence") -> dict[str, Any]:
+    row = _row(nodeid, error, kind=check)
+    return {**row, "device": "cpu" if device_class == "cpu" else "cuda:0", "device_class": device_class}
+
+
+def test_a_check_is_compared_with_the_baseline_row_of_its_own_device() -> None:
+    baseline = [_on("cpu", "a.py::t", 1e-6), _on(H100, "a.py::t", 1e-3)]
+    # the H100 may err 1e-3, the CPU 1e-6: a CPU figure of 1e-4 fails though the H100's is larger
+    verdict = evaluate([_on("cpu", "a.py::t", 1e-4), _on(H100, "a.py::t", 1.5e-3)], Thresholds(), baseline)
+    assert verdict.failures == [
+        "a.py::t equivalence#1 (LlamaForCausalLM) on cpu: max abs error grew from 1e-06 (baseline) to 0.0001, "
+        "more than allowed 2e-06 (modelpatch_baseline_factor = 2, modelpatch_baseline_floor = 1e-06)"
+    ]
+    markdown = verdict.markdown([_on("cpu", "a.py::t", 1e-4), _on(H100, "a.py::t", 1.5e-3)])
+    sections = [line for line in markdown.splitlines() if line.startswith("#### ")]
+    assert sections == ["#### cpu: 1 checks, 1 failures", f"#### {H100}: 1 checks, 0 failures"]
+
+
+def test_a_scope_expects_a_baseline_row_only_from_tests_it_selected_on_devices_it_ran() -> None:
+    from pytest_modelpatch.reporting.shards import merge_reports
+
+    selection = {"paths": ["tests/a"], "selected": ["tests/a/test_x.py::t"], "deselected": ["tests/a/test_x.py::u"]}
+    rows = [_on(H100, "tests/a/test_x.py::t", 0.0), _on("cpu", "tests/a/test_x.py::t", 0.0, check="roundtrip")]
+    run = merge_reports([("h100.json", {"header": {"default_device_class": H100}, "rows": rows, "selection": selection})])
+    assert run.device_classes == {H100, "cpu"}
+    # a check that ran here on the GPU is not expected on the CPU, though its test's round trip ran there
+    assert run.not_expected(("tests/a/test_x.py::t", "equivalence#1", "cpu")) == "that ran on other devices"
+    assert run.expects(("tests/a/test_x.py::t", "equivalence#2", H100))  # vanished where its test ran: missing
+    assert run.not_expected(("tests/a/test_x.py::u", "equivalence#1", H100)) == "of tests it did not select"
+    assert run.expects(("tests/a/test_gone.py::t", "equivalence#1", H100))  # under its paths, not deselected: removed?
+    assert run.not_expected(("tests/b/test_y.py::t", "equivalence#1", H100)) == "of tests it did not select"
+    assert run.not_expected(("tests/a/test_x.py::t", "equivalence#1", "NVIDIA A10G")) == "on devices it did not run on"
+
+
+def test_shards_of_one_device_on_different_versions_warn_and_other_devices_only_show() -> None:
+    from pytest_modelpatch.reporting.shards import merge_reports
+
+    def shard(name: str, device: str, torch: str, nodeid: str) -> tuple[str, dict[str, Any]]:
+        header = {"default_device_class": device, "versions": {"torch": torch, "transformers": "5.24.0"}}
+        return name, {"header": header, "rows": [_on(device, nodeid, 0.0)]}
+
+    run = merge_reports([shard("cpu-1.json", "cpu", "2.13.0+cpu", "a.py::t"), shard("h100.json", H100, "2.13.0+cu128", "a.py::t")])
+    assert run.notes == ["versions differ between reports: torch 2.13.0+cpu (cpu-1.json), 2.13.0+cu128 (h100.json)"]
+    assert run.warnings == []
+    run = merge_reports([shard("cpu-1.json", "cpu", "2.13.0", "a.py::t"), shard("cpu-2.json", "cpu", "2.12.0", "b.py::t")])
+    assert run.warnings == [
+        "reports cpu-1.json, cpu-2.json ran on cpu with different versions: torch 2.13.0 (cpu-1.json), 2.12.0 (cpu-2.json); "
+        "their figures may differ by version, not by patch: run every shard of one device on the same versions"
+    ]
+    verdict = evaluate(run.rows, Thresholds(), run=run)
+    assert verdict.passed and str(verdict).splitlines()[1].startswith("WARNING reports cpu-1.json, cpu-2.json ran on cpu")
+
+
+def test_a_check_two_jobs_ran_on_one_device_keeps_the_row_of_the_job_for_that_device() -> None:
+    from pytest_modelpatch.reporting.shards import merge_reports, updated_baseline
+
+    cpu_job = ("cpu.json", {"header": {"default_device_class": "cpu"}, "rows": [_on("cpu", "a.py::t", 1e-7)]})
+    gpu_job = ("h100.json", {"header": {"default_device_class": H100}, "rows": [_on("cpu", "a.py::t", 3e-7), _on(H100, "b.py::t", 0.0)]})
+    run = merge_reports([gpu_job, cpu_job])  # the GPU job ran a.py::t on the CPU too (a test marked cpu): a matrix
+    assert len(run.rows) == 3 and evaluate(run.rows, Thresholds(), [_on("cpu", "a.py::t", 1e-7)], run=run).checks == 3
+    rows, kept = updated_baseline([_on("cpu", "old.py::t", 0.5), _on("NVIDIA A10G", "a.py::t", 0.5)], run)
+    # the run took in every test (no selection recorded): old.py::t ran no check, so it leaves the baseline;
+    # the A10's row stays, no job ran there
+    assert [(r["nodeid"], r["device_class"], r["max_abs_error"]) for r in rows] == [
+        ("a.py::t", "cpu", 1e-7), ("b.py::t", H100, 0.0), ("a.py::t", "NVIDIA A10G", 0.5),
+    ]  # fmt: skip
+    assert kept == [_on("NVIDIA A10G", "a.py::t", 0.5)]

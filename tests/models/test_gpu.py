@@ -1,0 +1,95 @@
+"""On a CUDA GPU, what the GPU lane (.ci/gpu) proves: devices and dtypes, bf16 equivalence and greedy
+generation on a few families with their patches, one GPU per xdist worker, the GPU's name on report rows.
+
+Every test here is marked ``gpu``: skipped with the reason on a machine without one (so the CPU
+suite only collects them), an error under ``--modelpatch-require-gpu``, as .ci/gpu runs them.
+They have not run on a GPU yet: docs/ci.md says so until they have.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_devices import MARKED
+
+from fixtures.patches import llama_fused_qkv, mechanisms, mistral_fused_qkv, qwen3_moe_router
+from pytest_modelpatch import assert_equivalent, assert_generates_equivalent
+
+# fresh_interpreter: pytester runs start a new interpreter, since CUDA does not work in a child forked
+# from a process that initialised it (the warm fork server's imports may ask torch.cuda.is_available())
+pytestmark = [pytest.mark.gpu, pytest.mark.fresh_interpreter]
+
+# dense with GQA, sliding-window attention, mixture of experts, Gemma's (1 + weight) norm: each with a patch that is right
+FAMILY_PATCHES = [
+    pytest.param("llama", marks=[pytest.mark.model("llama"),
+                 pytest.mark.patch(llama_fused_qkv.MAPPING, conversions=llama_fused_qkv.CONVERSIONS)]),
+    pytest.param("mistral", marks=[pytest.mark.model("mistral"),
+                 pytest.mark.patch(mistral_fused_qkv.MAPPING, conversions=mistral_fused_qkv.CONVERSIONS)]),
+    pytest.param("qwen3_moe", marks=[pytest.mark.model("qwen3_moe"), pytest.mark.patch(qwen3_moe_router.MAPPING)]),
+    pytest.param("gemma", marks=[pytest.mark.model("gemma"), pytest.mark.patch(
+        {"^GemmaRMSNorm$": mechanisms.GemmaStyleNorm}, allow={"^GemmaRMSNorm$": ["SIGNATURE"]})]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILY_PATCHES)
+@pytest.mark.dtypes("bfloat16")
+def test_bf16_forward_and_greedy_generation_match_on_the_gpu(
+    reference_model: torch.nn.Module, patched_model: torch.nn.Module, device: str, dtype: torch.dtype, family: str
+) -> None:
+    assert patched_model.device.type == "cuda" and patched_model.dtype == torch.bfloat16
+    assert reference_model.device == patched_model.device
+    assert_equivalent(reference_model, patched_model)  # the tolerance follows the dtype
+    assert_generates_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llama", num_hidden_layers=1)
+@pytest.mark.patch(llama_fused_qkv.MAPPING, conversions=llama_fused_qkv.CONVERSIONS)
+@pytest.mark.dtypes("float32", "float16", "bfloat16")
+def test_fused_qkv_in_every_dtype_on_the_gpu(
+    reference_model: torch.nn.Module, patched_model: torch.nn.Module, device: str, dtype: torch.dtype
+) -> None:
+    assert device.startswith("cuda") and patched_model.dtype == dtype
+    assert_equivalent(reference_model, patched_model)
+
+
+def test_the_device_and_dtype_markers_run_every_cell_with_a_gpu(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(MARKED)  # gpu, cpu, and devices("cpu", "cuda") x dtypes("fp32", "bfloat16")
+    result = pytester.runpytest("-rA", "--modelpatch-require-gpu")
+    result.assert_outcomes(passed=6)  # without a GPU, 3 pass and 3 skip (test_devices.py)
+    result.stdout.fnmatch_lines_random(["PASSED *::test_needs_gpu", "PASSED *::test_grid?cuda-bfloat16?"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU per xdist worker needs two GPUs")
+def test_each_xdist_worker_gets_its_own_gpu(pytester: pytest.Pytester) -> None:
+    tests = "".join(f"def test_{i}(device):\n    open(f'ran-on-{{device}}-{i}', 'w').close()\n\n\n" for i in range(4))
+    pytester.makepyfile(tests)
+    result = pytester.runpytest("-n", "2", "--modelpatch-device", "cuda", "--modelpatch-require-gpu")
+    result.assert_outcomes(passed=4)
+    used = {path.name.rpartition("-")[0] for path in pytester.path.glob("ran-on-*")}
+    assert used == {"ran-on-cuda:0", "ran-on-cuda:1"}  # worker gwN gets cuda:{N % device_count}
+
+
+ROW_ON_THE_GPU = """
+import pytest
+from pytest_modelpatch import assert_equivalent
+
+
+@pytest.mark.model("llama")
+def test_stock(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+"""
+
+
+def test_report_rows_and_header_carry_this_gpus_name(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(ROW_ON_THE_GPU)
+    result = pytester.runpytest("--modelpatch-device", "cuda", "--modelpatch-require-gpu", "--modelpatch-report", "r.json")
+    result.assert_outcomes(passed=1)
+    data = json.loads((pytester.path / "r.json").read_text())
+    name = torch.cuda.get_device_name(0)
+    (row,) = data["rows"]
+    assert (row["device"], row["device_class"]) == ("cuda:0", name)
+    header = data["header"]
+    assert header["accelerators"][0] == name and header["default_device_class"] == name
+    assert header["default_device"] == "cuda" and header["device_classes"] == [name]
