@@ -24,6 +24,8 @@ _EXPORTS: dict[str, str] = {
     "check_generation": "compare.decoding_properties",
     "assert_backward_equivalent": "compare.backward",
     "BackwardReport": "compare.backward",
+    "assert_trains_equivalent": "compare.training_steps",
+    "TrainingReport": "compare.training_steps",
     "check_module_equivalence": "compare.divergence",
     "first_divergence": "compare.divergence",
     "TolerancePolicy": "compare.tolerance",

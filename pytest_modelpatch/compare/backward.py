@@ -159,8 +159,8 @@ def checkpoint_gradients(model: torch.nn.Module, gradients: Mapping[str, torch.T
     ``save_pretrained`` maps the weights back. Returns the gradients and a line saying what was done.
     """
     conversions = getattr(model, "_weight_conversions", None)
-    if not conversions:
-        return dict(gradients), ""
+    if not conversions:  # a sharded model's gradients made whole all the same
+        return logical_tensors(model, gradients), ""
     from transformers.core_model_loading import revert_weight_conversion
 
     # a sharded model's gradients whole and in the checkpoint's layout first (fused ones are packed per rank)

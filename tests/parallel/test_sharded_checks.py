@@ -140,7 +140,7 @@ def test_tensor_parallel_checks_pass_what_shards_right_and_fail_what_does_not(py
 
 def _data_parallel_tests() -> str:
     tests = ["import pytest", "from fixtures.patches import llama_swiglu_autograd_broken as broken",
-             "from pytest_modelpatch import assert_backward_equivalent, assert_equivalent"]  # fmt: skip
+             "from pytest_modelpatch import assert_backward_equivalent, assert_equivalent, assert_trains_equivalent"]  # fmt: skip
     for kind in ("fsdp", "ddp"):
         tests.append(f'''
 
@@ -150,6 +150,7 @@ def test_stock_{kind}(reference_model, patched_model):
     assert type(patched_model).__name__ == {"FSDPLlamaForCausalLM" if kind == "fsdp" else "DistributedDataParallel"!r}
     assert_equivalent(reference_model, patched_model)
     assert_backward_equivalent(reference_model, patched_model)
+    assert_trains_equivalent(reference_model, patched_model, steps=4)
 
 
 @pytest.mark.model("llama")
@@ -170,6 +171,8 @@ def test_fsdp_and_ddp_gradients_match_and_a_backward_only_bug_fails(pytester: py
     outcome = {r["nodeid"].rpartition("::")[2]: r["outcome"] for r in rows if r["kind"] == "backward"}
     assert outcome == {"test_stock_fsdp": "passed", "test_stock_ddp": "passed",
                        "test_backward_only_bug_fsdp": "failed", "test_backward_only_bug_ddp": "failed"}  # fmt: skip
+    trained = {r["nodeid"].rpartition("::")[2]: r["outcome"] for r in rows if r["kind"] == "training"}
+    assert trained == {"test_stock_fsdp": "passed", "test_stock_ddp": "passed"}  # 4 steps, sharded and whole alike
     result.stdout.fnmatch_lines_random([
         "*AssertionError: patched FSDPLlamaForCausalLM differs from reference LlamaForCausalLM in training*",
         "*AssertionError: patched DistributedDataParallel differs from reference LlamaForCausalLM in training*",
