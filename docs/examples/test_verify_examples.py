@@ -16,15 +16,20 @@ from fixtures.patches import (
     llama_fused_qkv_tp,
     llama_nan_guard_mlp,
     llama_past_key_values_only,
+    llama_rmsnorm_no_weight_grad,
+    llama_stale_packed_mlp,
+    llama_swiglu_autograd,
     mechanisms,
     qwen2_moe,
     qwen3_moe_router,
+    training_transforms,
 )
 from pytest_modelpatch.models.builder import ModelRequest
 from pytest_modelpatch.compare.decoding import assert_generates_equivalent
 from pytest_modelpatch.compare.equivalence import assert_equivalent
 from pytest_modelpatch.compare.export import assert_exports_equivalent
 from pytest_modelpatch.models.usage import patch_usage
+from pytest_modelpatch import assert_trains_equivalent
 
 
 def _verify(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
@@ -214,3 +219,49 @@ def test_gemma_norm_kernel_on_every_family_it_reaches(reference_model, patched_m
 @pytest.mark.patch({"^GemmaRMSNorm$": mechanisms.LlamaStyleNorm}, allow=GEMMA_NORM_ALLOW)
 def test_caught_llama_norm_kernel_on_the_gemma_families(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
     assert_equivalent(reference_model, patched_model)
+
+
+# Training over several optimizer steps: what only shows after an update, under accumulation or in a tie
+
+
+@pytest.mark.model("llama")
+@pytest.mark.dtypes("float32", "bfloat16")
+@pytest.mark.patch(llama_swiglu_autograd.MAPPING)
+def test_fused_mlp_trains_the_same(reference_model, patched_model, dtype) -> None:  # type: ignore[no-untyped-def]
+    assert_trains_equivalent(reference_model, patched_model, steps=8)
+
+
+@pytest.mark.xfail(strict=True, reason="caught: gate and up are packed once, at the first call, and go stale after the first update")
+@pytest.mark.model("llama")
+@pytest.mark.patch(llama_stale_packed_mlp.MAPPING)
+def test_caught_stale_packed_weights(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    assert_trains_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.xfail(strict=True, reason="caught: the loss ignores num_items_in_batch under gradient accumulation")
+@pytest.mark.model("llama")
+@pytest.mark.patch(transform=training_transforms.fused_cross_entropy_per_batch)
+def test_caught_loss_ignoring_num_items_in_batch(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    assert_trains_equivalent(reference_model, patched_model, grad_accumulation=2)
+
+
+@pytest.mark.xfail(strict=True, reason="caught: the norm's backward gives its weight no gradient, so it never trains")
+@pytest.mark.model("llama")
+@pytest.mark.patch(llama_rmsnorm_no_weight_grad.MAPPING)
+def test_caught_norm_weight_that_never_trains(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    assert_trains_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.xfail(strict=True, reason="caught: lm_head gets a copy of the embeddings it was tied to")
+@pytest.mark.model("llama", tie_word_embeddings=True)
+@pytest.mark.patch(transform=training_transforms.untie_lm_head)
+def test_caught_untied_lm_head(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
+    assert_trains_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.xfail(strict=True, reason="caught: a bf16 cross-entropy matches early and diverges as the loss falls")
+@pytest.mark.model("llama")
+@pytest.mark.dtypes("bfloat16")
+@pytest.mark.patch(transform=training_transforms.fused_cross_entropy_bf16)
+def test_caught_low_precision_cross_entropy_late(reference_model, patched_model, dtype) -> None:  # type: ignore[no-untyped-def]
+    assert_trains_equivalent(reference_model, patched_model, steps=16, lr=1e-2)
