@@ -22,6 +22,7 @@ from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.sharded import sharding_line
+from pytest_modelpatch.compare.ties import tie_differences
 from pytest_modelpatch.compare.timing import timing_if_enabled
 from pytest_modelpatch.models.usage import coverage_lines, unused_message, unused_replacements
 
@@ -45,13 +46,14 @@ class EquivalenceReport(CheckReport):
     duration_s: float = 0.0
     extra: list[str] = field(default_factory=list)
     unused: str = ""  # why the check proves nothing about some replacement, when one never ran
+    ties: list[str] = field(default_factory=list)  # parameters the two models tie differently (compare.ties)
     coverage: list[str] = field(default_factory=list)  # what the compared forward reached only partly
     routing: RoutingFlips | None = None  # MoE models: expert choices that differed from the reference's
     timing: dict[str, Any] | None = None  # --modelpatch-timing: both models' forwards timed on these inputs
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.comparisons) and not self.unused
+        return all(c.passed for c in self.comparisons) and not self.unused and not self.ties
 
 
     def __str__(self) -> str:
@@ -63,12 +65,15 @@ class EquivalenceReport(CheckReport):
             )
             coverage = [f"coverage: {line}" for line in self.coverage]
             return "\n".join([head, f"tolerance: {self.tolerance}", *self._routing_lines, *coverage])
+        head = f"in {len(self.failures)} of {len(self.comparisons)} outputs"
+        if not self.failures and self.ties:
+            head = f"in how it ties its parameters (its {len(self.comparisons)} outputs agree, for now)"
         lines = [
-            f"patched {self.patched} differs from reference {self.reference}{where} "
-            f"in {len(self.failures)} of {len(self.comparisons)} outputs",
+            f"patched {self.patched} differs from reference {self.reference}{where} {head}",
             *self.extra,
             *self._routing_lines,
             *([self.unused] if self.unused else []),
+            *(f"tie: {line}" for line in self.ties),
             *(f"coverage: {line}" for line in self.coverage),
             f"inputs: {self.inputs}",
             *describe_tolerances(self.failures),
@@ -150,5 +155,6 @@ def assert_equivalent(
     if unused and not allow_unused:
         report.unused = unused_message(unused, where="the compared forward")
     report.coverage = coverage_lines(unwrapped(patched))
+    report.ties = tie_differences(reference, patched)  # equal outputs now, but untied weights train apart
     report.timing = timing_if_enabled(reference, patched, inputs)
     return report.conclude()

@@ -142,3 +142,33 @@ def test_micro_batches_of_a_step_hold_different_numbers_of_real_tokens() -> None
     assert int(_items(model, steps[0])) == sum(int((b["labels"][..., 1:] != -100).sum()) for b in steps[0])
     single = training_batches(model, None, steps=1, accumulation=1)
     assert bool(single[0][0]["attention_mask"].all())  # without accumulation nothing is padded
+
+
+TIES = """
+import pytest
+from fixtures.patches import training_transforms as transforms
+from pytest_modelpatch import assert_equivalent
+
+
+@pytest.mark.model("llama", tie_word_embeddings=True)
+@pytest.mark.patch(transform=transforms.untie_lm_head)
+def test_untied(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llama", tie_word_embeddings=True)
+@pytest.mark.patch(transform=transforms.shared_lm_head)
+def test_tied(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+"""
+
+
+def test_assert_equivalent_fails_on_a_broken_tie_whose_outputs_still_agree(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_ties=TIES)
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*AssertionError: patched LlamaForCausalLM differs from reference LlamaForCausalLM (float32 on cpu) in how it "
+        "ties its parameters (its * outputs agree, for now)",
+        "*tie: the reference ties model.embed_tokens.weight and lm_head.weight (one tensor)*",
+    ])  # fmt: skip
