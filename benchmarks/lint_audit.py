@@ -4,8 +4,8 @@
    (``{"^LlamaAttention$": LlamaAttention, ...}``), linted in that family with the
    ``signature``, ``weights`` and ``plan`` checks. Nothing changed, so any ``SIGNATURE``,
    ``UNUSED_ARGUMENT``, ``WEIGHT_NAMES`` or ``PARALLEL_PLAN`` finding is a false one. Over every
-   family the scan index knows; a family whose modules cannot be imported, or whose tiny model
-   cannot be built here, is counted apart (the latter linted from its sources only).
+   family the scan index knows; a family whose modules cannot be imported here is counted apart,
+   and so is one whose tiny model cannot be built here (the lint compares no weights for it).
 2. Pairs: for each role that many families share (``*RMSNorm``, ``*MLP``, ``*RotaryEmbedding``,
    ``*Attention``, ``*DecoderLayer``), family A's class registered as the replacement of family
    B's under a key spanning both (``^(LlamaRMSNorm|GemmaRMSNorm)$``), for every ordered pair of
@@ -13,8 +13,9 @@
    forward and a backward of B's tiny model built with the patch swapped in where transformers'
    ``apply_patches`` swaps it: a finding is right (TP) when the run raises a ``TypeError`` binding
    a call of the replacement's ``forward``/``__init__``, wrong (FP) when the run passes; a
-   binding ``TypeError`` with no finding is a miss (FN). A run that fails otherwise (a config
-   attribute A needs and B lacks, a shape) decides nothing and is counted apart.
+   binding ``TypeError`` with no finding is a miss (FN). B's config lends A's class the fields
+   only A's config has (``mlp_bias``), so that more runs get as far as the calls; a run that
+   still fails otherwise (a rope layout, a shape) decides nothing and is counted apart.
 
 Prints precision and recall of ``SIGNATURE`` over the decided pairs, each wrong or missed pair
 with its reason, and the time each part took. Goal: no false finding, no miss, and 0 identity
@@ -66,7 +67,7 @@ class IdentityOutcome:
     classes: int = 0
     findings: list[Any] = field(default_factory=list)
     skipped: str = ""  # its modules cannot be imported here
-    sources_only: str = ""  # its tiny model cannot be built here: weights and plans not compared
+    sources_only: str = ""  # its tiny model cannot be built here: the lint compares no weights or plans
 
 
 def identity_mapping(family: str, index: Any) -> dict[str, type]:
@@ -97,13 +98,12 @@ def identity_outcome(family: str, index: Any) -> IdentityOutcome:
     outcome.classes = len(mapping)
     if not mapping:
         return outcome
-    structures: Any = meta_structures
     try:
         meta_structures(_model_type(family, index), {})
     except Exception as error:
-        outcome.sources_only, structures = f"{type(error).__name__}: {_first_line(error)}", None
-    found = lint_patterns(mapping, families=[family], checks=("signature", "weights", "plan"), structures=structures,
-                          index=index)
+        outcome.sources_only = f"{type(error).__name__}: {_first_line(error)}"
+    found = lint_patterns(mapping, families=[family], checks=("signature", "weights", "plan"),
+                          structures=meta_structures, index=index)
     outcome.findings = [f for f in found if str(f.kind) in CONTRACT_KINDS]
     return outcome
 
@@ -275,14 +275,18 @@ def _first_line(error: BaseException) -> str:
     return lines[0][:200] if lines else ""
 
 
+def _took(start: tuple[float, float]) -> str:
+    return f"{time.perf_counter() - start[0]:.1f} s wall, {time.process_time() - start[1]:.1f} s CPU"
+
+
 def report_identity(families: list[str], index: Any, verbose: bool) -> int:
-    start = time.perf_counter()
+    start = time.perf_counter(), time.process_time()
     outcomes = [identity_outcome(family, index) for family in families]
-    seconds = time.perf_counter() - start
+    took = _took(start)
     linted = [o for o in outcomes if not o.skipped]
     findings = [f for o in linted for f in o.findings]
     print(f"identity: {len(findings)} contract findings over {len(linted)} families "
-          f"({sum(o.classes for o in linted)} classes replacing themselves), {seconds:.1f} s; "
+          f"({sum(o.classes for o in linted)} classes replacing themselves), {took}; "
           f"{sum(bool(o.sources_only) for o in linted)} of them from sources only (no tiny model here), "
           f"{len(outcomes) - len(linted)} not importable here")
     for finding in findings:
@@ -295,14 +299,14 @@ def report_identity(families: list[str], index: Any, verbose: bool) -> int:
 
 
 def report_pairs(model_types: list[str], index: Any, verbose: bool) -> int:
-    start = time.perf_counter()
+    start = time.perf_counter(), time.process_time()
     pairs = role_pairs(model_types)
     outcomes = audit_pairs(pairs, index)
-    seconds = time.perf_counter() - start
+    took = _took(start)
     precision, recall = precision_recall(outcomes)
     verdicts = [o.verdict for o in outcomes]
     counts = ", ".join(f"{v} {verdicts.count(v)}" for v in ("TP", "FP", "FN", "TN", "undecided"))
-    print(f"pairs: {len(pairs)} over {len(model_types)} families and {len(ROLES)} roles, {seconds:.1f} s")
+    print(f"pairs: {len(pairs)} over {len(model_types)} families and {len(ROLES)} roles, {took}")
     for role in ROLES:
         mine = [o for o in outcomes if o.pair.role == role]
         p, r = precision_recall(mine)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_modelpatch.lint.contract import BuiltStructure, Replaced, Structure, finding, who
+from pytest_modelpatch.lint.contract import BuiltStructure, Replaced, Structure, StructureBuilder, finding, who
 from pytest_modelpatch.lint.findings import Finding, Kind
 
 
@@ -56,6 +56,15 @@ class OriginalModel:
         modules = {str(n): str(c) for n, c in data["modules"].items()}
         return cls(tensors, modules, dict(data["tp_plan"]), dict(data["pp_plan"]),
                    tuple(map(str, data["checkpoint"])), tuple(map(str, data["loaded"])))
+
+
+def builds_unpatched(structures: StructureBuilder, model_type: str) -> bool:
+    """Whether ``model_type``'s tiny model builds here with nothing replaced (asked when a patched build failed)."""
+    try:
+        structures(model_type, {}, original=False)
+    except Exception:  # a family without a tiny config or a base class here (docs/families.md)
+        return False
+    return True
 
 
 def weight_findings(replaced: list[Replaced], model_type: str, original: OriginalModel, patched: BuiltStructure,

@@ -176,13 +176,17 @@ def test_a_mark_refuses_the_x_attention_at_setup_naming_the_call_site(pytester: 
 # the audit (benchmarks/lint_audit.py), on a sample
 # ---------------------------------------------------------------------------
 
-IDENTITY_SAMPLE = ["llama", "gemma", "falcon", "qwen2_moe", "bert", "t5", "llava", "paligemma", "whisper", "mamba"]
+# deepseek_v4 and lxmert had calls misread as the class's own (two of 12 false findings before #41);
+# blip_2's tiny model cannot be built here, which once read as the replacement's WEIGHT_NAMES failure
+IDENTITY_SAMPLE = ["llama", "gemma", "falcon", "qwen2_moe", "bert", "t5", "llava", "paligemma", "whisper", "mamba",
+                   "deepseek_v4", "lxmert", "blip_2"]
 
 
 @pytest.mark.parametrize("family", IDENTITY_SAMPLE)
 def test_classes_replacing_themselves_have_no_contract_finding(family: str) -> None:
     outcome = identity_outcome(family, load_index())
-    assert not outcome.skipped and not outcome.sources_only and outcome.classes > 0
+    assert not outcome.skipped and outcome.classes > 0
+    assert bool(outcome.sources_only) == (family == "blip_2")
     assert outcome.findings == []
 
 
