@@ -1,8 +1,8 @@
 """Lint what a replacement class is, not just which classes its key hits.
 
-- ``SIGNATURE``: its ``__init__`` must take what the parent passes when it builds the original
-  (read from the parent's source), its ``forward`` every parameter of the original's ``forward``
-  and every keyword the parent passes when it runs it.
+- ``SIGNATURE``: every call of the original read from the family's source (the parent building
+  it, running it) must bind the replacement's ``__init__``/``forward``; names count only where a
+  call passes them by keyword (``RENAMED_PARAMETER`` notes a positional one named differently).
 - ``UNUSED_ARGUMENT`` (a warning): a parameter the original names and reads that the replacement
   takes only through ``**kwargs`` and never reads (ignoring the cache breaks generation, not a
   full-sequence forward).

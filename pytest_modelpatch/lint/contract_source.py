@@ -3,7 +3,8 @@
 The contract lint needs three facts about an original class that its source states and that
 importing transformers would only slow down: the parameters of its ``forward`` and which of
 them the body reads; the calls its parent module makes to construct it
-(``LlamaAttention(config=config, layer_idx=layer_idx)``) and to run it
+(``LlamaAttention(config=config, layer_idx=layer_idx)``, or through a module-level dict of
+classes: ``FALCON_ATTENTION_CLASSES[...](config, layer_idx)``) and to run it
 (``self.self_attn(hidden_states=..., position_ids=..., **kwargs)``); and the family's
 ``_no_split_modules``. They depend only on the installed transformers, so each module's facts
 are read once and kept in the contract facts cache (:mod:`pytest_modelpatch.lint.contract_cache`):
