@@ -225,7 +225,7 @@ def _module_calls(module: str, classes: dict[str, ast.ClassDef], tables: dict[st
             for name in _constructed(call, tables):
                 calls.constructions.setdefault(name, []).append(_site(parent, module, call))
         for assign in (n for n in ast.walk(node) if isinstance(n, ast.Assign)):
-            names = {name for c in ast.walk(assign.value) if isinstance(c, ast.Call) for name in _constructed(c, tables)}
+            names = _stored(assign.value, tables)
             for target in assign.targets:
                 if _self_attr(target):
                     bound.setdefault(target.attr, set()).update(names)  # type: ignore[union-attr]
@@ -252,6 +252,16 @@ def _constructed(call: ast.Call, tables: dict[str, set[str]]) -> list[str]:
     if isinstance(call.func, ast.Subscript) and isinstance(call.func.value, ast.Name):
         return sorted(tables.get(call.func.value.id, ()))
     return []
+
+
+def _stored(value: ast.AST, tables: dict[str, set[str]]) -> set[str]:
+    """The classes whose instances an assigned value holds: ``A(...) if c else B(...)``, ``ModuleList([L(...)])``.
+
+    Not the arguments of a constructor (``Model(config, decoder=Decoder(config))`` holds a Model).
+    """
+    if isinstance(value, ast.Call) and (built := _constructed(value, tables)):
+        return set(built)
+    return {name for child in ast.iter_child_nodes(value) for name in _stored(child, tables)}
 
 
 def _lookup_tables(tree: ast.Module | None) -> dict[str, set[str]]:
