@@ -287,14 +287,14 @@ def report_identity(families: list[str], index: Any, verbose: bool) -> int:
     findings = [f for o in linted for f in o.findings]
     print(f"identity: {len(findings)} contract findings over {len(linted)} families "
           f"({sum(o.classes for o in linted)} classes replacing themselves), {took}; "
-          f"{sum(bool(o.sources_only) for o in linted)} of them from sources only (no tiny model here), "
+          f"{sum(bool(o.sources_only) for o in linted)} of them with no tiny model here (no weights compared), "
           f"{len(outcomes) - len(linted)} not importable here")
     for finding in findings:
         print(f"  {finding.family}: {finding}")
     if verbose:
         for o in outcomes:
             if o.skipped or o.sources_only:
-                print(f"  {o.family}: {'not importable' if o.skipped else 'sources only'}: {o.skipped or o.sources_only}")
+                print(f"  {o.family}: {'not importable' if o.skipped else 'no tiny model'}: {o.skipped or o.sources_only}")
     return len(findings)
 
 
