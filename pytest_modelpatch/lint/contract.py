@@ -19,7 +19,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -73,18 +73,38 @@ class Replaced:
 # ---------------------------------------------------------------------------
 
 
-def signature_findings(replaced: Replaced, scope_modules: Iterable[str]) -> list[Finding]:
-    """The calls of the original in the scope that the replacement's ``__init__``/``forward`` would not bind."""
+def signature_findings(replaced: Replaced, scope_modules: Iterable[str],
+                       models: Sequence[Mapping[str, str]] = ()) -> list[Finding]:
+    """The calls of the original in the scope that the replacement's ``__init__``/``forward`` would not bind.
+
+    ``models``: the module classes (path -> class name) of the scope's tiny models, when built. A
+    run that a built parent makes through an attribute holding no such class there is never made
+    (BertLayer's ``self.crossattention(...)`` in a BERT encoder) and is not judged.
+    """
     if _forward_owner(replaced.replacement).__module__.startswith("torch"):
         return []  # no forward of its own (a stand-in class): nothing to compare, it cannot run
     calls = [source.module_calls(m) for m in scope_modules]
     sites = [s for c in calls for s in c.constructions.get(replaced.name, [])]
-    runs = [s for c in calls for s in c.forwards.get(replaced.name, [])]
+    runs = [s for c in calls for s in c.forwards.get(replaced.name, []) if made(s, replaced.name, models)]
     findings = _call_findings(replaced, "__init__", sites) + _call_findings(replaced, "forward", runs)
     original = source.method_params(replaced.module, replaced.name, "forward")
     if original is not None:
         findings += _unused_findings(replaced, original, runs)
     return findings
+
+
+def made(run: CallSite, name: str, models: Sequence[Mapping[str, str]]) -> bool:
+    """Whether the built ``models`` make ``run``: not where its parent is built and its attribute never holds ``name``."""
+    parents = [(modules, path) for modules in models for path, cls in modules.items() if cls == run.parent]
+    if not run.attribute or not parents:
+        return True  # nothing built says otherwise (a head class, a parent that only another config builds)
+    for modules, path in parents:
+        held = f"{path}.{run.attribute}" if path else run.attribute
+        # the attribute itself, or the items of a ModuleList in it (a loop over self.layers)
+        if any(cls == name and (p == held or (p.startswith(f"{held}.") and p[len(held) + 1:].isdigit()))
+               for p, cls in modules.items()):
+            return True
+    return False
 
 
 def finding(kind: Kind, replaced: Replaced, message: str, suggestion: str = "") -> Finding:

@@ -71,6 +71,7 @@ class CallSite:
     positional: int
     keywords: tuple[str, ...]
     unpacks: bool  # *args or **kwargs: what else it passes cannot be read
+    attribute: str = ""  # a run's: the parent's attribute it calls (self.<attribute>(...), or a loop over it)
 
     def __str__(self) -> str:
         args = [f"<{i}>" for i in range(self.positional)] + [f"{k}=..." for k in self.keywords]
@@ -108,8 +109,8 @@ class ModuleFacts:
 
     def to_json(self) -> dict[str, Any]:
         def sites(table: dict[str, list[CallSite]]) -> dict[str, list[list[Any]]]:
-            return {name: [[s.parent, s.module, s.line, s.positional, list(s.keywords), s.unpacks] for s in found]
-                    for name, found in table.items()}
+            return {name: [[s.parent, s.module, s.line, s.positional, list(s.keywords), s.unpacks, s.attribute]
+                           for s in found] for name, found in table.items()}
 
         return {"constructions": sites(self.calls.constructions), "forwards": sites(self.calls.forwards),
                 "no_split": self.no_split,
@@ -120,8 +121,8 @@ class ModuleFacts:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModuleFacts:
         def sites(table: dict[str, list[list[Any]]]) -> dict[str, list[CallSite]]:
-            return {str(name): [CallSite(str(p), str(m), int(line), int(n), tuple(map(str, kw)), bool(u))
-                                for p, m, line, n, kw, u in found] for name, found in table.items()}
+            return {str(name): [CallSite(str(p), str(m), int(line), int(n), tuple(map(str, kw)), bool(u), str(a))
+                                for p, m, line, n, kw, u, a in found] for name, found in table.items()}
 
         params = {str(k): Params(tuple(map(str, names)), tuple(map(str, required)), bool(var), frozenset(map(str, read)),
                                  tuple((str(old), str(new)) for old, new in renamed), int(positional), bool(var_positional))
@@ -241,7 +242,7 @@ def _module_calls(module: str, classes: dict[str, ast.ClassDef], tables: dict[st
                 if attr is None and isinstance(call.func, ast.Name):
                     attr = loops.get(call.func.id)
                 for name in sorted(bound.get(attr or "", ())):
-                    calls.forwards.setdefault(name, []).append(_site(parent, module, call))
+                    calls.forwards.setdefault(name, []).append(_site(parent, module, call, attr or ""))
     return calls
 
 
@@ -281,11 +282,11 @@ def _self_attr(node: ast.AST) -> bool:
     return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
 
 
-def _site(parent: str, module: str, call: ast.Call) -> CallSite:
+def _site(parent: str, module: str, call: ast.Call, attribute: str = "") -> CallSite:
     keywords = tuple(k.arg for k in call.keywords if k.arg is not None)
     unpacks = any(k.arg is None for k in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args)
     positional = sum(not isinstance(a, ast.Starred) for a in call.args)
-    return CallSite(parent, module, call.lineno, positional, keywords, unpacks)
+    return CallSite(parent, module, call.lineno, positional, keywords, unpacks, attribute)
 
 
 def no_split_modules(module: str) -> dict[str, list[str]]:

@@ -147,6 +147,18 @@ def test_a_lookup_table_call_is_read_as_a_call_site() -> None:
     assert "missing a required argument: 'alibi'" in finding.message
 
 
+def test_a_call_the_built_model_never_makes_is_not_judged() -> None:
+    from fixtures.patches.bert_broad_attention import BertSdpaSelfAttention  # forward(hidden_states, mask, cache, ...)
+    from pytest_modelpatch import lint_patterns as with_models
+
+    mapping = {"^BertAttention$": BertSdpaSelfAttention}
+    # BertLayer runs self.crossattention(h, None, enc, enc_mask, cache=..., **kwargs) in a decoder with cross-attention
+    (finding,) = [f for f in signature(mapping, "bert") if f.kind is Kind.SIGNATURE]  # no model built: every call
+    assert "calls it with (<0>, <1>, <2>, <3>, cache=..., **...): multiple values for argument 'cache'" in finding.message
+    # the tiny BERT encoder builds no crossattention, so that call is never made
+    assert Kind.SIGNATURE not in {f.kind for f in with_models(mapping, families=["bert"], checks=("signature",))}
+
+
 def test_a_mark_refuses_the_x_attention_at_setup_naming_the_call_site(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
