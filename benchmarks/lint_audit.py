@@ -186,10 +186,10 @@ def role_pairs(model_types: Iterable[str], roles: Iterable[str] = ROLES) -> list
 
 
 def lint_pair(pair: Pair, index: Any = None) -> list[str]:
-    """The SIGNATURE findings the lint gives the pair's mapping in the target's families."""
+    """The SIGNATURE findings the patch marker's lint gives the pair's mapping in the target's families."""
     from pytest_modelpatch.families.catalog import tiny_config
-    from pytest_modelpatch.lint.patterns import lint_patterns
     from pytest_modelpatch.models.specs import config_families
+    from pytest_modelpatch.models.structure import lint_patterns  # with the tiny models, as the marker lints
 
     families = config_families(tiny_config(pair.target))  # as the patch marker lints a model's families
     found = lint_patterns({pair.key: pair.replacement}, families=families, checks=("signature",), index=index)
