@@ -39,7 +39,7 @@ import pytest
 from fixtures.patches.mechanisms import LlamaStyleNorm
 from pytest_modelpatch import assert_equivalent
 
-PATCH = pytest.mark.patch({{{key!r}: LlamaStyleNorm}}, allow={{{key!r}: ["BROAD", "SIGNATURE"]}})
+PATCH = pytest.mark.patch({{{key!r}: LlamaStyleNorm}})
 """
 
 SWEPT = NORM + """

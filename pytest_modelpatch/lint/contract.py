@@ -1,8 +1,8 @@
 """Lint what a replacement class is, not just which classes its key hits.
 
-- ``SIGNATURE``: its ``__init__`` must take what the parent passes when it builds the original
-  (read from the parent's source), its ``forward`` every parameter of the original's ``forward``
-  and every keyword the parent passes when it runs it.
+- ``SIGNATURE``: every call of the original read from the family's source (the parent building
+  it, running it) must bind the replacement's ``__init__``/``forward``; names count only where a
+  call passes them by keyword (``RENAMED_PARAMETER`` notes a positional one named differently).
 - ``UNUSED_ARGUMENT`` (a warning): a parameter the original names and reads that the replacement
   takes only through ``**kwargs`` and never reads (ignoring the cache breaks generation, not a
   full-sequence forward).
@@ -19,7 +19,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -73,18 +73,38 @@ class Replaced:
 # ---------------------------------------------------------------------------
 
 
-def signature_findings(replaced: Replaced, scope_modules: Iterable[str]) -> list[Finding]:
-    """What the parent passes to the replacement's ``__init__``/``forward`` that it cannot take."""
+def signature_findings(replaced: Replaced, scope_modules: Iterable[str],
+                       models: Sequence[Mapping[str, str]] = ()) -> list[Finding]:
+    """The calls of the original in the scope that the replacement's ``__init__``/``forward`` would not bind.
+
+    ``models``: the module classes (path -> class name) of the scope's tiny models, when built. A
+    run that a built parent makes through an attribute holding no such class there is never made
+    (BertLayer's ``self.crossattention(...)`` in a BERT encoder) and is not judged.
+    """
     if _forward_owner(replaced.replacement).__module__.startswith("torch"):
         return []  # no forward of its own (a stand-in class): nothing to compare, it cannot run
-    sites = [s for m in scope_modules for s in source.module_calls(m).constructions.get(replaced.name, [])]
-    findings = _init_findings(replaced, sites)
-    runs = [s for m in scope_modules for s in source.module_calls(m).forwards.get(replaced.name, [])]
+    calls = [source.module_calls(m) for m in scope_modules]
+    sites = [s for c in calls for s in c.constructions.get(replaced.name, [])]
+    runs = [s for c in calls for s in c.forwards.get(replaced.name, []) if made(s, replaced.name, models)]
+    findings = _call_findings(replaced, "__init__", sites) + _call_findings(replaced, "forward", runs)
     original = source.method_params(replaced.module, replaced.name, "forward")
-    findings += _forward_findings(replaced, original, runs)
     if original is not None:
         findings += _unused_findings(replaced, original, runs)
     return findings
+
+
+def made(run: CallSite, name: str, models: Sequence[Mapping[str, str]]) -> bool:
+    """Whether the built ``models`` make ``run``: not where its parent is built and its attribute never holds ``name``."""
+    parents = [(modules, path) for modules in models for path, cls in modules.items() if cls == run.parent]
+    if not run.attribute or not parents:
+        return True  # nothing built says otherwise (a head class, a parent that only another config builds)
+    for modules, path in parents:
+        held = f"{path}.{run.attribute}" if path else run.attribute
+        # the attribute itself, or the items of a ModuleList in it (a loop over self.layers)
+        if any(cls == name and (p == held or (p.startswith(f"{held}.") and p[len(held) + 1:].isdigit()))
+               for p, cls in modules.items()):
+            return True
+    return False
 
 
 def finding(kind: Kind, replaced: Replaced, message: str, suggestion: str = "") -> Finding:
@@ -97,56 +117,70 @@ def who(replaced: Replaced) -> str:
     return f"{_qualname(replaced.replacement)} (replacing {replaced.name} for key {replaced.key!r})"
 
 
-def _init_findings(replaced: Replaced, sites: list[CallSite]) -> list[Finding]:
-    signature = _signature(replaced.replacement)
+def _call_findings(replaced: Replaced, method: str, sites: list[CallSite]) -> list[Finding]:
+    """SIGNATURE when a call site of the original would not bind the replacement's ``method``.
+
+    Only what the sites pass counts, not the original's parameter names: transformers names
+    the same argument ``x`` in one family and ``hidden_states`` in another, and passes it by
+    position. With no site to read (built or run through a lookup table), the original's
+    required parameters are passed by position. A renamed positional parameter that no site
+    passes by keyword is a ``RENAMED_PARAMETER`` note.
+    """
+    signature = _method_signature(replaced.replacement, method)
     if signature is None:
         return []
-    original = source.method_params(replaced.module, replaced.name, "__init__")
-    wanted = f"{replaced.name}.__init__({', '.join(original.names)})" if original else f"{replaced.name}.__init__"
-    problems = [f"{site}: {error}" for site in _unique(sites) if (error := _bind_error(signature, site))]
-    if not sites and original is not None:
-        # no call to read (built through a lookup table): compare with the original's __init__
-        fake = source.CallSite(replaced.name, replaced.module, 0, 0, original.required, False)
-        if error := _bind_error(signature, fake):
-            problems.append(f"{wanted} requires ({', '.join(original.required)}): {error}")
-        extra = [n for n in _required(signature) if original and n not in original.names]
-        if extra:
-            problems.append(f"it requires {', '.join(extra)}, which {wanted} does not take")
+    original = source.method_params(replaced.module, replaced.name, method)
+    expected = original.signature() if original is not None else None
+    # a site the original itself would not bind was read wrong (an attribute holding another class)
+    readable = [s for s in _unique(sites) if expected is None or not _bind_error(expected, s)]
+    problems = [f"{site}: {error}" for site in readable if (error := _bind_error(signature, site, expected))]
+    if not readable and original is not None:
+        error = _bind_error(signature, original.required_call(replaced.name, replaced.module))
+        if error:
+            problems.append(f"no call of {replaced.name} can be read in the family's modules (from_pretrained, "
+                            f"a registry), and passing what {replaced.name}.{method} requires "
+                            f"({', '.join(original.required)}) by position fails: {error}")
     if not problems:
-        return []
-    return [finding(Kind.SIGNATURE, replaced, f"{who(replaced)}: __init__{signature} cannot be built the way "
-                     f"transformers builds {replaced.name}: {'; '.join(problems)}. Give it the signature of "
-                     f"{wanted} (extra parameters need defaults).", suggestion=wanted)]
+        return _renamed_notes(replaced, method, signature, original, readable)
+    names = ", ".join(original.names) if original is not None else ""
+    if method == "__init__":
+        wanted = f"{replaced.name}.__init__({names})" if original else f"{replaced.name}.__init__"
+        message = (f"__init__{signature} cannot be built the way transformers builds {replaced.name}: "
+                   f"{'; '.join(problems)}. Give it the signature of {wanted} (extra parameters need defaults).")
+    else:
+        wanted = f"{replaced.name}.forward({names}, **kwargs)" if original else "**kwargs"
+        message = f"forward{signature} would raise TypeError: {'; '.join(problems)}. Accept the same parameters ({wanted})."
+    return [finding(Kind.SIGNATURE, replaced, f"{who(replaced)}: {message}", suggestion=wanted)]
 
 
-def _forward_findings(replaced: Replaced, original: source.Params | None, runs: list[CallSite]) -> list[Finding]:
-    forward = getattr(replaced.replacement, "forward", None)
-    signature = _signature(forward, drop_self=True) if forward is not None else None
-    if signature is None:
+def _renamed_notes(replaced: Replaced, method: str, signature: inspect.Signature, original: source.Params | None,
+                   sites: list[CallSite]) -> list[Finding]:
+    """A note for positional parameters named differently from the original's that no site passes by keyword."""
+    if original is None:
         return []
-    accepts = _accepts(signature)
-    missing = [n for n in (original.names if original else ()) if not accepts(n)]
-    problems = [f"{replaced.name}.forward takes {', '.join(missing)}"] if missing else []
-    for site in _unique(runs):
-        if error := _bind_error(signature, site):
-            problems.append(f"{site}: {error}")
-    if not problems:
+    ours = [n for n, p in signature.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    by_keyword = {k for site in sites for k in site.keywords}
+    renamed = [(theirs, mine) for theirs, mine in zip(original.names[: original.positional], ours)
+               if theirs != mine and theirs not in by_keyword]
+    if not renamed:
         return []
-    wanted = f"{replaced.name}.forward({', '.join(original.names)}, **kwargs)" if original else "**kwargs"
-    return [finding(Kind.SIGNATURE, replaced, f"{who(replaced)}: forward{signature} would raise TypeError: "
-                     f"{'; '.join(problems)}. Accept the same parameters ({wanted}).", suggestion=wanted)]
+    pairs = ", ".join(f"{mine!r} where {replaced.name}.{method} has {theirs!r}" for theirs, mine in renamed)
+    how = "every call the lint reads passes it by position" if sites else "no call can be read; by position it lines up"
+    return [finding(Kind.RENAMED_PARAMETER, replaced, f"{who(replaced)}: {method} names {pairs}: {how}, so it binds. "
+                    f"Code that passes {renamed[0][0]}=... by keyword would raise TypeError.",
+                    suggestion=renamed[0][0])]
 
 
 def _unused_findings(replaced: Replaced, original: source.Params, runs: list[CallSite]) -> list[Finding]:
-    forward = getattr(replaced.replacement, "forward", None)
-    signature = _signature(forward, drop_self=True) if forward is not None else None
+    signature = _method_signature(replaced.replacement, "forward")
     if signature is None or not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
         return []
     mentioned = _mentioned(replaced.replacement)
     if mentioned is None:
         return []  # forward is transformers' own, or its source cannot be read
+    by_position = _passed_by_position(original, signature, runs)
     swallowed = [n for n in original.names if n in original.read and n not in signature.parameters
-                 and n not in mentioned]
+                 and n not in mentioned and n not in by_position]
     return [_unused_finding(replaced, name, *_old_name(name, signature, original, runs)) for name in swallowed]
 
 
@@ -220,6 +254,14 @@ def _forward_owner(cls: type) -> type:
     return next((k for k in cls.__mro__ if "forward" in vars(k)), object)
 
 
+def _method_signature(cls: type, method: str) -> inspect.Signature | None:
+    """The replacement's ``__init__`` (as the class is called) or ``forward`` signature, ``self`` left out."""
+    if method == "__init__":
+        return _signature(cls)
+    function = getattr(cls, method, None)
+    return _signature(function, drop_self=True) if function is not None else None
+
+
 def _signature(obj: Any, *, drop_self: bool = False) -> inspect.Signature | None:
     try:
         signature = inspect.signature(obj)
@@ -228,6 +270,15 @@ def _signature(obj: Any, *, drop_self: bool = False) -> inspect.Signature | None
     if drop_self and inspect.isfunction(obj):
         signature = signature.replace(parameters=list(signature.parameters.values())[1:])
     return signature
+
+
+def _passed_by_position(original: source.Params, signature: inspect.Signature, sites: list[CallSite]) -> set[str]:
+    """The original's parameters that every call passes by position: they bind whatever the replacement names them."""
+    params = signature.parameters.values()
+    slots = len(params) if any(p.kind is p.VAR_POSITIONAL for p in params) else sum(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    reach = min(s.positional for s in sites) if sites else sum(n in original.required for n in original.names)
+    return set(original.names[: min(reach, slots, original.positional)])
 
 
 def _accepts(signature: inspect.Signature) -> Callable[[str], bool]:
@@ -241,16 +292,43 @@ def _required(signature: inspect.Signature) -> list[str]:
             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-def _bind_error(signature: inspect.Signature, site: CallSite) -> str:
-    if site.unpacks:
-        # what a **kwargs passes cannot be read: check only the keywords that are written out
-        rejected = [k for k in site.keywords if not _accepts(signature)(k)]
-        return f"no parameter {', '.join(rejected)}" if rejected else ""
+def _bind_error(signature: inspect.Signature, site: CallSite, original: inspect.Signature | None = None) -> str:
+    """Why ``site`` would not bind ``signature`` ("" when it would).
+
+    What a ``*args``/``**kwargs`` at the site passes cannot be read. The keywords and positional
+    arguments written out must still bind, and a required parameter left unbound is missing
+    when the original (``original``) needs nothing from the unpacked arguments: they are the
+    caller's extras (``**kwargs: Unpack[TransformersKwargs]``), not the tensor the replacement
+    wants under another name.
+    """
+    if not site.unpacks:
+        try:
+            signature.bind(*range(site.positional), **dict.fromkeys(site.keywords))
+        except TypeError as error:
+            return str(error)
+        return ""
+    rejected = [k for k in site.keywords if not _accepts(signature)(k)]
+    if rejected:
+        return f"no parameter {', '.join(rejected)}"
     try:
-        signature.bind(*range(site.positional), **dict.fromkeys(site.keywords))
+        missing = _unbound(signature, site)
     except TypeError as error:
         return str(error)
-    return ""
+    if not missing or original is None:
+        return ""
+    try:
+        if _unbound(original, site):
+            return ""  # the original needs something from the unpacked arguments too: they may supply it
+    except TypeError:
+        return ""  # the original does not bind what is written out: nothing to compare with
+    return (f"missing a required argument: {missing[0]!r} (the arguments it writes out do not pass it, and the "
+            f"original takes all it requires from them)")
+
+
+def _unbound(signature: inspect.Signature, site: CallSite) -> list[str]:
+    """The required parameters the arguments ``site`` writes out leave unbound; TypeError if they do not bind."""
+    bound = signature.bind_partial(*range(site.positional), **dict.fromkeys(site.keywords))
+    return [n for n in _required(signature) if n not in bound.arguments]
 
 
 def _unique(sites: Iterable[CallSite]) -> list[CallSite]:

@@ -28,7 +28,7 @@ from pytest_modelpatch.lint.scan_index import (
     write_atomically,
 )
 
-FACTS_FORMAT = 3  # bump whenever what an entry records changes
+FACTS_FORMAT = 6  # bump whenever what an entry records changes
 T = TypeVar("T")
 # a corrupt entry raises one of these while decoding: it is rebuilt, not trusted
 DECODE_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError)

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_modelpatch.lint.contract import BuiltStructure, Replaced, Structure, finding, who
+from pytest_modelpatch.lint.contract import BuiltStructure, Replaced, Structure, StructureBuilder, finding, who
+from pytest_modelpatch.lint.contract_cache import facts_cache
 from pytest_modelpatch.lint.findings import Finding, Kind
 
 
@@ -56,6 +57,21 @@ class OriginalModel:
         modules = {str(n): str(c) for n, c in data["modules"].items()}
         return cls(tensors, modules, dict(data["tp_plan"]), dict(data["pp_plan"]),
                    tuple(map(str, data["checkpoint"])), tuple(map(str, data["loaded"])))
+
+
+def original_model(model_type: str, structures: StructureBuilder) -> OriginalModel | None:
+    """The family's original tiny model: from the facts cache, else built and cached; None if it cannot be built here."""
+    facts = facts_cache()
+    original = facts.lookup("originals", model_type, OriginalModel.from_json)
+    if original is None:
+        try:
+            built, _ = structures(model_type, {}, original=True)
+        except Exception:  # a family without a tiny config or a base class here (docs/families.md)
+            return None
+        assert built is not None
+        original = OriginalModel.of(model_type, built)
+        facts.put("originals", model_type, original.to_json())
+    return original
 
 
 def weight_findings(replaced: list[Replaced], model_type: str, original: OriginalModel, patched: BuiltStructure,

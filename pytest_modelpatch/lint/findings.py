@@ -20,6 +20,7 @@ class Kind(str, Enum):
     UNUSED_ARGUMENT = "UNUSED_ARGUMENT"
     WEIGHT_NAMES = "WEIGHT_NAMES"
     PARALLEL_PLAN = "PARALLEL_PLAN"
+    RENAMED_PARAMETER = "RENAMED_PARAMETER"  # a note: every call passes it by position, so it binds
 
     def __str__(self) -> str:
         return self.value

@@ -241,32 +241,34 @@ class _Lint:
             for cls, bound in self.inside[name].items()
             if (entry := self.index.classes[cls]).is_module and entry.module.startswith("transformers")
         ]
+        # the scope's original tiny models say which runs their parents make (BERT's crossattention: none)
+        originals = {family: contract_structures.original_model(self.model_type(family), structures)
+                     for family in sorted(scope)} if structures is not None and replaced else {}
+        models = [original.modules for original in originals.values() if original is not None]
         findings: list[Finding] = []
         for item in replaced:
             if "signature" in checks:
-                findings += contract.signature_findings(item, modules)
+                findings += contract.signature_findings(item, modules, models)
             if "plan" in checks:
                 findings += contract.no_split_findings(item, modules)
         if structures is None or not replaced or not checks & {"weights", "plan"}:
             return findings
-        for family in sorted(scope):
-            findings += self.built(family, [r for r in replaced], conversions, checks, structures)
+        for family, original in originals.items():
+            if original is not None:  # else the family's own tiny model cannot be built here: nothing to compare
+                findings += self.built(family, original, replaced, conversions, checks, structures)
         return findings
 
-    def built(self, family: str, replaced: list[contract.Replaced], conversions: dict[str, list[Any]],
-              checks: set[str], structures: StructureBuilder) -> list[Finding]:
-        model_type = next((t for t, f in self.index.model_types.items() if f == family and t == family), None) or next(
+    def model_type(self, family: str) -> str:
+        """The model type the family's tiny model is built for: the one named like its folder, else the first."""
+        return next((t for t, f in self.index.model_types.items() if f == family and t == family), None) or next(
             (t for t, f in self.index.model_types.items() if f == family), family)
+
+    def built(self, family: str, original: contract_structures.OriginalModel, replaced: list[contract.Replaced],
+              conversions: dict[str, list[Any]], checks: set[str], structures: StructureBuilder) -> list[Finding]:
+        model_type = self.model_type(family)
         swaps = {r.name: (r.replacement, r.bound_in) for r in replaced}
-        facts = facts_cache()
         try:
-            # the original side depends only on transformers: cached; the patched side is built each run
-            original = facts.lookup("originals", model_type, contract_structures.OriginalModel.from_json)
-            built, patched = structures(model_type, swaps, original=original is None)
-            if original is None:
-                assert built is not None
-                original = contract_structures.OriginalModel.of(model_type, built)
-                facts.put("originals", model_type, original.to_json())
+            _, patched = structures(model_type, swaps, original=False)  # built each run: the original is cached
         except Exception as error:  # the replacement cannot even be built: say so, with the cause
             first = replaced[0]
             return [Finding(Kind.WEIGHT_NAMES, first.key, first.name, first.family, first.module,
