@@ -221,7 +221,9 @@ def plan_findings(replaced: list[Replaced], original: Structure, patched: Struct
                         f"{who(r)}: the config's {plan_name} entry {entry!r}: {plan[entry]!r} no longer resolves in "
                         f"the patched model{hint}, so tensor/pipeline-parallel loading will not shard it. Give the "
                         f"replacement a _tp_plan for its own submodules (or a matching {plan_name} entry), or keep "
-                        f"the original names through a conversion back.", suggestion=entry))
+                        f"the original names through a conversion back; plan its modules with "
+                        f"@pytest.mark.patch(tp_plan={{{entry!r}: None, ...}}) and prove it sharded with "
+                        f"@pytest.mark.parallel('tp')", suggestion=entry))
     return findings
 
 

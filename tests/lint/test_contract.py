@@ -157,6 +157,7 @@ def test_fused_qkv_on_llama_breaks_the_tp_plan_entries_of_q_k_v() -> None:
         "layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj", "layers.*.self_attn.v_proj",
     ]
     assert all(f.kind is Kind.PARALLEL_PLAN and "(it has qkv_proj instead)" in f.message for f in findings)
+    assert all("prove it sharded with @pytest.mark.parallel('tp')" in f.message for f in findings)
 
 
 def test_a_renamed_no_split_class_is_a_parallel_plan_finding() -> None:
