@@ -31,8 +31,8 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import load_patch, tiny_config
-from pytest_modelpatch.compare.compile import assert_compiles_equivalent
-from pytest_modelpatch.compare.export import LogitsOnly, assert_exports_equivalent, logits_inputs
+from pytest_modelpatch.compare.graph.compile import assert_compiles_equivalent
+from pytest_modelpatch.compare.graph.export import LogitsOnly, assert_exports_equivalent, logits_inputs
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained
 

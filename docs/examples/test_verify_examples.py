@@ -27,7 +27,7 @@ from fixtures.patches import (
 from pytest_modelpatch.models.builder import ModelRequest
 from pytest_modelpatch.compare.decoding import assert_generates_equivalent
 from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.export import assert_exports_equivalent
+from pytest_modelpatch.compare.graph.export import assert_exports_equivalent
 from pytest_modelpatch.models.usage import patch_usage
 from pytest_modelpatch import assert_trains_equivalent
 

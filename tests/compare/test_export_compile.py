@@ -100,7 +100,7 @@ def test_compiled_code_and_dynamo_globals_do_not_outlive_the_check(pair) -> None
 
     import torch
 
-    from pytest_modelpatch.compare.compile import assert_compiles_equivalent
+    from pytest_modelpatch.compare.graph.compile import assert_compiles_equivalent
 
     before = {name: set(vars(module)) for name, module in list(sys.modules.items()) if module is not None}
     assert_compiles_equivalent(*pair("llama_fused_qkv"), backend="eager")
@@ -114,7 +114,7 @@ def test_compiled_code_and_dynamo_globals_do_not_outlive_the_check(pair) -> None
 
 
 def test_without_a_cpp_compiler_the_default_backend_is_aot_eager_with_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_modelpatch.compare.compile import default_backend
+    from pytest_modelpatch.compare.graph.compile import default_backend
 
     assert default_backend()[0] == ("inductor" if __import__("shutil").which("g++") else "aot_eager")
     monkeypatch.setenv("PATH", "")
@@ -125,7 +125,7 @@ def test_without_a_cpp_compiler_the_default_backend_is_aot_eager_with_a_note(mon
 def test_dynamic_export_refuses_size_one_examples(pair) -> None:  # type: ignore[no-untyped-def]
     import torch
 
-    from pytest_modelpatch.compare.export import assert_exports_equivalent
+    from pytest_modelpatch.compare.graph.export import assert_exports_equivalent
     from pytest_modelpatch.errors import PatchUsageError
 
     with pytest.raises(PatchUsageError, match="batch and sequence >= 2 .got 1x8.*fixes a dimension of size 1"):

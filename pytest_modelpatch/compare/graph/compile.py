@@ -1,6 +1,6 @@
 """Compile parity: ``torch.compile`` of the patched model computes what the eager reference computes.
 
-The compiled forward is :class:`~pytest_modelpatch.compare.export.LogitsOnly` around the
+The compiled forward is :class:`~pytest_modelpatch.compare.graph.export.LogitsOnly` around the
 patched model. A recording backend sits in front of the real one: dynamo hands it every graph
 it captured, with the reason the graph ended, so graph breaks are counted and located in the
 same compile that produces the numbers (no second trace, as ``torch._dynamo.explain`` would
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.dynamo_state import fresh_dynamo
-from pytest_modelpatch.compare.export import (
+from pytest_modelpatch.compare.graph.dynamo_state import fresh_dynamo
+from pytest_modelpatch.compare.graph.export import (
     LogitsOnly,
     ParityReport,
     compare_traced,
@@ -29,7 +29,7 @@ from pytest_modelpatch.compare.export import (
 from pytest_modelpatch.compare.running import evaluating
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
-from pytest_modelpatch.compare.trace_failures import SourceLocation, describe_failure, locate, user_frames
+from pytest_modelpatch.compare.graph.trace_failures import SourceLocation, describe_failure, locate, user_frames
 from pytest_modelpatch.errors import ModelPatchError
 
 _COMPILERS = ("g++", "c++", "clang++", "cc", "gcc", "clang")

@@ -4,7 +4,7 @@ The patched model is exported with the test's method and context patches active 
 onnx-diagnostic users export), through :class:`LogitsOnly`, a wrapper whose signature is
 ``(input_ids, attention_mask) -> logits`` so that output objects and caches stay out of the
 graph. The ``ExportedProgram`` runs on the inputs and its logits are compared with the eager,
-unpatched reference's through ``compare.outputs``. ``compare.compile`` reuses the wrapper and
+unpatched reference's through ``compare.outputs``. ``compare.graph.compile`` reuses the wrapper and
 the report for ``torch.compile``.
 """
 
@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.dynamo_state import fresh_dynamo
+from pytest_modelpatch.compare.graph.dynamo_state import fresh_dynamo
 from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_outputs, describe_tolerances
 from pytest_modelpatch.compare.running import describe_inputs, evaluating, model_device, placement
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.sharded import sharding_kind
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
-from pytest_modelpatch.compare.trace_failures import SourceLocation, TraceFailure, describe_failure
+from pytest_modelpatch.compare.graph.trace_failures import SourceLocation, TraceFailure, describe_failure
 from pytest_modelpatch.errors import ModelPatchError
 
 # ---------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def skip_sharded(patched: torch.nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------
-# The report, shared with compare.compile
+# The report, shared with compare.graph.compile
 # ---------------------------------------------------------------------------
 
 
