@@ -32,7 +32,8 @@ from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import load_patch, tiny_config
 from pytest_modelpatch.compare.graph.compile import assert_compiles_equivalent
-from pytest_modelpatch.compare.graph.export import LogitsOnly, assert_exports_equivalent, logits_inputs
+from pytest_modelpatch.compare.graph.export import assert_exports_equivalent
+from pytest_modelpatch.compare.graph.parity import LogitsOnly, logits_inputs
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained
 

@@ -64,9 +64,11 @@ _EXPORTS: dict[str, str] = {
     "ReferenceNotPristineError": "errors",
     "pristine": "isolation.pristine",
     "ScanIndexError": "errors",
-    "assert_exports_equivalent": "compare.export",
-    "assert_compiles_equivalent": "compare.compile",
-    "ParityReport": "compare.export",
+    "assert_exports_equivalent": "compare.graph.export",
+    "assert_compiles_equivalent": "compare.graph.compile",
+    "ParityReport": "compare.graph.parity",
+    "ExportReport": "compare.graph.export",
+    "CompileReport": "compare.graph.compile",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,6 +1,6 @@
 """Compile parity: ``torch.compile`` of the patched model computes what the eager reference computes.
 
-The compiled forward is :class:`~pytest_modelpatch.compare.graph.export.LogitsOnly` around the
+The compiled forward is :class:`~pytest_modelpatch.compare.graph.parity.LogitsOnly` around the
 patched model. A recording backend sits in front of the real one: dynamo hands it every graph
 it captured, with the reason the graph ended, so graph breaks are counted and located in the
 same compile that produces the numbers (no second trace, as ``torch._dynamo.explain`` would
@@ -12,20 +12,15 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pytest_modelpatch.compare.graph.dynamo_state import fresh_dynamo
-from pytest_modelpatch.compare.graph.export import (
-    LogitsOnly,
-    ParityReport,
-    compare_traced,
-    finish,
-    logits_inputs,
-    skip_without,
-    start_report,
-)
+from pytest_modelpatch.compare.graph.parity import (
+    LogitsOnly, ParityReport, compare_traced, finish, logits_inputs, skip_without, start_report,
+)  # fmt: skip
 from pytest_modelpatch.compare.running import evaluating
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
@@ -33,6 +28,41 @@ from pytest_modelpatch.compare.graph.trace_failures import SourceLocation, descr
 from pytest_modelpatch.errors import ModelPatchError
 
 _COMPILERS = ("g++", "c++", "clang++", "cc", "gcc", "clang")
+
+
+@dataclass
+class CompileReport(ParityReport):
+    """``torch.compile`` of a patched model against the eager reference, with its graph breaks located."""
+
+    check_kind = "compile"
+    graph_breaks: list[SourceLocation | str] = field(default_factory=list)
+    max_graph_breaks: int | None = None
+
+    @property
+    def too_many_breaks(self) -> bool:
+        return self.max_graph_breaks is not None and len(self.graph_breaks) > self.max_graph_breaks
+
+    @property
+    def passed(self) -> bool:
+        return super().passed and not self.too_many_breaks
+
+    def breaks_text(self) -> str:
+        """``2 graph breaks: file.py:12 (LlamaMLP.forward) x2``, grouped by location."""
+        if not self.graph_breaks:
+            return "no graph breaks"
+        counts: dict[str, int] = {}
+        for where in self.graph_breaks:
+            text = where.short if isinstance(where, SourceLocation) else where
+            counts[text] = counts.get(text, 0) + 1
+        places = "; ".join(f"{text} x{n}" if n > 1 else text for text, n in counts.items())
+        plural = "s" if len(self.graph_breaks) != 1 else ""
+        return f"{len(self.graph_breaks)} graph break{plural}: {places}"
+
+    def trace_lines(self) -> list[str]:
+        lines = [self.breaks_text()]
+        if self.too_many_breaks:
+            lines.append(f"more than max_graph_breaks={self.max_graph_breaks}; first at {self.graph_breaks[0]}")
+        return lines
 
 
 def default_backend() -> tuple[str, str]:
@@ -80,7 +110,7 @@ def break_location(reason: Any, model: torch.nn.Module) -> SourceLocation | str:
 
 
 def compile_and_compare(
-    report: ParityReport,
+    report: CompileReport,
     reference: torch.nn.Module,
     patched: torch.nn.Module,
     inputs: dict[str, torch.Tensor],
@@ -113,7 +143,7 @@ def assert_compiles_equivalent(
     atol: float | None = None,
     rtol: float | None = None,
     policy: str | TolerancePolicy | None = None,
-) -> ParityReport:
+) -> CompileReport:
     """Fail unless ``torch.compile`` of ``patched`` matches the eager ``reference``; graph breaks counted and located.
 
     ``backend=None`` is inductor where a C++ compiler exists, else aot_eager (noted in the report).
@@ -143,7 +173,7 @@ def assert_compiles_equivalent(
     if spec.policy_source == "default" and name == "inductor":
         # inductor fuses and reorders floating-point work: ten times the eager default
         spec = resolve_tolerance(atol, rtol, "loose")
-    report = start_report("compile", f"torch.compile({', '.join(options)})", reference, patched, spec)
+    report = start_report(CompileReport, f"torch.compile({', '.join(options)})", reference, patched, spec)
     report.notes += [note] if note else []
     report.max_graph_breaks = max_graph_breaks
     first = logits_inputs(reference, inputs)
