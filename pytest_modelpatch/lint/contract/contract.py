@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pytest_modelpatch.lint import contract_source as source
+from pytest_modelpatch.lint.contract import contract_source as source
 from pytest_modelpatch.lint.findings import Finding, Kind
 
 
