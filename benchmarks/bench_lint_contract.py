@@ -78,7 +78,7 @@ def run_process(cache: Path) -> dict[str, float]:
 
 
 def main(rounds: int) -> None:
-    from pytest_modelpatch.lint.contract.contract_cache import facts_path
+    from pytest_modelpatch.lint.contract.cache import facts_path
     from pytest_modelpatch.lint.scan_index import index_path, load_index
 
     load_index()  # the scan index is warm in both kinds of process: copied from the caller's cache

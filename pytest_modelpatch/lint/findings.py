@@ -15,7 +15,7 @@ class Kind(str, Enum):
     INVALID_REGEX = "INVALID_REGEX"
     SHADOWED = "SHADOWED"
     BROAD = "BROAD"
-    # the contract of a replacement class (lint/contract.py)
+    # the contract of a replacement class (lint/contract/)
     SIGNATURE = "SIGNATURE"
     UNUSED_ARGUMENT = "UNUSED_ARGUMENT"
     WEIGHT_NAMES = "WEIGHT_NAMES"

@@ -18,9 +18,9 @@ from collections.abc import Iterable, Mapping
 from functools import cached_property
 from typing import Any
 
-from pytest_modelpatch.lint.contract import contract, contract_structures
-from pytest_modelpatch.lint.contract.contract import StructureBuilder
-from pytest_modelpatch.lint.contract.contract_cache import facts_cache
+from pytest_modelpatch.lint.contract import sources as contract, structures as contract_structures
+from pytest_modelpatch.lint.contract.sources import StructureBuilder
+from pytest_modelpatch.lint.contract.cache import facts_cache
 from pytest_modelpatch.lint.findings import _EXAMPLES, FAILING_KINDS, WARNING_KINDS, Finding, Kind
 from pytest_modelpatch.lint.scan_index import CORE, ClassEntry, ScanIndex, load_index
 

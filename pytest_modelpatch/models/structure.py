@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_modelpatch.lint import patterns
 
 if TYPE_CHECKING:
-    from pytest_modelpatch.lint.contract.contract import StructureBuilder
+    from pytest_modelpatch.lint.contract.sources import StructureBuilder
     from pytest_modelpatch.lint.findings import Finding
     from pytest_modelpatch.lint.scan_index import ScanIndex
 

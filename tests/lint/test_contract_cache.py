@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from fixtures.patches import llama_fused_qkv
-from pytest_modelpatch.lint.contract import contract_cache, contract_source
+from pytest_modelpatch.lint.contract import cache as contract_cache, reading as contract_source
 from pytest_modelpatch.lint.patterns import Finding, lint_patterns
 from pytest_modelpatch.lint.scan_index import ScanIndex, load_index
 from pytest_modelpatch.models.structure import meta_structures

@@ -11,7 +11,7 @@
 
 These read sources only. The findings that compare the two :class:`Structure` objects
 ``pytest_modelpatch.models.structure`` builds on the meta device (``WEIGHT_NAMES``, the TP/PP
-plans) are in :mod:`.contract_structures`. This module also holds the types both share.
+plans) are in :mod:`.structures`. This module also holds the types both share.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pytest_modelpatch.lint.contract import contract_source as source
+from pytest_modelpatch.lint.contract import reading as source
 from pytest_modelpatch.lint.findings import Finding, Kind
 
 

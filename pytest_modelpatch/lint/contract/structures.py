@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_modelpatch.lint.contract.contract import BuiltStructure, Replaced, Structure, StructureBuilder, finding, who
-from pytest_modelpatch.lint.contract.contract_cache import facts_cache
+from pytest_modelpatch.lint.contract.sources import BuiltStructure, Replaced, Structure, StructureBuilder, finding, who
+from pytest_modelpatch.lint.contract.cache import facts_cache
 from pytest_modelpatch.lint.findings import Finding, Kind
 
 

@@ -7,7 +7,7 @@ them the body reads; the calls its parent module makes to construct it
 classes: ``FALCON_ATTENTION_CLASSES[...](config, layer_idx)``) and to run it
 (``self.self_attn(hidden_states=..., position_ids=..., **kwargs)``); and the family's
 ``_no_split_modules``. They depend only on the installed transformers, so each module's facts
-are read once and kept in the contract facts cache (:mod:`pytest_modelpatch.lint.contract.contract_cache`):
+are read once and kept in the contract facts cache (:mod:`pytest_modelpatch.lint.contract.cache`):
 a warm lint parses no source.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_modelpatch.lint.contract.contract_cache import facts_cache
+from pytest_modelpatch.lint.contract.cache import facts_cache
 from pytest_modelpatch.lint.scan_index import transformers_location
 
 METHODS = ("forward", "__init__")  # the methods whose parameters the contract lint compares
