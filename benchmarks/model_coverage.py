@@ -38,7 +38,7 @@ from transformers.utils import logging as transformers_logging
 from pytest_modelpatch.compare.equivalence import assert_equivalent
 from pytest_modelpatch.compare.outputs import vacuous_outputs
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
-from pytest_modelpatch.models.model_cache import CacheBound
+from pytest_modelpatch.models.memory_cache import CacheBound
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.families.catalog import available_model_types, model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs

@@ -18,7 +18,7 @@ import pytest
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.scopes import patch_spec
 from pytest_modelpatch.models import devices
-from pytest_modelpatch.models.model_cache import parse_model_cache
+from pytest_modelpatch.models.memory_cache import parse_model_cache
 from pytest_modelpatch.parallel.session import in_rank, parallel_spec
 from pytest_modelpatch.reporting.session import note_implementations
 

@@ -23,7 +23,7 @@ from pytest_modelpatch.isolation.leaks import LeakTally
 from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
 from pytest_modelpatch.isolation.scopes import IsolationScopes, leak_mode
 from pytest_modelpatch.models import devices
-from pytest_modelpatch.models.model_cache import parse_model_cache
+from pytest_modelpatch.models.memory_cache import parse_model_cache
 from pytest_modelpatch.parallel.marker import PARALLEL_MARKER_HELP, ParallelSpec
 from pytest_modelpatch.parallel.session import ParallelSession, in_rank
 from pytest_modelpatch.reporting.records import set_record_sink
@@ -162,7 +162,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
         set_verbose_loads(True)
     if config.getoption("modelpatch_verify_cache"):
-        from pytest_modelpatch.models.cache import set_full_verification  # torch-free
+        from pytest_modelpatch.models.disk_cache import set_full_verification  # torch-free
 
         set_full_verification(True)
 

@@ -22,7 +22,7 @@ import torch
 from pytest_modelpatch.models.checkpoints import check_init, cached_checkpoint, checkpoint_model_class, load_pretrained
 from pytest_modelpatch.models.specs import ModelSpec, resolve_model_spec  # fmt: skip
 from pytest_modelpatch.models.devices import dtype_name
-from pytest_modelpatch.models.model_cache import CacheBound, ModelCache
+from pytest_modelpatch.models.memory_cache import CacheBound, ModelCache
 from pytest_modelpatch.errors import PatchNotAppliedError, PatchUsageError
 from pytest_modelpatch.models.usage import track_patch_usage
 from pytest_modelpatch.models.weights import DEFAULT_INIT

@@ -34,7 +34,7 @@ from pytest_modelpatch.families.catalog import model_class_for
 from pytest_modelpatch.isolation.pristine import pristine
 from pytest_modelpatch.models.weights import DEFAULT_INIT, INIT_SCHEMES, INIT_VERSION, spread_weights
 from pytest_modelpatch.models.quiet import quiet_loads
-from pytest_modelpatch.models.cache import discard_entry, entry_lock, remove_stale_partials, verify_entry, write_manifest
+from pytest_modelpatch.models.disk_cache import discard_entry, entry_lock, remove_stale_partials, verify_entry, write_manifest
 
 BUILD_INFO_FILE = "modelpatch-build.json"
 

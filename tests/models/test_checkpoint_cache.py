@@ -11,7 +11,7 @@ import torch
 
 from pytest_modelpatch.errors import CheckpointError
 from pytest_modelpatch.models import checkpoints
-from pytest_modelpatch.models.cache import MANIFEST_FILE, verify_entry
+from pytest_modelpatch.models.disk_cache import MANIFEST_FILE, verify_entry
 from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained
 from pytest_modelpatch.families.catalog import tiny_config
 
@@ -59,7 +59,7 @@ def test_nan_bytes_of_the_same_size_are_rebuilt_in_a_fresh_session_and_load_fini
 
 
 def test_flipped_bytes_within_a_session_are_caught_under_verify_cache(entry: Path, tmp_path: Path) -> None:
-    from pytest_modelpatch.models.cache import set_full_verification
+    from pytest_modelpatch.models.disk_cache import set_full_verification
 
     good = _weights(entry).read_bytes()
     _flip_last_byte(_weights(entry))

@@ -8,7 +8,7 @@ import pytest
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
-from pytest_modelpatch.models.model_cache import CacheBound, model_bytes, parse_model_cache
+from pytest_modelpatch.models.memory_cache import CacheBound, model_bytes, parse_model_cache
 from pytest_modelpatch.models.reference import reference_problems
 
 
