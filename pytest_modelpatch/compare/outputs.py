@@ -131,6 +131,10 @@ class TensorComparison:
     tolerance: Tolerance | None = None
     sqnr_db: float | None = None  # set when the tolerance judges by SQNR
     oracle_rmse: tuple[float, float, float] | None = None  # (patched, reference, allowed) against float64
+    # produced by one side only (None or absent on the other): attention weights eager returns and sdpa never
+    # does, a mask one implementation builds and another leaves to the kernel; first_divergence does not
+    # count it as a computed difference
+    one_sided: bool = False
 
     @property
     def passed(self) -> bool:
@@ -282,7 +286,9 @@ def compare_leaves(
     )
     if same:
         return None
-    return TensorComparison(path, problem=f"reference is {_describe_leaf(reference)}, patched is {_describe_leaf(patched)}")
+    one_sided = any(side is None or side is _MISSING for side in (reference, patched))
+    return TensorComparison(path, problem=f"reference is {_describe_leaf(reference)}, patched is {_describe_leaf(patched)}",
+                            one_sided=one_sided)  # fmt: skip
 
 
 def compare_flat(
@@ -315,7 +321,7 @@ def compare_flat(
                 covered.update(inside)
                 text = _describe_leaf(other[inside[0]]) if len(inside) == 1 else f"{len(inside)} tensors"
                 side = f"reference is None, patched is {text}" if ref is None else f"reference is {text}, patched is None"
-                results.append(TensorComparison(path, problem=f"{side} (at {inside[0]})"))
+                results.append(TensorComparison(path, problem=f"{side} (at {inside[0]})", one_sided=True))
                 continue
         result = compare_leaves(path, ref, pat, spec, (oracle or {}).get(path))
         if result is not None:
