@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import json
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ from pytest_modelpatch.models.memory_cache import CacheBound
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.families.catalog import available_model_types, model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
+from split_families import split_over_processes
 
 PER_TYPE_TIMEOUT_S = 60
 PARAMETER_BUDGET = 5_000_000
@@ -133,23 +133,8 @@ def run_here(types: list[str]) -> list[CoverageRow]:
 
 
 def run_split(types: list[str], jobs: int) -> list[CoverageRow]:
-    """The families dealt round-robin to ``jobs`` processes of this script; rows back in ``types``' order.
-
-    Each family's stages do not depend on which families ran before it in its process (every build
-    is seeded), so the rows equal a single process's, in a fraction of the time.
-    """
-    with tempfile.TemporaryDirectory(prefix="model-coverage-jobs-") as scratch:
-        outputs = [Path(scratch) / f"rows-{job}.json" for job in range(jobs)]
-        workers = [
-            subprocess.Popen([sys.executable, __file__, "--markdown", "--json", str(out), *types[job::jobs]],
-                             stdout=subprocess.DEVNULL)
-            for job, out in enumerate(outputs) if types[job::jobs]
-        ]  # fmt: skip
-        failed = [worker.args for worker in workers if worker.wait() != 0]
-        if failed:
-            raise SystemExit(f"a coverage process failed: {failed[0][:4]}...")
-        found = {row["model_type"]: CoverageRow(**row) for out in outputs if out.exists() for row in json.loads(out.read_text())}
-    return [found[model_type] for model_type in types]
+    """The families dealt round-robin to ``jobs`` processes of this script; rows back in ``types``' order."""
+    return [CoverageRow(**row) for row in split_over_processes(__file__, types, jobs, ["--markdown"])]
 
 
 def main(argv: list[str]) -> int:

@@ -49,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "ModelBuilder": "models.builder",
     "ModelRequest": "models.builder",
     "PatchNotAppliedError": "errors",
+    "NotApplicableError": "errors",
     "patch_usage": "models.usage",
     "without_patches": "isolation.guard",
     "CheckRecord": "reporting.records",

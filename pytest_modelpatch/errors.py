@@ -76,3 +76,10 @@ class ModelMismatchError(ModelPatchError):
 
 class RankPoolError(ModelPatchError):
     """The rank processes of a ``@pytest.mark.parallel`` test could not be started (the reason and their output follow)."""
+
+
+class NotApplicableError(ModelPatchError):
+    """transformers refuses what a test asks of a family's model (an implementation it does not support, say).
+
+    A sweep skips such a family as not applicable; a test that names the family alone errors with this.
+    """

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
-from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.errors import NotApplicableError, PatchUsageError
 from pytest_modelpatch.isolation.scopes import patch_spec
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.memory_cache import parse_model_cache
 from pytest_modelpatch.parallel.session import in_rank, parallel_spec
-from pytest_modelpatch.reporting.session import note_implementations
+from pytest_modelpatch.reporting.session import NOT_APPLICABLE_PROPERTY, note_implementations
 
 if TYPE_CHECKING:
     from pytest_modelpatch.isolation.registration import PatchRegistry
@@ -43,9 +44,14 @@ class NoCallspec:
     params: dict[str, Any] = {}
 
 
+def swept_family(item: pytest.Item) -> str | None:
+    """The model type a sweep (``families=`` or a list in ``@pytest.mark.model``) gave this test, else ``None``."""
+    return getattr(item, "callspec", NoCallspec).params.get(FAMILY_PARAM)
+
+
 def _swept_marker_args(item: pytest.Item, mark: pytest.Mark) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A sweep's marker as this item's one-family marker: its model type in place of the list or ``families=``."""
-    family = getattr(item, "callspec", NoCallspec).params.get(FAMILY_PARAM)
+    family = swept_family(item)
     if family is None:
         return mark.args, mark.kwargs
     if "families" in mark.kwargs:
@@ -169,6 +175,51 @@ def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "modelpatch-checkpoints"
 
 
+def not_applicable(item: pytest.Item, reason: str) -> NoReturn:
+    """transformers refuses this family what the test asks: a skip in a sweep, an error alone (the test named it)."""
+    if swept_family(item) is not None:
+        item.user_properties.append((NOT_APPLICABLE_PROPERTY, reason))  # the sweep's summary counts it apart
+        pytest.skip(f"not applicable: {reason}")
+    raise NotApplicableError(
+        f"{item.nodeid}: transformers refuses what this test asks of the model: {reason}\n"
+        "This family cannot take the patch. Swept over families (@pytest.mark.model(families=...) or a list of "
+        "model types) it would be skipped as not applicable; named alone it is an error. Mark the test with a family "
+        "that supports it, or drop the choice from @pytest.mark.patch."
+    ) from None
+
+
+_REFUSAL_CHECKED = pytest.StashKey[bool]()
+
+
+def refuse_early(item: pytest.Item, model_request: ModelRequest, choices: LoadChoices | None) -> None:
+    """In a sweep, end the test as not applicable before any checkpoint is written when transformers refuses its implementations.
+
+    A refused family costs milliseconds (a meta-device build) instead of a checkpoint and a reference load.
+    """
+    if swept_family(item) is None or item.stash.get(_REFUSAL_CHECKED, False):
+        return
+    item.stash[_REFUSAL_CHECKED] = True
+    from pytest_modelpatch.models.applicability import load_refusal
+
+    reason = load_refusal(model_request, choices.patched_kwargs(model_request) if choices else model_request.load_kwargs())
+    if reason is not None:
+        not_applicable(item, reason)
+
+
+@contextmanager
+def refusals_not_applicable(item: pytest.Item) -> Iterator[None]:
+    """A load or transform inside the block that transformers refuses (``X does not support ...``) ends the test as not applicable."""
+    try:
+        yield
+    except (ValueError, NotImplementedError) as exc:
+        from pytest_modelpatch.models.applicability import transformers_refusal
+
+        reason = transformers_refusal(exc)
+        if reason is None:
+            raise
+        not_applicable(item, reason)
+
+
 def _warn_shared_implementations(model_request: ModelRequest, nodeid: str) -> None:
     """A user's implementation on the model marker runs in both models: the comparison cannot judge it."""
     from pytest_modelpatch.isolation.patch_spec import IMPLEMENTATIONS
@@ -195,7 +246,10 @@ def reference_model(model_builder: ModelBuilder, device: str, dtype: Any, reques
     """The unpatched model of ``@pytest.mark.model``, loaded with ``from_pretrained``; shared, do not modify."""
     model_request = required_model_request(request)
     _warn_shared_implementations(model_request, request.node.nodeid)
-    model = model_builder.reference(model_request, dtype=dtype, device=device, choices=load_choices(request))
+    choices = load_choices(request)
+    refuse_early(request.node, model_request, choices)
+    with refusals_not_applicable(request.node):  # the model marker's implementations load here too
+        model = model_builder.reference(model_request, dtype=dtype, device=device, choices=choices)
     note_implementations(request.node, "reference", model)
     return model
 
@@ -213,8 +267,10 @@ def patched_model(
     model_request = required_model_request(request)
     guard = PatchStateGuard()  # fusion_config registers global patches while loading
     try:
-        choices, kind = sharded_choices(request, model_builder, model_request, dtype, device)
-        model = model_builder.patched(model_request, dtype=dtype, device=device, choices=choices)
+        refuse_early(request.node, model_request, load_choices(request))
+        with refusals_not_applicable(request.node):
+            choices, kind = sharded_choices(request, model_builder, model_request, dtype, device)
+            model = model_builder.patched(model_request, dtype=dtype, device=device, choices=choices)
         note_implementations(request.node, "patched", model)
         if kind == "tp":  # its activations and caches hold this rank's slice: gathered for each comparison
             from pytest_modelpatch.compare.sharded import gathering_shards

@@ -17,6 +17,7 @@ import pytest
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.fixtures import (
     CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, checkpoint_root, item_device, item_model_request, resolve_device,
+    swept_family,
 )
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.leaks import LeakTally
@@ -272,7 +273,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         # point the skip at the test, as pytest does for its own skip marks
         path, line, _ = item.reportinfo()
         report.longrepr = (str(path), (line or 0) + 1, f"Skipped: {reason}")
-    family = getattr(item, "callspec", NoCallspec).params.get(FAMILY_PARAM)
+    family = swept_family(item)
     if family is not None:  # the controller groups a sweep's outcomes by test (under xdist it has no items)
         report.user_properties.append((SWEEP_PROPERTY, family))
     return report

@@ -3,8 +3,12 @@
 ``first_divergence`` records every module call of both models (forward hooks, in the
 order the calls finish) and names the first module present in both whose inputs
 agree but whose output does not: the module that introduced the difference, not
-one of the many that merely pass it on. ``check_module_equivalence`` replays the
-real arguments an original module received into its replacement.
+one of the many that merely pass it on. Only computed values count: a field one side
+never produces (attention weights under sdpa, a mask left to the kernel, ``None`` on one
+side) or holds in another form (a mask of booleans against an additive float one) is
+named, but makes no module diverge and no inputs differ.
+``check_module_equivalence`` replays the real arguments an original module received into
+its replacement.
 """
 
 from __future__ import annotations
@@ -115,6 +119,7 @@ class Divergence:
     profile: list[tuple[str, float]] = field(default_factory=list, repr=False)
     mutated_inputs: list[str] = field(default_factory=list)  # changed in place by the patched module only
     sharding: str = ""  # a sharded patched model: how, and the rank that saw it (compare.sharded.sharding_line)
+    other_form: list[TensorComparison] = field(default_factory=list)  # its inputs and outputs one side lacks or holds otherwise
 
     def __str__(self) -> str:
         call = f" (call {self.index + 1})" if self.index else ""
@@ -137,6 +142,9 @@ class Divergence:
             lines.append("  and its output:")
         lines += [f"    {c}" for c in self.output_differences]
         lines += [f"  {line}" for line in describe_tolerances(self.output_differences)]
+        if self.other_form:
+            lines.append("  held by one side only or in another form, so not compared (not what makes it diverge):")
+            lines += [f"    {c}" for c in self.other_form]
         return "\n".join(lines)
 
 
@@ -176,18 +184,19 @@ def first_divergence(
             continue
         comparisons = compare_flat(call.output, other.output, spec)
         profile.append((_call_label(call), max((c.max_abs for c in comparisons if c.problem is None), default=0.0)))
-        outputs = [c for c in comparisons if not c.passed]
+        outputs, other_form = _computed_differences(comparisons)
         mutated = [path for path in other.mutated if path not in call.mutated]
         if mutated and found is None:
             # its own output may agree, yet it changed what its caller holds: it is the culprit, not the caller
-            ins = [c for c in compare_flat(call.inputs, other.inputs, spec, common_only=True) if not c.passed]
+            ins, unmade = _computed_differences(compare_flat(call.inputs, other.inputs, spec, common_only=True))
             found = Divergence(call.name, call.index, call.module_class, other.module_class, not ins, outputs, ins,
-                               mutated_inputs=mutated)  # fmt: skip
+                               mutated_inputs=mutated, other_form=unmade + other_form)  # fmt: skip
             continue
         if not outputs or found is not None:
             continue
-        ins = [c for c in compare_flat(call.inputs, other.inputs, spec, common_only=True) if not c.passed]
-        candidate = Divergence(call.name, call.index, call.module_class, other.module_class, not ins, outputs, ins)
+        ins, unmade = _computed_differences(compare_flat(call.inputs, other.inputs, spec, common_only=True))
+        candidate = Divergence(call.name, call.index, call.module_class, other.module_class, not ins, outputs, ins,
+                               other_form=unmade + other_form)  # fmt: skip
         if candidate.inputs_agree:
             found = candidate
         else:
@@ -197,6 +206,12 @@ def first_divergence(
         result.profile = profile
         result.sharding = sharding_line(patched)
     return result
+
+
+def _computed_differences(comparisons: list[TensorComparison]) -> tuple[list[TensorComparison], list[TensorComparison]]:
+    """The failing comparisons split: values both sides computed that differ, and fields one side lacks or holds otherwise."""
+    failed = [c for c in comparisons if not c.passed]
+    return [c for c in failed if not c.other_form], [c for c in failed if c.other_form]
 
 
 def divergence_profile(

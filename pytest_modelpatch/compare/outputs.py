@@ -131,6 +131,10 @@ class TensorComparison:
     tolerance: Tolerance | None = None
     sqnr_db: float | None = None  # set when the tolerance judges by SQNR
     oracle_rmse: tuple[float, float, float] | None = None  # (patched, reference, allowed) against float64
+    # held by one side only (None or absent on the other: attention weights eager returns and sdpa never does, a
+    # mask one implementation builds and another leaves to the kernel), or in another form (a mask of booleans
+    # against an additive float one): first_divergence does not count it as a computed difference
+    other_form: bool = False
 
     @property
     def passed(self) -> bool:
@@ -200,8 +204,10 @@ def compare_tensors(
     """Compare two tensors under ``spec`` at the reference's dtype (``oracle``: the float64 run's tensor)."""
     shape, dtype = tuple(reference.shape), dtype_label(reference.dtype)
     if tuple(patched.shape) != shape or patched.dtype != reference.dtype:
+        mask_forms = {reference.dtype == torch.bool, patched.dtype == torch.bool} == {True, False}
         return TensorComparison(
-            path, shape, dtype, problem=f"reference is {_describe_leaf(reference)}, patched is {_describe_leaf(patched)}"
+            path, shape, dtype, problem=f"reference is {_describe_leaf(reference)}, patched is {_describe_leaf(patched)}",
+            other_form=mask_forms and (reference.is_floating_point() or patched.is_floating_point()),
         )
     tolerance = spec.for_dtype(reference.dtype)
     if tolerance.oracle_factor is not None and (oracle is None or tuple(oracle.shape) != shape):
@@ -282,7 +288,9 @@ def compare_leaves(
     )
     if same:
         return None
-    return TensorComparison(path, problem=f"reference is {_describe_leaf(reference)}, patched is {_describe_leaf(patched)}")
+    one_sided = any(side is None or side is _MISSING for side in (reference, patched))
+    return TensorComparison(path, problem=f"reference is {_describe_leaf(reference)}, patched is {_describe_leaf(patched)}",
+                            other_form=one_sided)  # fmt: skip
 
 
 def compare_flat(
@@ -315,7 +323,7 @@ def compare_flat(
                 covered.update(inside)
                 text = _describe_leaf(other[inside[0]]) if len(inside) == 1 else f"{len(inside)} tensors"
                 side = f"reference is None, patched is {text}" if ref is None else f"reference is {text}, patched is None"
-                results.append(TensorComparison(path, problem=f"{side} (at {inside[0]})"))
+                results.append(TensorComparison(path, problem=f"{side} (at {inside[0]})", other_form=True))
                 continue
         result = compare_leaves(path, ref, pat, spec, (oracle or {}).get(path))
         if result is not None:

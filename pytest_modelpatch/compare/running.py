@@ -21,7 +21,7 @@ import torch
 
 from pytest_modelpatch.compare.outputs import TensorComparison, _describe_leaf, flatten_outputs
 from pytest_modelpatch.compare.tolerance import ToleranceSpec, dtype_label
-from pytest_modelpatch.reporting.records import IMPLEMENTATION_AXES, implementations_of
+from pytest_modelpatch.reporting.records import IMPLEMENTATION_AXES, describe_implementations, implementations_of
 
 
 _FLOAT64_COPIES: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
@@ -191,8 +191,11 @@ def cache_hint_for(model: torch.nn.Module, comparisons: list[TensorComparison]) 
 
 
 def implementations_line(reference: torch.nn.Module, patched: torch.nn.Module) -> str:
-    """Each side's attention and experts implementation, when they differ (the patch marker's load choices)."""
+    """Each side's attention and experts implementation, when they differ (the patch marker's load choices).
+
+    A composite model's towers are named where one is on another implementation than its model.
+    """
     ours, theirs = implementations_of(reference), implementations_of(patched)
-    sides = [f"{axis} {ours.get(axis)} (reference) vs {theirs.get(axis)} (patched)"
-             for axis, _ in IMPLEMENTATION_AXES if ours.get(axis) != theirs.get(axis)]  # fmt: skip
+    shown = [(axis, describe_implementations(ours, axis), describe_implementations(theirs, axis)) for axis, _ in IMPLEMENTATION_AXES]
+    sides = [f"{axis} {mine} (reference) vs {other} (patched)" for axis, mine, other in shown if mine != other]
     return f"implementations: {'; '.join(sides)}" if sides else ""

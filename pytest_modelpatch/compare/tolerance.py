@@ -111,22 +111,27 @@ class TolerancePolicy:
         return f"policy {self.name!r} ({rows})"
 
 
-# torch.testing.assert_close defaults, plus 4 ulps of the tensor's magnitude.
+# torch.testing.assert_close defaults, plus 4 ulps of the tensor's magnitude (256 in float32): two correct
+# implementations of the same math (sdpa and eager attention) differ by up to 75 ulps of a tensor's max |value|
+# over every family of transformers 5.24 in float32, the smallest real bug among the examples by 1100
+# (docs/tolerance.md, why float32 allows 256 ulps).
 DEFAULT_POLICY = TolerancePolicy(
     "default",
     {
         "float64": DtypeTolerance(atol=1e-7, rtol=1e-7, ulps=4),
-        "float32": DtypeTolerance(atol=1e-5, rtol=1.3e-6, ulps=4),
+        "float32": DtypeTolerance(atol=1e-5, rtol=1.3e-6, ulps=256),
         "float16": DtypeTolerance(atol=1e-5, rtol=1e-3, ulps=4),
         "bfloat16": DtypeTolerance(atol=1e-5, rtol=1.6e-2, ulps=4),
     },
 )
 # Bitwise identical: for patches that claim to run the very same kernels.
 STRICT_POLICY = TolerancePolicy("strict", {k: DtypeTolerance(0.0, 0.0, 0.0) for k in _EPS})
-# Ten times the default: for patches that change accumulation order on purpose.
+# Ten times the default's atol and rtol, and 16 ulps: for patches that change accumulation order on purpose
+# (inductor's fusions). float32 keeps the default's 256 ulps, which already hold reordered round-off: four times
+# them would pass the examples' smallest bug (an RMSNorm without epsilon, 1100 ulps).
 LOOSE_POLICY = TolerancePolicy(
     "loose",
-    {k: DtypeTolerance(v.atol * 10, v.rtol * 10, v.ulps * 4) for k, v in DEFAULT_POLICY.per_dtype.items()},
+    {k: DtypeTolerance(v.atol * 10, v.rtol * 10, max(v.ulps, 16)) for k, v in DEFAULT_POLICY.per_dtype.items()},
 )
 # Quantization noise, judged per tensor: an int8 weight-only Llama MLP scores 38-41 dB at the
 # logits of the tiny model with its non-degenerate seeded weights (float32), a wrong scale or a

@@ -11,7 +11,7 @@ neither the plugin nor reporting reaches up into compare/ to set them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -119,7 +119,34 @@ IMPLEMENTATION_AXES = (("attention", "_attn_implementation"), ("experts", "_expe
 
 
 def implementations_of(model: Any) -> dict[str, str]:
-    """The attention and experts implementations ``model`` was loaded with, by axis (the ones its config sets)."""
-    config = getattr(model, "config", None)
-    return {axis: str(name) for axis, attribute in IMPLEMENTATION_AXES
-            if (name := getattr(config, attribute, None)) is not None}  # fmt: skip
+    """The attention and experts implementations ``model`` was loaded with, by axis, each tower's too.
+
+    The top config's under the axis, each sub-config's (a composite model's towers, nested ones
+    dotted) under ``axis.path``: ``{"attention": "sdpa", "attention.text_config": "sdpa",
+    "attention.vision_config": "sdpa"}``. A tower left on another implementation shows.
+    """
+    found = {}
+    for path, level in _config_levels(getattr(model, "config", None)):
+        for axis, attribute in IMPLEMENTATION_AXES:
+            name = getattr(level, attribute, None)
+            if name is not None:
+                found[f"{axis}.{path}" if path else axis] = str(name)
+    return found
+
+
+def _config_levels(config: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """``(path, config)`` for a config and every sub-config below it (``sub_configs``, transformers 5.x)."""
+    if config is None:
+        return
+    yield path, config
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and sub is not config and path.count(".") < 4:  # towers of towers at most a few deep
+            yield from _config_levels(sub, f"{path}.{key}" if path else key)
+
+
+def describe_implementations(found: dict[str, str], axis: str) -> str:
+    """One side's choice on ``axis`` as a line shows it: ``sdpa``, or ``sdpa (vision_config: eager)`` where towers differ."""
+    top = found.get(axis)
+    towers = [f"{key.partition('.')[2]}: {name}" for key, name in found.items() if key.startswith(f"{axis}.") and name != top]
+    return f"{top} ({', '.join(towers)})" if towers else str(top)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -117,7 +118,7 @@ def write_report(
 ) -> None:
     """Write the report as strict JSON (no NaN/Infinity tokens), valid against ``report.schema.json``.
 
-    ``sweeps``: each swept test -> family -> (outcome, first diverging module), as ``sweep_lines`` reads them.
+    ``sweeps``: each swept test -> family -> (outcome, detail), as ``sweep_lines`` reads them.
     ``selection``: the session's test paths and the tests it selected and deselected (none for a
     baseline, which holds every test it was given).
     """
@@ -127,10 +128,16 @@ def write_report(
         data["selection"] = selection
     data["rows"] = sort_rows(rows)
     if sweeps:
-        data["sweeps"] = {test: {family: {"outcome": outcome, "divergence": where}
-                                 for family, (outcome, where) in sorted(families.items())}
+        data["sweeps"] = {test: {family: sweep_entry(outcome, detail) for family, (outcome, detail) in sorted(families.items())}
                           for test, families in sorted(sweeps.items())}  # fmt: skip
     path.write_text(json.dumps(strict_json_value(data), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def sweep_entry(outcome: str, detail: str) -> dict[str, str]:
+    """One family's JSON entry: its outcome, and the first diverging module of a failure or the refusal of a family not applicable."""
+    if outcome == NOT_APPLICABLE:
+        return {"outcome": outcome, "divergence": "", "reason": detail}
+    return {"outcome": outcome, "divergence": detail}
 
 
 def load_report(path: Path) -> dict[str, Any]:
@@ -219,11 +226,17 @@ def summary_lines(rows: list[dict[str, Any]], limit: int = 20) -> list[str]:
     return lines
 
 
-def sweep_lines(sweeps: dict[str, dict[str, tuple[str, str]]]) -> list[str]:
-    """One line per swept test: ``test: passes on 41 families, fails on gemma, paligemma (first diverging module ...)``.
+NOT_APPLICABLE = "not applicable"  # a swept family transformers refuses what the test asks (fixtures.not_applicable)
+_SWEEP_VERBS = (("passed", "passes on"), ("failed", "fails on"), (NOT_APPLICABLE, "not applicable on"),
+                ("xfailed", "xfails on"), ("xpassed", "xpasses on"), ("skipped", "skips"))  # fmt: skip
 
-    ``sweeps`` maps a swept test (its node id without the family) to family -> (outcome, where it diverged).
-    Families are listed by name where few enough to read; the first failure's divergence is quoted.
+
+def sweep_lines(sweeps: dict[str, dict[str, tuple[str, str]]]) -> list[str]:
+    """One line per swept test: ``test: passes on 41 families; fails on 2 families: gemma, paligemma (first diverging module ...)``.
+
+    ``sweeps`` maps a swept test (its node id without the family) to family -> (outcome, detail): where a
+    failure diverged, or why transformers refused a family not applicable. Families are listed by name where
+    few enough to read; the first failure's divergence is quoted, and the refusals in short, with their counts.
     """
     lines = []
     for test, families in sorted(sweeps.items()):
@@ -231,16 +244,40 @@ def sweep_lines(sweeps: dict[str, dict[str, tuple[str, str]]]) -> list[str]:
         for family, (outcome, _) in sorted(families.items()):
             by_outcome.setdefault(outcome, []).append(family)
         parts = []
-        for outcome, verb in (("passed", "passes on"), ("failed", "fails on"), ("xfailed", "xfails on"),
-                              ("xpassed", "xpasses on"), ("skipped", "skips")):  # fmt: skip
+        for outcome, verb in _SWEEP_VERBS:
             names = by_outcome.get(outcome, [])
             if not names:
                 continue
             count = f"{len(names)} famil{'y' if len(names) == 1 else 'ies'}"
-            listed = f": {', '.join(names)}" if outcome != "passed" or len(names) <= 3 else ""
+            listed = f": {', '.join(names)}" if outcome not in ("passed", NOT_APPLICABLE) or len(names) <= 3 else ""
             if outcome == "failed":
                 where = next((families[f][1] for f in names if families[f][1]), "")
                 listed += f" ({where})" if where else ""
+            elif outcome == NOT_APPLICABLE:
+                listed += f" ({refusal_counts([families[f][1] for f in names])})"
             parts.append(f"{verb} {count}{listed}")
         lines.append(f"{test}: {'; '.join(parts)}")
     return lines
+
+
+def refusal_counts(reasons: list[str]) -> str:
+    """transformers' refusals in short, most frequent first: ``does not support ... yet`` or ``160: ...; 2: ...``."""
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        short = short_refusal(reason)
+        counts[short] = counts.get(short, 0) + 1
+    ordered = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    if len(ordered) == 1:
+        return ordered[0][0]
+    return "; ".join(f"{count}: {short}" for short, count in ordered)
+
+
+def short_refusal(reason: str) -> str:
+    """A refusal without the class that said it, first sentence only: the part every family shares.
+
+    ``"XLMWithLMHeadModel does not support an attention implementation through torch...attention yet. Please ..."``
+    -> ``"does not support an attention implementation through torch...attention yet"``.
+    """
+    start = reason.find("does not support")
+    text = reason[start:] if start >= 0 else reason
+    return re.split(r"(?<=[a-z\d)`'])\. ", text.strip(), maxsplit=1)[0].rstrip(".")

@@ -37,6 +37,8 @@ ROW_PROPERTY = "modelpatch_check"
 # key figures as their own JUnit properties, so CI UIs show them without parsing the row
 FIGURE_PROPERTIES = ("max_abs_error", "max_rel_error", "outcome")
 SWEEP_PROPERTY = "modelpatch_family"  # on each report of a test a family sweep made: its model type
+# on the skip of a swept test whose family transformers refuses what it asks: transformers' reason
+NOT_APPLICABLE_PROPERTY = "modelpatch_not_applicable"
 # side ("reference"/"patched") -> axis ("attention"/"experts") -> the implementation the fixture's model loaded with
 IMPLEMENTATIONS = pytest.StashKey[dict[str, dict[str, str]]]()
 
@@ -284,7 +286,8 @@ class ReportSession:
         self.recorder = recorder
         self.rows: list[dict[str, Any]] = []
         self.verdict: Any = None
-        self.sweeps: dict[str, dict[str, tuple[str, str]]] = {}  # swept test -> family -> (outcome, divergence)
+        # swept test -> family -> (outcome, the first diverging module of a failure or the refusal of a family not applicable)
+        self.sweeps: dict[str, dict[str, tuple[str, str]]] = {}
 
     def pytest_report_header(self, config: pytest.Config) -> str:
         return f"modelpatch: seed {self.seed} (--modelpatch-seed)"
@@ -300,6 +303,10 @@ class ReportSession:
     def _tally_sweep(self, report: pytest.TestReport, family: str) -> None:
         test = report.nodeid.rpartition("[")[0] or report.nodeid
         families = self.sweeps.setdefault(test, {})
+        refused = next((value for name, value in report.user_properties if name == NOT_APPLICABLE_PROPERTY), None)
+        if report.skipped and refused is not None:
+            families[family] = ("not applicable", refused)
+            return
         if hasattr(report, "wasxfail"):
             outcome = "xfailed" if report.skipped else "xpassed"
         elif report.failed or report.skipped:

@@ -119,3 +119,32 @@ def test_module_that_never_runs_is_reported(pair: Callable[..., Pair]) -> None:
     stray = torch.nn.Linear(2, 2)
     with pytest.raises(ModelPatchError, match="did not run in the reference forward"):
         check_module_equivalence(stray, stray, reference=reference, inputs=ids())
+
+
+def test_a_field_one_implementation_never_produces_does_not_make_a_module_diverge(pytester: pytest.Pytester) -> None:
+    # PaliGemma under sdpa vs eager in transformers 5.24 (docs/families.md, known differences): the sdpa side gets
+    # no mask (left to sdpa's is_causal) and returns no attention weights; neither is what differs. Counted, they
+    # made every shared module's inputs differ, and the line named o_proj with "no shared module diverges on
+    # agreeing inputs"; the attention, whose inputs agree, is where the computed values part
+    pytester.makepyfile(
+        """
+        import pytest
+        from pytest_modelpatch import assert_equivalent
+
+
+        @pytest.mark.model("paligemma")
+        @pytest.mark.patch(attn_implementation="sdpa")
+        def test_sdpa_matches_eager(reference_model, patched_model):
+            assert_equivalent(reference_model, patched_model)
+        """
+    )
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "E       first diverging module: language_model.layers.0.self_attn (GemmaAttention)",
+        "E         its inputs agree; its output differs:",
+        "E           output[[]0[]]: shape (2, 8, 64) float32: * elements over tolerance; max abs *",
+        "E         held by one side only or in another form, so not compared (not what makes it diverge):",
+        "E           attention_mask: reference is tensor (2, 1, 8, 8) float32, patched is None",
+        "E           output[[]1[]]: reference is tensor (2, 4, 8, 8) float32, patched is None",
+    ])  # fmt: skip

@@ -177,3 +177,88 @@ def test_the_sweep_summary_counts_passes_and_names_failures_with_the_first_diver
     assert sweep_lines({"t.py::test_norm": families}) == [
         f"t.py::test_norm: passes on 4 families; fails on 2 families: gemma, paligemma ({where}); skips 1 family: bark"
     ]
+    # families transformers refuses are counted apart, their refusals in short (the class that said it dropped)
+    refused = {f"f{i}": ("not applicable", f"F{i}Model does not support an attention implementation through sdpa yet. "
+                                           "Please request it.") for i in range(4)}  # fmt: skip
+    refused["g"] = ("not applicable", "GModel does not support setting experts implementation.")
+    assert sweep_lines({"t.py::test_sdpa": {"llama": ("passed", ""), **refused}}) == [
+        "t.py::test_sdpa: passes on 1 family: llama; not applicable on 5 families (4: does not support an attention "
+        "implementation through sdpa yet; 1: does not support setting experts implementation)"
+    ]
+
+
+NOT_APPLICABLE = """
+import pytest
+from pytest_modelpatch import assert_equivalent
+
+
+def checkpointing(model):
+    model.gradient_checkpointing_enable()  # transformers refuses it where a model has none (CTRL)
+
+
+def own_refusal(model):
+    raise ValueError("this transform does not support anything")  # the user's own error: not transformers' refusal
+
+
+@pytest.mark.model(["llama", "xlm"])
+@pytest.mark.patch(attn_implementation="sdpa")
+def test_sdpa(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model(["qwen3_moe", "llama"])
+@pytest.mark.patch(experts_implementation="grouped_mm")
+def test_grouped_mm(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model(["llama", "ctrl"])
+@pytest.mark.patch(transform=checkpointing)
+def test_checkpointing(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model(["llama"])
+@pytest.mark.patch(transform=own_refusal)
+def test_own_refusal(reference_model, patched_model):
+    pass
+
+
+@pytest.mark.model("xlm")
+@pytest.mark.patch(attn_implementation="sdpa")
+def test_xlm_alone(reference_model, patched_model):
+    pass
+"""
+
+SDPA_REFUSAL = "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention yet"
+
+
+def test_a_refused_implementation_is_not_applicable_in_a_sweep_and_an_error_alone(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_refused=NOT_APPLICABLE)
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rsE", "--modelpatch-report", "report.json")
+    # swept: llama passes twice, qwen3_moe once; xlm (sdpa), llama (grouped_mm) and ctrl (checkpointing) are
+    # skipped with transformers' reason; alone, xlm errors, and so does the user's own ValueError in a sweep
+    result.assert_outcomes(passed=3, skipped=3, errors=2)
+    result.stdout.fnmatch_lines([
+        f"SKIPPED [[]1[]] *: not applicable: XLMWithLMHeadModel {SDPA_REFUSAL}. Please request the support*",
+        "SKIPPED [[]1[]] *: not applicable: LlamaForCausalLM does not support setting experts implementation.",
+        "SKIPPED [[]1[]] *: not applicable: CTRLLMHeadModel does not support activation checkpointing.",
+    ], consecutive=False)  # fmt: skip
+    result.stdout.fnmatch_lines([
+        "*modelpatch sweeps*",
+        "test_refused.py::test_checkpointing: passes on 1 family: llama; not applicable on 1 family: ctrl "
+        "(does not support activation checkpointing)",
+        "test_refused.py::test_grouped_mm: passes on 1 family: qwen3_moe; not applicable on 1 family: llama "
+        "(does not support setting experts implementation)",
+        "test_refused.py::test_own_refusal: fails on 1 family: llama",
+        f"test_refused.py::test_sdpa: passes on 1 family: llama; not applicable on 1 family: xlm ({SDPA_REFUSAL})",
+    ], consecutive=False)  # fmt: skip
+    result.stdout.fnmatch_lines([
+        f"E*pytest_modelpatch.errors.NotApplicableError: test_refused.py::test_xlm_alone: transformers refuses what this "
+        f"test asks of the model: XLMWithLMHeadModel {SDPA_REFUSAL}.*",
+        "E*This family cannot take the patch. Swept over families*",
+        "*ERROR test_refused.py::test_own_refusal[[]llama[]] - ValueError*",
+    ], consecutive=False)  # fmt: skip
+    sweeps = json.loads((pytester.path / "report.json").read_text())["sweeps"]
+    assert sweeps["test_refused.py::test_sdpa"]["xlm"]["outcome"] == "not applicable"
+    assert sweeps["test_refused.py::test_sdpa"]["xlm"]["reason"].startswith(f"XLMWithLMHeadModel {SDPA_REFUSAL}.")

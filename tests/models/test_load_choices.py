@@ -355,3 +355,50 @@ def test_a_roundtrip_saves_the_transformed_model_and_a_transform_that_changes_a_
         "FAILED test_roundtrip_choices.py::test_lora - AssertionError*",
     ], consecutive=False)  # fmt: skip
     result.stdout.fnmatch_lines(["*layers.0.self_attn.v_proj.weight*"])
+
+
+TOWERS = """
+import pytest
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from pytest_modelpatch import assert_equivalent
+
+
+def wrong_scale_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling * 1.5, dropout=dropout, **kwargs)
+
+
+AttentionInterface.register("wrong_scale_attn", wrong_scale_attention)
+
+
+def vision_tower_on_eager(model):
+    model.set_attn_implementation({"vision_config": "eager"})
+
+
+@pytest.mark.model("llava")
+@pytest.mark.patch(attn_implementation="sdpa")
+def test_every_tower(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llava")
+@pytest.mark.patch(attn_implementation="wrong_scale_attn", transform=vision_tower_on_eager)
+def test_one_tower_left_on_eager(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+"""
+
+
+def test_a_composite_models_implementations_are_reported_per_tower(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_towers=TOWERS)
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "--modelpatch-report", "report.json")
+    result.assert_outcomes(passed=1, failed=1)
+    rows = {row["nodeid"]: row for row in json.loads((pytester.path / "report.json").read_text())["rows"]}
+    # the eager reference reaches every tower of LLaVA (its CLIP vision tower and its Llama text model), as sdpa does
+    attention = {side: {k: v for k, v in axes.items() if k.startswith("attention")}
+                 for side, axes in rows["test_towers.py::test_every_tower"]["implementations"].items()}  # fmt: skip
+    towers = ("attention", "attention.vision_config", "attention.text_config")
+    assert attention == {"reference": dict.fromkeys(towers, "eager"), "patched": dict.fromkeys(towers, "sdpa")}
+    # a tower on another implementation than its model is named in the failure
+    result.stdout.fnmatch_lines(["E*implementations: attention eager (reference) vs wrong_scale_attn (vision_config: eager) (patched)"])
+    patched = rows["test_towers.py::test_one_tower_left_on_eager"]["implementations"]["patched"]
+    assert (patched["attention.vision_config"], patched["attention.text_config"]) == ("eager", "wrong_scale_attn")

@@ -143,10 +143,13 @@ def test_the_validator_rejects_what_the_schema_forbids(tmp_path: Path) -> None:
 def test_a_report_with_a_family_sweep_is_valid_and_a_wrong_outcome_is_not(tmp_path: Path) -> None:
     record = CheckRecord(kind="equivalence", outcome="failed", model="GemmaForCausalLM", max_abs_error=2.0)
     where = "first diverging module: model.norm (GemmaRMSNorm in the reference, LlamaStyleNorm in the patched model)"
-    sweeps = {"t.py::test_norm": {"gemma": ("failed", where), "llama": ("passed", ""), "bark": ("skipped", "")}}
+    refusal = "XLMWithLMHeadModel does not support an attention implementation through ... yet."
+    sweeps = {"t.py::test_norm": {"gemma": ("failed", where), "llama": ("passed", ""), "bark": ("skipped", ""),
+                                  "xlm": ("not applicable", refusal)}}  # fmt: skip
     write_report(tmp_path / "r.json", {"seed": 0}, [row_from_record(record, "t.py::test_norm[gemma]", 1)], sweeps)
     data = assert_valid_report(tmp_path / "r.json")
     assert data["sweeps"]["t.py::test_norm"]["gemma"] == {"outcome": "failed", "divergence": where}
+    assert data["sweeps"]["t.py::test_norm"]["xlm"] == {"outcome": "not applicable", "divergence": "", "reason": refusal}
     schema = json.loads(SCHEMA_FILE.read_text())
     data["sweeps"]["t.py::test_norm"]["llama"]["outcome"] = "ok"
     assert schema_errors(data, schema, schema), "an outcome outside the enum must be refused"

@@ -410,6 +410,12 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # MoonshineStreamingConfig does not define, so even the default config cannot build;
     # set to the head count: plain multi-head attention
     "moonshine_streaming": {"num_key_value_heads": 4},
+    # Nemotron ASR (streaming, and the encoder of 3.5 ASR): a chunk is lookahead + 1 frames; 13 makes
+    # 14-frame chunks, longer than the 9 frames tiny audio yields, so the chunked mask masked nothing
+    # (and transformers 5.24's eager path, which masks the keys the mask allows, gave all -inf rows:
+    # NaN). 1 makes 2-frame chunks with one chunk of left context, so each row masks some keys, as
+    # a long utterance's rows do (docs/families.md, known differences)
+    "nemotron_asr_streaming_encoder": {"default_num_lookahead_tokens": 1},
     # kernel predictor: hidden x hidden x kernel weights per resblock layer (14.8M at 32/64)
     "univnet": {"model_hidden_channels": 8, "kernel_predictor_hidden_channels": 16, "model_in_channels": 16},
     # PE-Video (alone or inside PE-Audio-Video): shrink the timm ViT that embeds each frame
