@@ -15,7 +15,7 @@ from typing import Any
 from pytest_modelpatch.families.rules.documents import DOCUMENT_CONFIG_RULES
 from pytest_modelpatch.families.rules.text import TEXT_CONFIG_RULES
 from pytest_modelpatch.families.rules.timm import TIMM_CONFIG_RULES, TINY_PE_ARGS
-from pytest_modelpatch.families.tiny_sizes import TINY_IMAGE
+from pytest_modelpatch.families.shrink.tiny_sizes import TINY_IMAGE
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
 

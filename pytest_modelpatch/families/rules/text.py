@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.tiny_consistency import TOKEN_ID_SUFFIXES
+from pytest_modelpatch.families.shrink.tiny_consistency import TOKEN_ID_SUFFIXES
 
 _CODEBOOK = 32  # VQ image tokenizers: tiny codebooks keep the image tokens inside the tiny vocabulary
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.tiny_sizes import is_int
+from pytest_modelpatch.families.shrink.tiny_sizes import is_int
 
 # Config keys that hold special token ids; Molmo2 names its image placeholder image_patch_id.
 TOKEN_ID_SUFFIXES = ("_token_id", "_token_index", "_token_ids", "_patch_id")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.tiny_sizes import TINY_INTERMEDIATE
+from pytest_modelpatch.families.shrink.tiny_sizes import TINY_INTERMEDIATE
 
 TINY_CODEC_TOP_CHANNELS = 128  # channels after the last down-sampling stage
 TINY_CODEBOOK_SIZE = 256  # entries per codebook, the tiny vocabulary's size (codes are tokens to LMs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.tiny_sizes import HEAD_KEYS, KV_HEAD_KEYS, LAYER_KEYS, TINY_LAYERS, shrink_int, is_int
+from pytest_modelpatch.families.shrink.tiny_sizes import HEAD_KEYS, KV_HEAD_KEYS, LAYER_KEYS, TINY_LAYERS, shrink_int, is_int
 
 
 def shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_modelpatch.families.rules import apply_config_rule
-from pytest_modelpatch.families.tiny_audio_configs import shrink_audio_level
-from pytest_modelpatch.families.tiny_layers import resize_per_layer_lists, shrink_layers, shrink_uncounted_layer_list
-from pytest_modelpatch.families.tiny_sizes import (  # noqa: F401  (re-exported: tests and callers read them here)
+from pytest_modelpatch.families.shrink.tiny_audio_configs import shrink_audio_level
+from pytest_modelpatch.families.shrink.tiny_layers import resize_per_layer_lists, shrink_layers, shrink_uncounted_layer_list
+from pytest_modelpatch.families.shrink.tiny_sizes import (  # noqa: F401  (re-exported: tests and callers read them here)
     EXPERT_KEYS,
     FFN_KEYS,
     HEAD_KEYS,
@@ -37,11 +37,11 @@ from pytest_modelpatch.families.tiny_sizes import (  # noqa: F401  (re-exported:
     shrink_int,
     is_int,
 )
-from pytest_modelpatch.families.tiny_vision import (
+from pytest_modelpatch.families.shrink.tiny_vision import (
     fit_windows, follow_channels, replace_timm_backbone, shrink_stage_widths, fit_layout_embeddings,
     fit_stage_widths, shrink_vision_sizes,
 )
-from pytest_modelpatch.families.tiny_consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
+from pytest_modelpatch.families.shrink.tiny_consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
 
 def _is_config_dict(key: Any, value: Any) -> bool:
     return isinstance(value, dict) and ("model_type" in value or str(key).endswith("_config"))
