@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.rules import apply_config_rule
+from pytest_modelpatch.families.shrink.rules import apply_config_rule
 from pytest_modelpatch.families.shrink.tiny_audio_configs import shrink_audio_level
 from pytest_modelpatch.families.shrink.tiny_layers import resize_per_layer_lists, shrink_layers, shrink_uncounted_layer_list
 from pytest_modelpatch.families.shrink.tiny_sizes import (  # noqa: F401  (re-exported: tests and callers read them here)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pytest_modelpatch.families.rules.documents import DOCUMENT_CONFIG_RULES
-from pytest_modelpatch.families.rules.text import TEXT_CONFIG_RULES
-from pytest_modelpatch.families.rules.timm import TIMM_CONFIG_RULES, TINY_PE_ARGS
+from pytest_modelpatch.families.shrink.rules.documents import DOCUMENT_CONFIG_RULES
+from pytest_modelpatch.families.shrink.rules.text import TEXT_CONFIG_RULES
+from pytest_modelpatch.families.shrink.rules.timm import TIMM_CONFIG_RULES, TINY_PE_ARGS
 from pytest_modelpatch.families.shrink.tiny_sizes import TINY_IMAGE
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
