@@ -39,7 +39,7 @@ from pytest_modelpatch.compare.backward import assert_backward_equivalent
 from pytest_modelpatch.compare.running import default_inputs
 from pytest_modelpatch.compare.training import with_labels
 from pytest_modelpatch.isolation.interception import hold_for_session
-from pytest_modelpatch.isolation.patch_spec import PatchSpec
+from pytest_modelpatch.isolation.per_test.patch_spec import PatchSpec
 from pytest_modelpatch.isolation.registration import ActivePatches
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 

@@ -60,7 +60,7 @@ from pytest_modelpatch.compare.property_checks import check_equivalence
 from pytest_modelpatch.compare.property_loop import GROUP_SIZE, input_groups
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.isolation.interception import hold_for_session
-from pytest_modelpatch.isolation.patch_spec import PatchSpec
+from pytest_modelpatch.isolation.per_test.patch_spec import PatchSpec
 from pytest_modelpatch.isolation.registration import ActivePatches
 from pytest_modelpatch.families.strategies import drawn_bytes, model_inputs
 from pytest_modelpatch.compare.tolerance import resolve_tolerance

@@ -9,7 +9,7 @@ Goals (issues #14, #19): the run of 1000 tests at most 1.02x as long with the pl
 which is the process line (the issues measured 1.10-1.15x there, 0.7-1.1 ms a test, when they were
 filed), and at most about 0.1 ms a test, which is the test loop's difference. The loop ratio itself
 is printed too: the baseline loop costs ~0.6-0.7 ms a test, so 0.1 ms is ~1.15x there. The guard
-runs from hooks (``isolation/scopes.py``'s ``IsolationScopes.open``), not from an autouse fixture, whose
+runs from hooks (``isolation/per_test/scopes.py``'s ``IsolationScopes.open``), not from an autouse fixture, whose
 set-up and tear-down alone cost every test ~0.025 ms. Two scenarios: a bare import, and a session
 that has loaded a model, whose conversion table (251 entries, 1390 converters on 5.23) the guard
 also watches; a per-entry Python loop over it cost every test 0.31 ms (1.44x) until the guard's

@@ -36,7 +36,7 @@ import torch
 from fixtures import load_patch
 from pytest_modelpatch.compare.training_steps import assert_trains_equivalent, training_batches
 from pytest_modelpatch.isolation.interception import hold_for_session
-from pytest_modelpatch.isolation.patch_spec import PatchSpec
+from pytest_modelpatch.isolation.per_test.patch_spec import PatchSpec
 from pytest_modelpatch.isolation.registration import ActivePatches
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 

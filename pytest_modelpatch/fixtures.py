@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import pytest
 
 from pytest_modelpatch.errors import NotApplicableError, PatchUsageError
-from pytest_modelpatch.isolation.scopes import patch_spec
+from pytest_modelpatch.isolation.per_test.scopes import patch_spec
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.memory_cache import parse_model_cache
 from pytest_modelpatch.parallel.session import in_rank, parallel_spec
@@ -222,7 +222,7 @@ def refusals_not_applicable(item: pytest.Item) -> Iterator[None]:
 
 def _warn_shared_implementations(model_request: ModelRequest, nodeid: str) -> None:
     """A user's implementation on the model marker runs in both models: the comparison cannot judge it."""
-    from pytest_modelpatch.isolation.patch_spec import IMPLEMENTATIONS
+    from pytest_modelpatch.isolation.per_test.patch_spec import IMPLEMENTATIONS
     from pytest_modelpatch.models.builder import is_transformers_own
 
     for axis in IMPLEMENTATIONS:

@@ -20,9 +20,9 @@ from pytest_modelpatch.fixtures import (
     swept_family,
 )
 from pytest_modelpatch.isolation.interception import hold_for_session
-from pytest_modelpatch.isolation.leaks import LeakTally
-from pytest_modelpatch.isolation.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
-from pytest_modelpatch.isolation.scopes import IsolationScopes, leak_mode
+from pytest_modelpatch.isolation.per_test.leaks import LeakTally
+from pytest_modelpatch.isolation.per_test.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
+from pytest_modelpatch.isolation.per_test.scopes import IsolationScopes, leak_mode
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.memory_cache import parse_model_cache
 from pytest_modelpatch.parallel.marker import PARALLEL_MARKER_HELP, ParallelSpec
@@ -280,7 +280,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 # ---------------------------------------------------------------------------
-# patch isolation: isolation.scopes.IsolationScopes (registered in pytest_configure) holds each
+# patch isolation: isolation.per_test.scopes.IsolationScopes (registered in pytest_configure) holds each
 # test's scope; these are the parts of it that read other rooms, which isolation may not import
 # ---------------------------------------------------------------------------
 

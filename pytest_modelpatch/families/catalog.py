@@ -24,9 +24,9 @@ from transformers.models.auto import configuration_auto, modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.families.tiny_configs import shrink_config_dict
-from pytest_modelpatch.families.validator_fit import MAX_FITS, fit_validator_message
-from pytest_modelpatch.families.tiny_consistency import DERIVE_MARKERS
+from pytest_modelpatch.families.shrink.configs import shrink_config_dict
+from pytest_modelpatch.families.shrink.validator_fit import MAX_FITS, fit_validator_message
+from pytest_modelpatch.families.shrink.consistency import DERIVE_MARKERS
 
 
 def available_model_types() -> list[str]:

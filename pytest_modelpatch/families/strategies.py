@@ -21,7 +21,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import forward_parameters, ordinary_token_ids, text_companions
-from pytest_modelpatch.families.tiny_sizes import KV_HEAD_KEYS
+from pytest_modelpatch.families.shrink.sizes import KV_HEAD_KEYS
 
 PADDING_SIDES = ("none", "left", "right")
 

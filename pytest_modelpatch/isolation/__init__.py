@@ -2,8 +2,8 @@
 
 Owns the snapshot and restore of every registry (patch mappings, conversions, fusion
 config, output recorders), the interception of transformers' entry points, the leak
-guard, parsing ``@pytest.mark.patch`` into a :class:`~.patch_spec.PatchSpec`, registering
+guard, parsing ``@pytest.mark.patch`` into a :class:`~.per_test.patch_spec.PatchSpec`, registering
 it for one test, method patches, and the plugin object that holds each test's scope
-(``scopes.py``). Imports only ``errors`` and ``lint`` (the registration-time lint): never
+(``per_test/scopes.py``). Imports only ``errors`` and ``lint`` (the registration-time lint): never
 models, compare, roundtrip or reporting.
 """

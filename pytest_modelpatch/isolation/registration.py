@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.isolation.patch_spec import PatchSpec
+from pytest_modelpatch.isolation.per_test.patch_spec import PatchSpec
 from pytest_modelpatch.isolation.method_patches import apply_method_patches
 from pytest_modelpatch.isolation.guard import PatchStateGuard
 from pytest_modelpatch.isolation.pristine import close_scope, open_scope

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.isolation.patch_spec import IMPLEMENTATIONS
+from pytest_modelpatch.isolation.per_test.patch_spec import IMPLEMENTATIONS
 
 # the words transformers' refusals of a feature a model lacks share (5.x): "X does not support ..."
 _REFUSAL = re.compile(r"\bdoes not support\b")

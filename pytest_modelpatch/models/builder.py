@@ -26,7 +26,7 @@ from pytest_modelpatch.models.memory_cache import CacheBound, ModelCache
 from pytest_modelpatch.errors import PatchNotAppliedError, PatchUsageError
 from pytest_modelpatch.models.usage import track_patch_usage
 from pytest_modelpatch.models.weights import DEFAULT_INIT
-from pytest_modelpatch.isolation.patch_spec import IMPLEMENTATIONS
+from pytest_modelpatch.isolation.per_test.patch_spec import IMPLEMENTATIONS
 from pytest_modelpatch.isolation.pristine import current_scope, pristine
 from pytest_modelpatch.models.reference import prepare_reference, reference_problems
 

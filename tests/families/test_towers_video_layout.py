@@ -9,7 +9,7 @@ from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.families.inputs.video import TOWER_FRAMES
-from pytest_modelpatch.families.tiny_configs import TINY_WIDTH
+from pytest_modelpatch.families.shrink.configs import TINY_WIDTH
 
 PARAMETER_BUDGET = 5_000_000
 

@@ -276,7 +276,7 @@ def test_a_reference_call_runs_unpatched_while_the_tests_registries_stay_in_plac
     from transformers.models.llama import modeling_llama
 
     from fixtures import load_patch
-    from pytest_modelpatch.isolation.patch_spec import PatchSpec
+    from pytest_modelpatch.isolation.per_test.patch_spec import PatchSpec
     from pytest_modelpatch.isolation.pristine import pristine
     from pytest_modelpatch.isolation.registration import ActivePatches
     from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest

@@ -15,7 +15,7 @@ from fractions import Fraction
 import torch
 from transformers import PretrainedConfig
 
-from pytest_modelpatch.families.rules.timm import FASTVIT_MCI_STRIDE, PE_PATCH
+from pytest_modelpatch.families.shrink.rules.timm import FASTVIT_MCI_STRIDE, PE_PATCH
 from pytest_modelpatch.families.inputs.prompts import (
     class_list_inputs,
     point_prompt_inputs,
@@ -315,7 +315,7 @@ IMAGE_TOKENS_PER_IMAGE: dict[str, Callable[[PretrainedConfig], int]] = {
     "granite4_vision": _anyres_tokens,
     # Llama 4: the adapter pixel-shuffles ratio**-2 patches into one token
     "llama4": lambda c: int(_patch_grid(c) * c.vision_config.pixel_shuffle_ratio**2),
-    # the timm towers (rules/timm.py): MobileNetV5's fusion grid, FastViT-MCi's
+    # the timm towers (shrink/rules/timm.py): MobileNetV5's fusion grid, FastViT-MCi's
     # stride-64 grid, the Perception Encoder's patch grid pooled by the projector
     "gemma3n": lambda c: c.vision_soft_tokens_per_image,
     "fast_vlm": lambda c: (c.vision_config.image_size // FASTVIT_MCI_STRIDE) ** 2,

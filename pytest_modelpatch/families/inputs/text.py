@@ -10,7 +10,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from pytest_modelpatch.errors import ModelPatchError
 from pytest_modelpatch.families.inputs.request import InputRequest, forward_parameters
-from pytest_modelpatch.families.tiny_configs import special_token_ids
+from pytest_modelpatch.families.shrink.configs import special_token_ids
 
 
 def text_request_inputs(request: InputRequest) -> dict[str, torch.Tensor]:

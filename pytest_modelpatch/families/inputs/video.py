@@ -21,8 +21,8 @@ from transformers import PretrainedConfig
 from pytest_modelpatch.families.inputs.audio import waveform
 from pytest_modelpatch.families.inputs.request import InputRequest
 from pytest_modelpatch.families.inputs.text import text_companions, text_request_inputs
-from pytest_modelpatch.families.tiny_sizes import is_int
-from pytest_modelpatch.families.tiny_vision import FRAME_KEYS
+from pytest_modelpatch.families.shrink.sizes import is_int
+from pytest_modelpatch.families.shrink.vision import FRAME_KEYS
 
 VIDEO_NAMES = ("pixel_values_videos", "pixel_values")
 # TVP (transformers 5.23) views its column position embeddings as (batch, 1, width, dim):

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_modelpatch.errors import PatchLeakError, PatchUsageError
-from pytest_modelpatch.isolation.leaks import LeakGuard, LeakTally, parse_leak_mode, scope_changed
-from pytest_modelpatch.isolation.patch_spec import collect_patch_spec
+from pytest_modelpatch.isolation.per_test.leaks import LeakGuard, LeakTally, parse_leak_mode, scope_changed
+from pytest_modelpatch.isolation.per_test.patch_spec import collect_patch_spec
 
 if TYPE_CHECKING:
-    from pytest_modelpatch.isolation.patch_spec import PatchSpec
+    from pytest_modelpatch.isolation.per_test.patch_spec import PatchSpec
     from pytest_modelpatch.isolation.registration import ActivePatches
 
 # the registration lint for one test's marks: (item, the marks' allow) -> the lint ActivePatches calls

@@ -2,13 +2,13 @@
 a tower, document layout embeddings, Swin-style stage widths, and hierarchical backbones
 (per-stage widths, their stem, a timm backbone swapped for a tiny ResNet, the channels a
 detector follows, Swin windows). Pure dict work, called by
-``tiny_configs.shrink_config_dict`` for every config level."""
+``configs.shrink_config_dict`` for every config level."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.tiny_sizes import (
+from pytest_modelpatch.families.shrink.sizes import (
     TINY_HEADS, TINY_IMAGE, TINY_INTERMEDIATE, TINY_LAYERS, TINY_PATCH, TINY_POSITIONS, TINY_VOCAB, TINY_WIDTH,
     WIDTH_KEYS, is_int,
 )
@@ -102,7 +102,7 @@ def shrink_stage_widths(out: dict[str, Any], fixed: set[str]) -> None:
         out[key] = [v // divisor for v in values]
     if divisor > 1:
         _divide_stem(out, lists, divisor, fixed)
-    # Swin-style single embedding widths: tiny_vision.fit_stage_widths
+    # Swin-style single embedding widths: vision.fit_stage_widths
 
 
 # A transformers ResNet in place of a timm one (timm needs torchvision, which often cannot

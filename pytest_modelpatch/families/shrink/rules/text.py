@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.tiny_consistency import TOKEN_ID_SUFFIXES
+from pytest_modelpatch.families.shrink.consistency import TOKEN_ID_SUFFIXES
 
 _CODEBOOK = 32  # VQ image tokenizers: tiny codebooks keep the image tokens inside the tiny vocabulary
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -122,7 +122,7 @@ TEXT_CONFIG_RULES: dict[str, Any] = {
         "indexer_compress_ratio": 4,
     },
     # Sliding layers but no sliding_window in the default text config.
-    "step3p5": {"sliding_window": 4},  # tiny_configs.TINY_SLIDING_WINDOW
+    "step3p5": {"sliding_window": 4},  # configs.TINY_SLIDING_WINDOW
     # T5Gemma2's MLP reads dropout_rate, which the text config does not declare.
     "t5gemma2_text": {"dropout_rate": 0.0},
     # Zamba ties the shared transformer of the first hybrid layer to the others: it needs two.

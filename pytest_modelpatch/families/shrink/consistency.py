@@ -1,6 +1,6 @@
 """Generic shrink rules for sizes a config derives from others, across levels of the tree.
 
-Pure dict work, no torch. ``tiny_configs.shrink_config_dict`` calls these after the per-key
+Pure dict work, no torch. ``configs.shrink_config_dict`` calls these after the per-key
 shrinking: a value the config class derived in ``__post_init__`` from the full sizes
 (``mamba_d_head = expand * hidden_size // mamba_n_heads``, XLNet's ``d_head``) is put back
 to its declared "derive me" default so the tiny config derives it again; indices into
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.tiny_sizes import is_int
+from pytest_modelpatch.families.shrink.sizes import is_int
 
 # Config keys that hold special token ids; Molmo2 names its image placeholder image_patch_id.
 TOKEN_ID_SUFFIXES = ("_token_id", "_token_index", "_token_ids", "_patch_id")

@@ -1,12 +1,12 @@
 """Cutting a config level's layer count: one layer of each kind its per-layer lists name, and every
 per-layer list, schedule and layer index cut to match. Pure dict work, called by
-``tiny_configs.shrink_config_dict`` for every config level."""
+``configs.shrink_config_dict`` for every config level."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.tiny_sizes import HEAD_KEYS, KV_HEAD_KEYS, LAYER_KEYS, TINY_LAYERS, shrink_int, is_int
+from pytest_modelpatch.families.shrink.sizes import HEAD_KEYS, KV_HEAD_KEYS, LAYER_KEYS, TINY_LAYERS, shrink_int, is_int
 
 
 def shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:

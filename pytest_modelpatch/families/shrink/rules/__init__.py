@@ -1,10 +1,10 @@
-"""Per-family rules for what the generic shrinking in ``tiny_configs.py`` cannot derive.
+"""Per-family rules for what the generic shrinking in ``configs.py`` cannot derive.
 
 Keyed by ``model_type``; a rule applies to every config level of that type (a top-level
 config or a sub-config), after generic shrinking and before the user's overrides, which
 always win. A rule is either a dict of values to set or a function that edits the shrunk
 level in place. Each entry says why the generic rules are not enough; prefer teaching
-``tiny_configs.py`` a general rule over adding an entry here.
+``configs.py`` a general rule over adding an entry here.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pytest_modelpatch.families.rules.documents import DOCUMENT_CONFIG_RULES
-from pytest_modelpatch.families.rules.text import TEXT_CONFIG_RULES
-from pytest_modelpatch.families.rules.timm import TIMM_CONFIG_RULES, TINY_PE_ARGS
-from pytest_modelpatch.families.tiny_sizes import TINY_IMAGE
+from pytest_modelpatch.families.shrink.rules.documents import DOCUMENT_CONFIG_RULES
+from pytest_modelpatch.families.shrink.rules.text import TEXT_CONFIG_RULES
+from pytest_modelpatch.families.shrink.rules.timm import TIMM_CONFIG_RULES, TINY_PE_ARGS
+from pytest_modelpatch.families.shrink.sizes import TINY_IMAGE
 
 ConfigRule = Mapping[str, Any] | Callable[[dict[str, Any]], None]
 

@@ -1,5 +1,5 @@
 """The sizes every tiny config shrinks to, the config keys each applies to, and shrinking one key's int
-(``tiny_configs.py`` and its per-modality rules)."""
+(``configs.py`` and its per-modality rules)."""
 
 from __future__ import annotations
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.rules import apply_config_rule
-from pytest_modelpatch.families.tiny_audio_configs import shrink_audio_level
-from pytest_modelpatch.families.tiny_layers import resize_per_layer_lists, shrink_layers, shrink_uncounted_layer_list
-from pytest_modelpatch.families.tiny_sizes import (  # noqa: F401  (re-exported: tests and callers read them here)
+from pytest_modelpatch.families.shrink.rules import apply_config_rule
+from pytest_modelpatch.families.shrink.audio import shrink_audio_level
+from pytest_modelpatch.families.shrink.layers import resize_per_layer_lists, shrink_layers, shrink_uncounted_layer_list
+from pytest_modelpatch.families.shrink.sizes import (  # noqa: F401  (re-exported: tests and callers read them here)
     EXPERT_KEYS,
     FFN_KEYS,
     HEAD_KEYS,
@@ -37,11 +37,11 @@ from pytest_modelpatch.families.tiny_sizes import (  # noqa: F401  (re-exported:
     shrink_int,
     is_int,
 )
-from pytest_modelpatch.families.tiny_vision import (
+from pytest_modelpatch.families.shrink.vision import (
     fit_windows, follow_channels, replace_timm_backbone, shrink_stage_widths, fit_layout_embeddings,
     fit_stage_widths, shrink_vision_sizes,
 )
-from pytest_modelpatch.families.tiny_consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
+from pytest_modelpatch.families.shrink.consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
 
 def _is_config_dict(key: Any, value: Any) -> bool:
     return isinstance(value, dict) and ("model_type" in value or str(key).endswith("_config"))
@@ -59,7 +59,7 @@ def shrink_config_dict(
     when the config lacks them (``rope_parameters.get("mrope_section", [16, 24, 24])``),
     sized for the full model; they are written into the config and shrunk with it.
     ``derived``: per model type, keys the config class derives when given their declared
-    default (``None``/``"auto"``), with that default (``tiny_consistency.rederive_defaults``).
+    default (``None``/``"auto"``), with that default (``consistency.rederive_defaults``).
     """
     shrunk = _shrink_level(config, overrides, implicit_rope or {}, derived or {})
     fit_feature_layers(shrunk)

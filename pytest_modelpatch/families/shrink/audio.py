@@ -1,6 +1,6 @@
 """Shrinking rules for audio configs: codecs, codebooks, audio front ends, time series.
 
-Called by ``tiny_configs._shrink_level`` on every config level after the generic rules
+Called by ``configs._shrink_level`` on every config level after the generic rules
 (pure dict work, no torch). Codec convolution stacks double their channels at every
 down-sampling stage, so the base channel count is what keeps them tiny; sizes that equal
 the codec's width in the full config (codebook dimension, up-sampling groups) keep
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.tiny_sizes import TINY_INTERMEDIATE
+from pytest_modelpatch.families.shrink.sizes import TINY_INTERMEDIATE
 
 TINY_CODEC_TOP_CHANNELS = 128  # channels after the last down-sampling stage
 TINY_CODEBOOK_SIZE = 256  # entries per codebook, the tiny vocabulary's size (codes are tokens to LMs)
