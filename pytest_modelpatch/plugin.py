@@ -27,7 +27,8 @@ from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.memory_cache import parse_model_cache
 from pytest_modelpatch.parallel.marker import PARALLEL_MARKER_HELP, ParallelSpec
 from pytest_modelpatch.parallel.session import ParallelSession, in_rank
-from pytest_modelpatch.reporting.records import set_record_sink
+from pytest_modelpatch.reporting import session
+from pytest_modelpatch.reporting.records import configure_checks, set_record_sink
 from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink
 
 pytest_plugins = ("pytest_modelpatch.fixtures",)
@@ -143,8 +144,6 @@ def pytest_configure(config: pytest.Config) -> None:
         default_device = devices.requested_device(config.getoption("modelpatch_device"))
     except PatchUsageError as exc:
         raise pytest.UsageError(str(exc)) from None
-    from pytest_modelpatch.reporting import session  # torch-free: reads options, registers the report hooks
-
     session.configure(config, default_device)
     config.pluginmanager.register(LeakTally(leaks), "modelpatch-leak-tally")
     scopes = IsolationScopes(
@@ -158,14 +157,21 @@ def pytest_configure(config: pytest.Config) -> None:
             ParallelSession(config, session.session_seed(config), _parallel_backend, rank_env), "modelpatch-parallel"
         )
     hold_for_session(True)
-    if config.get_verbosity() > 0:
-        from pytest_modelpatch.models.quiet import set_verbose_loads  # torch-free
+    _configure_settings(config)
 
-        set_verbose_loads(True)
-    if config.getoption("modelpatch_verify_cache"):
-        from pytest_modelpatch.models.disk_cache import set_full_verification  # torch-free
 
-        set_full_verification(True)
+def _configure_settings(config: pytest.Config) -> None:
+    """Set the session's settings, ``reporting.records.SETTINGS``, the one place models/ and compare/ read them.
+
+    Each xdist worker sets them too, with the controller's seed and its own reading of the options.
+    """
+    previous = configure_checks(
+        seed=session.session_seed(config),
+        timing=bool(config.getoption("modelpatch_timing") or config.getini("modelpatch_timing")),
+        verbose_loads=config.get_verbosity() > 0,
+        full_verification=bool(config.getoption("modelpatch_verify_cache")),
+    )
+    config.add_cleanup(lambda: configure_checks(**previous))  # an in-process pytester run must not leave them set
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

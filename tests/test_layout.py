@@ -23,8 +23,8 @@ NAME = "pytest_modelpatch"
 SUBPACKAGES = ["compare", "families", "isolation", "lint", "models", "parallel", "reporting", "roundtrip"]
 
 # room -> the rooms its modules may import (the wiring modules plugin, fixtures and cli may import anything;
-# reporting.session, the pytest side of reporting, keeps to its room: it hands the session's seed and
-# timing to compare/ through reporting.records, no arrow back up); the data flow of
+# reporting.session, the pytest side of reporting, keeps to its room: the session's settings reach
+# models/ and compare/ through reporting.records, no arrow back up); the data flow of
 # docs/architecture.md, lowest room first
 ALLOWED = {
     "errors": set(),
@@ -32,7 +32,7 @@ ALLOWED = {
     "lint": {"errors"},
     "reporting": {"errors"},
     "isolation": {"errors", "lint"},
-    "models": {"errors", "families", "isolation", "lint"},
+    "models": {"errors", "families", "isolation", "lint", "reporting"},  # reporting.records: the session's settings
     "compare": {"errors", "families", "isolation", "models", "reporting"},
     "roundtrip": {"errors", "families", "isolation", "models", "compare", "reporting"},
     "parallel": {"errors", "reporting"},

@@ -4,9 +4,10 @@ Capability modules call ``record_check(...)``; the plugin installs a sink per
 test that attaches the rows to the test report, so they travel from xdist
 workers to the controller. Outside a pytest test the rows are dropped.
 
-The session's choices for every check (the seed property checks draw from, whether forwards are
-timed) live here too, in :data:`SETTINGS`: the plugin writes them, compare/ reads them, so
-neither the plugin nor reporting reaches up into compare/ to set them.
+The session's settings (the seed property checks draw from, whether forwards are timed, whether
+internal loads print, whether cached checkpoints are hashed) live here too, in :data:`SETTINGS`,
+the one object that holds them: ``plugin.py`` writes them once in ``pytest_configure``, and
+models/ and compare/ read them, so neither the plugin nor reporting reaches up to set them.
 """
 
 from __future__ import annotations
@@ -89,18 +90,20 @@ def record_check(record: CheckRecord) -> None:
 
 @dataclass
 class CheckSettings:
-    """What the pytest session decides for every check; a check's own arguments win over these."""
+    """What the pytest session decides for every check and load; a check's own arguments win over these."""
 
     seed: int | None = None  # property checks' seed when a call passes none (--modelpatch-seed)
     max_examples: int | None = None  # property checks' examples when a call passes none
     timing: bool = False  # --modelpatch-timing: time both models' forwards beside each forward check
+    verbose_loads: bool = False  # pytest -v: let transformers' bars and load reports of internal loads through
+    full_verification: bool = False  # --modelpatch-verify-cache: hash every file of a cached checkpoint on use
 
 
 SETTINGS = CheckSettings()
 
 
 def configure_checks(**changes: Any) -> dict[str, Any]:
-    """Change :data:`SETTINGS` (``seed=``, ``max_examples=``, ``timing=``); returns the values replaced, to restore.
+    """Change :data:`SETTINGS` (its fields by name, e.g. ``seed=``, ``timing=``); returns the values replaced, to restore.
 
     Example: ``previous = configure_checks(seed=1234)`` ... ``configure_checks(**previous)``.
     """
