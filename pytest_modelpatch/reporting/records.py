@@ -13,6 +13,7 @@ models/ and compare/ read them, so neither the plugin nor reporting reaches up t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -72,20 +73,22 @@ def shown_outcome(outcome: str, expected_failure: bool) -> str:
     return "xfailed" if outcome == "failed" else "xpassed"
 
 
-_sink: Callable[[CheckRecord], None] | None = None
+# the running test's sink: per-test state, so a context variable (as the test's tolerance), not a global
+_SINK: ContextVar[Callable[[CheckRecord], None] | None] = ContextVar("modelpatch_record_sink", default=None)
 
 
 def set_record_sink(sink: Callable[[CheckRecord], None] | None) -> Callable[[CheckRecord], None] | None:
     """Install the function that receives records; returns the previous one."""
-    global _sink
-    previous, _sink = _sink, sink
+    previous = _SINK.get()
+    _SINK.set(sink)
     return previous
 
 
 def record_check(record: CheckRecord) -> None:
     """Hand a finished check to the current test's report (no-op outside pytest)."""
-    if _sink is not None:
-        _sink(record)
+    sink = _SINK.get()
+    if sink is not None:
+        sink(record)
 
 
 @dataclass
