@@ -110,6 +110,41 @@ def test_each_room_imports_only_the_rooms_below_it() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+# Process-wide state is kept one way: the session's settings in reporting.records.SETTINGS, per-test
+# state in ContextVars or on the plugin objects (isolation.scopes, reporting.session). Only state that
+# mirrors transformers' own globals (interception.py, library_state.py) may be kept otherwise, named
+# here as (module, name) with the reason; none needs to be today.
+MIRROR_STATE: frozenset[tuple[str, str]] = frozenset()
+
+
+def _mutable_cells(tree: ast.Module) -> list[tuple[str, int]]:
+    """Module-level one-item lists (``_FLAG = [False]``) and ``global`` statements: state kept on the side."""
+    found = []
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, ast.List) and len(value.elts) == 1:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [(ast.unparse(target), node.lineno) for target in targets]
+    found += [(name, node.lineno) for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names]
+    return found
+
+
+def test_process_wide_state_is_kept_one_way() -> None:
+    wrong = [
+        f"{module}:{line}: {name} (a one-item list or a global): put a session setting in reporting.records.SETTINGS, "
+        "per-test state in a ContextVar or on the plugin object"
+        for module, path in sorted(_modules().items())
+        for name, line in _mutable_cells(ast.parse(path.read_text()))
+        if (module, name) not in MIRROR_STATE
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_state_check_sees_a_one_item_list_and_a_global() -> None:
+    source = "_VERBOSE: list[bool] = [False]\n_COUNT = [0]\n_OK = [1, 2]\ndef f():\n    global _sink\n"
+    assert [name for name, _ in _mutable_cells(ast.parse(source))] == ["_VERBOSE", "_COUNT", "_sink"]
+
+
 def test_the_architecture_page_names_every_module_of_the_package() -> None:
     page = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     unnamed = sorted(
