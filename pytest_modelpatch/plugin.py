@@ -28,7 +28,7 @@ from pytest_modelpatch.models.memory_cache import parse_model_cache
 from pytest_modelpatch.parallel.marker import PARALLEL_MARKER_HELP, ParallelSpec
 from pytest_modelpatch.parallel.session import ParallelSession, in_rank
 from pytest_modelpatch.reporting import session
-from pytest_modelpatch.reporting.records import configure_checks, set_record_sink
+from pytest_modelpatch.reporting.records import IMPLEMENTATION_KEYWORDS, configure_checks, set_record_sink
 from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink
 
 pytest_plugins = ("pytest_modelpatch.fixtures",)
@@ -40,8 +40,9 @@ MARKERS = {
     "gpu": "gpu: needs a CUDA GPU; skipped with a reason when there is none (a failure under --modelpatch-require-gpu)",
     "devices": "devices(*names): run the test once per device, e.g. devices('cpu', 'cuda'); sets the device fixture",
     "dtypes": "dtypes(*dtypes): run the test once per dtype, e.g. dtypes('float32', 'bfloat16'); sets the dtype fixture",
-    "model": "model(spec, *, seed=0, init='modelpatch', attn_implementation=None, experts_implementation=None, "
-    "fusion_config=None, **config_overrides): the model behind reference_model and patched_model: a model type "
+    "model": "model(spec, *, seed=0, init='modelpatch', "
+    + "".join(f"{axis}=None, " for axis in IMPLEMENTATION_KEYWORDS)
+    + "fusion_config=None, **config_overrides): the model behind reference_model and patched_model: a model type "
     "('llama'), a PretrainedConfig or a local checkpoint directory, or a list of model types to run the test "
     "once per type; families='patched' runs it once per family the test's patches reach (towers of composite "
     "models included), families='all' once per family; an unknown keyword is a usage error",

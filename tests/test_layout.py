@@ -31,7 +31,7 @@ ALLOWED = {
     "families": {"errors"},
     "lint": {"errors"},
     "reporting": {"errors"},
-    "isolation": {"errors", "lint"},
+    "isolation": {"errors", "lint", "reporting"},  # reporting.records: the implementation axes
     "models": {"errors", "families", "isolation", "lint", "reporting"},  # reporting.records: the session's settings
     "compare": {"errors", "families", "isolation", "models", "reporting"},
     "roundtrip": {"errors", "families", "isolation", "models", "compare", "reporting"},

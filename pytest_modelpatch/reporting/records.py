@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass
@@ -120,8 +120,22 @@ def configure_checks(**changes: Any) -> dict[str, Any]:
     return previous
 
 
-# the implementation axes a model's config records, and the attribute each is read from
-IMPLEMENTATION_AXES = (("attention", "_attn_implementation"), ("experts", "_experts_implementation"))
+class ImplementationAxis(NamedTuple):
+    """One implementation a model is loaded with: its name in reports, its keyword, its config attribute."""
+
+    name: str  # as report lines show it: "attention"
+    keyword: str  # from_pretrained's keyword, and the patch and model markers': "attn_implementation"
+    attribute: str  # where a loaded model's config records it: "_attn_implementation"
+
+
+# The one table of implementation axes: the markers' keywords and help, the builder's eager
+# reference and the report's lines derive from it. Here, in reporting/, because every room that
+# reads it (isolation, models, compare, the plugin) may import reporting.records.
+IMPLEMENTATION_AXES = (
+    ImplementationAxis("attention", "attn_implementation", "_attn_implementation"),
+    ImplementationAxis("experts", "experts_implementation", "_experts_implementation"),
+)
+IMPLEMENTATION_KEYWORDS = tuple(axis.keyword for axis in IMPLEMENTATION_AXES)
 
 
 def implementations_of(model: Any) -> dict[str, str]:
@@ -133,7 +147,7 @@ def implementations_of(model: Any) -> dict[str, str]:
     """
     found = {}
     for path, level in _config_levels(getattr(model, "config", None)):
-        for axis, attribute in IMPLEMENTATION_AXES:
+        for axis, _, attribute in IMPLEMENTATION_AXES:
             name = getattr(level, attribute, None)
             if name is not None:
                 found[f"{axis}.{path}" if path else axis] = str(name)
