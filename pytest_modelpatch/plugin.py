@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
 
+from pytest_modelpatch import fixtures
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.fixtures import (
     CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, checkpoint_root, item_device, item_model_request, resolve_device,
@@ -292,9 +293,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # ---------------------------------------------------------------------------
 
 
-# what a test uses to opt in to the plugin, and so to leaks failing it by default
-PLUGIN_FIXTURES = frozenset({"device", "dtype", "model_builder", "reference_model", "patched_model", "roundtrip",
-                             "patch_registry"})  # fmt: skip
+def fixtures_of(namespace: Mapping[str, Any]) -> frozenset[str]:
+    """The names of the pytest fixtures in a module's namespace, as pytest registers them from it."""
+    # pytest has no public test for a fixture function that holds from 8.0 (a marked function) to 9
+    # (a FixtureFunctionDefinition); this is the one it uses itself
+    from _pytest.fixtures import getfixturemarker
+
+    return frozenset(marker.name or name for name, obj in namespace.items() if (marker := getfixturemarker(obj)) is not None)
+
+
+# what a test uses to opt in to the plugin, and so to leaks failing it by default: every fixture of
+# fixtures.py, read from it, so a new fixture there opts in without a list to keep up
+PLUGIN_FIXTURES = fixtures_of(vars(fixtures))
 
 
 def _uses_plugin(item: pytest.Item) -> bool:
