@@ -33,6 +33,7 @@ from pytest_modelpatch.reporting.records import IMPLEMENTATION_KEYWORDS, configu
 from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink
 
 pytest_plugins = ("pytest_modelpatch.fixtures",)
+_ISOLATION = pytest.StashKey[IsolationScopes]()
 
 
 MARKERS = {
@@ -153,6 +154,7 @@ def pytest_configure(config: pytest.Config) -> None:
         plugin_fixtures=PLUGIN_FIXTURES,
     )  # fmt: skip
     config.pluginmanager.register(scopes, "modelpatch-isolation")
+    config.stash[_ISOLATION] = scopes  # its report part runs inside pytest_runtest_makereport below
     if not in_rank():  # a rank runs the tests it is sent; the process that sent them runs them in ranks
         rank_env = lambda: {CHECKPOINTS_ENV: str(checkpoint_root(config._tmp_path_factory))}  # noqa: E731
         config.pluginmanager.register(
@@ -268,10 +270,23 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     return (yield)
 
 
-# tryfirst: the outermost wrapper, so it sees the report after pytest's xfail handling
+# The plugin's one outermost wrapper (tryfirst), so it sees the report after pytest's xfail handling.
+# Its parts, in this order: first what the test itself came to (its checks' intent, a GPU skip pointed
+# at the test, a sweep's family), then the leaks of the phase, which may turn an xfail into a failure:
+# the intent is read from the outcome the test had before a leak overrode it, as it was when these
+# were two wrappers and the isolation one the outer.
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
+    _describe_report(item, report)
+    scopes = item.config.stash.get(_ISOLATION, None)
+    if scopes is not None:
+        scopes.stamp_report(item, call, report)
+    return report
+
+
+def _describe_report(item: pytest.Item, report: pytest.TestReport) -> None:
+    """What the test came to: its checks' intent, a GPU skip pointed at the test, the family a sweep gave it."""
     if item.user_properties:
         from pytest_modelpatch.reporting.session import stamp_intent
 
@@ -284,7 +299,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     family = swept_family(item)
     if family is not None:  # the controller groups a sweep's outcomes by test (under xdist it has no items)
         report.user_properties.append((SWEEP_PROPERTY, family))
-    return report
 
 
 # ---------------------------------------------------------------------------

@@ -183,10 +183,12 @@ class IsolationScopes:
             uses = lambda: not self._plugin_fixtures.isdisjoint((fixturedef.argname, *fixturedef.argnames))  # noqa: E731
             self._finish_guard(guard, f"{fixturedef.scope}-scoped fixture {fixturedef.argname!r}", request.node, uses)
 
-    # tryfirst: the outermost wrapper, so it sees the report after pytest's xfail handling
-    @pytest.hookimpl(wrapper=True, tryfirst=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-        report = yield
+    def stamp_report(self, item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport) -> None:
+        """Put this phase's leaks on its report; a leak error fails the test, even an xfail one.
+
+        Not a hook: ``plugin.py``'s one outermost ``pytest_runtest_makereport`` calls it, last, once
+        pytest's xfail handling has made the report.
+        """
         leaks = item.stash.get(_LEAKS, None)
         if leaks:
             LeakTally.stamp(report, leaks)
@@ -196,4 +198,3 @@ class IsolationScopes:
             if hasattr(report, "wasxfail"):  # pytest turns any error of an xfail test into an xfail: a leak is not one
                 del report.wasxfail
                 report.outcome = "failed"
-        return report
