@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
 
+from pytest_modelpatch import fixtures
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.fixtures import (
     CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, checkpoint_root, item_device, item_model_request, resolve_device,
@@ -27,10 +28,12 @@ from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.memory_cache import parse_model_cache
 from pytest_modelpatch.parallel.marker import PARALLEL_MARKER_HELP, ParallelSpec
 from pytest_modelpatch.parallel.session import ParallelSession, in_rank
-from pytest_modelpatch.reporting.records import set_record_sink
+from pytest_modelpatch.reporting import session
+from pytest_modelpatch.reporting.records import IMPLEMENTATION_KEYWORDS, configure_checks, set_record_sink
 from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink
 
 pytest_plugins = ("pytest_modelpatch.fixtures",)
+_ISOLATION = pytest.StashKey[IsolationScopes]()
 
 
 MARKERS = {
@@ -39,8 +42,9 @@ MARKERS = {
     "gpu": "gpu: needs a CUDA GPU; skipped with a reason when there is none (a failure under --modelpatch-require-gpu)",
     "devices": "devices(*names): run the test once per device, e.g. devices('cpu', 'cuda'); sets the device fixture",
     "dtypes": "dtypes(*dtypes): run the test once per dtype, e.g. dtypes('float32', 'bfloat16'); sets the dtype fixture",
-    "model": "model(spec, *, seed=0, init='modelpatch', attn_implementation=None, experts_implementation=None, "
-    "fusion_config=None, **config_overrides): the model behind reference_model and patched_model: a model type "
+    "model": "model(spec, *, seed=0, init='modelpatch', "
+    + "".join(f"{axis}=None, " for axis in IMPLEMENTATION_KEYWORDS)
+    + "fusion_config=None, **config_overrides): the model behind reference_model and patched_model: a model type "
     "('llama'), a PretrainedConfig or a local checkpoint directory, or a list of model types to run the test "
     "once per type; families='patched' runs it once per family the test's patches reach (towers of composite "
     "models included), families='all' once per family; an unknown keyword is a usage error",
@@ -143,8 +147,6 @@ def pytest_configure(config: pytest.Config) -> None:
         default_device = devices.requested_device(config.getoption("modelpatch_device"))
     except PatchUsageError as exc:
         raise pytest.UsageError(str(exc)) from None
-    from pytest_modelpatch.reporting import session  # torch-free: reads options, registers the report hooks
-
     session.configure(config, default_device)
     config.pluginmanager.register(LeakTally(leaks), "modelpatch-leak-tally")
     scopes = IsolationScopes(
@@ -152,20 +154,28 @@ def pytest_configure(config: pytest.Config) -> None:
         plugin_fixtures=PLUGIN_FIXTURES,
     )  # fmt: skip
     config.pluginmanager.register(scopes, "modelpatch-isolation")
+    config.stash[_ISOLATION] = scopes  # its report part runs inside pytest_runtest_makereport below
     if not in_rank():  # a rank runs the tests it is sent; the process that sent them runs them in ranks
         rank_env = lambda: {CHECKPOINTS_ENV: str(checkpoint_root(config._tmp_path_factory))}  # noqa: E731
         config.pluginmanager.register(
             ParallelSession(config, session.session_seed(config), _parallel_backend, rank_env), "modelpatch-parallel"
         )
     hold_for_session(True)
-    if config.get_verbosity() > 0:
-        from pytest_modelpatch.models.quiet import set_verbose_loads  # torch-free
+    _configure_settings(config)
 
-        set_verbose_loads(True)
-    if config.getoption("modelpatch_verify_cache"):
-        from pytest_modelpatch.models.disk_cache import set_full_verification  # torch-free
 
-        set_full_verification(True)
+def _configure_settings(config: pytest.Config) -> None:
+    """Set the session's settings, ``reporting.records.SETTINGS``, the one place models/ and compare/ read them.
+
+    Each xdist worker sets them too, with the controller's seed and its own reading of the options.
+    """
+    previous = configure_checks(
+        seed=session.session_seed(config),
+        timing=bool(config.getoption("modelpatch_timing") or config.getini("modelpatch_timing")),
+        verbose_loads=config.get_verbosity() > 0,
+        full_verification=bool(config.getoption("modelpatch_verify_cache")),
+    )
+    config.add_cleanup(lambda: configure_checks(**previous))  # an in-process pytester run must not leave them set
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -260,10 +270,23 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     return (yield)
 
 
-# tryfirst: the outermost wrapper, so it sees the report after pytest's xfail handling
+# The plugin's one outermost wrapper (tryfirst), so it sees the report after pytest's xfail handling.
+# Its parts, in this order: first what the test itself came to (its checks' intent, a GPU skip pointed
+# at the test, a sweep's family), then the leaks of the phase, which may turn an xfail into a failure:
+# the intent is read from the outcome the test had before a leak overrode it, as it was when these
+# were two wrappers and the isolation one the outer.
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
+    _describe_report(item, report)
+    scopes = item.config.stash.get(_ISOLATION, None)
+    if scopes is not None:
+        scopes.stamp_report(item, call, report)
+    return report
+
+
+def _describe_report(item: pytest.Item, report: pytest.TestReport) -> None:
+    """What the test came to: its checks' intent, a GPU skip pointed at the test, the family a sweep gave it."""
     if item.user_properties:
         from pytest_modelpatch.reporting.session import stamp_intent
 
@@ -276,7 +299,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     family = swept_family(item)
     if family is not None:  # the controller groups a sweep's outcomes by test (under xdist it has no items)
         report.user_properties.append((SWEEP_PROPERTY, family))
-    return report
 
 
 # ---------------------------------------------------------------------------
@@ -285,9 +307,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # ---------------------------------------------------------------------------
 
 
-# what a test uses to opt in to the plugin, and so to leaks failing it by default
-PLUGIN_FIXTURES = frozenset({"device", "dtype", "model_builder", "reference_model", "patched_model", "roundtrip",
-                             "patch_registry"})  # fmt: skip
+def fixtures_of(namespace: Mapping[str, Any]) -> frozenset[str]:
+    """The names of the pytest fixtures in a module's namespace, as pytest registers them from it."""
+    # pytest has no public test for a fixture function that holds from 8.0 (a marked function) to 9
+    # (a FixtureFunctionDefinition); this is the one it uses itself
+    from _pytest.fixtures import getfixturemarker
+
+    return frozenset(marker.name or name for name, obj in namespace.items() if (marker := getfixturemarker(obj)) is not None)
+
+
+# what a test uses to opt in to the plugin, and so to leaks failing it by default: every fixture of
+# fixtures.py, read from it, so a new fixture there opts in without a list to keep up
+PLUGIN_FIXTURES = fixtures_of(vars(fixtures))
 
 
 def _uses_plugin(item: pytest.Item) -> bool:

@@ -23,16 +23,16 @@ NAME = "pytest_modelpatch"
 SUBPACKAGES = ["compare", "families", "isolation", "lint", "models", "parallel", "reporting", "roundtrip"]
 
 # room -> the rooms its modules may import (the wiring modules plugin, fixtures and cli may import anything;
-# reporting.session, the pytest side of reporting, keeps to its room: it hands the session's seed and
-# timing to compare/ through reporting.records, no arrow back up); the data flow of
+# reporting.session, the pytest side of reporting, keeps to its room: the session's settings reach
+# models/ and compare/ through reporting.records, no arrow back up); the data flow of
 # docs/architecture.md, lowest room first
 ALLOWED = {
     "errors": set(),
     "families": {"errors"},
     "lint": {"errors"},
     "reporting": {"errors"},
-    "isolation": {"errors", "lint"},
-    "models": {"errors", "families", "isolation", "lint"},
+    "isolation": {"errors", "lint", "reporting"},  # reporting.records: the implementation axes
+    "models": {"errors", "families", "isolation", "lint", "reporting"},  # reporting.records: the session's settings
     "compare": {"errors", "families", "isolation", "models", "reporting"},
     "roundtrip": {"errors", "families", "isolation", "models", "compare", "reporting"},
     "parallel": {"errors", "reporting"},
@@ -108,6 +108,41 @@ def test_each_room_imports_only_the_rooms_below_it() -> None:
             if other != room and other not in ALLOWED[room]:
                 wrong.append(f"{module} imports {target}: {room}/ may import only {sorted(ALLOWED[room]) or 'nothing'}")
     assert not wrong, "\n".join(wrong)
+
+
+# Process-wide state is kept one way: the session's settings in reporting.records.SETTINGS, per-test
+# state in ContextVars or on the plugin objects (isolation.per_test.scopes, reporting.session). Only state that
+# mirrors transformers' own globals (interception.py, library_state.py) may be kept otherwise, named
+# here as (module, name) with the reason; none needs to be today.
+MIRROR_STATE: frozenset[tuple[str, str]] = frozenset()
+
+
+def _mutable_cells(tree: ast.Module) -> list[tuple[str, int]]:
+    """Module-level one-item lists (``_FLAG = [False]``) and ``global`` statements: state kept on the side."""
+    found = []
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, ast.List) and len(value.elts) == 1:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [(ast.unparse(target), node.lineno) for target in targets]
+    found += [(name, node.lineno) for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names]
+    return found
+
+
+def test_process_wide_state_is_kept_one_way() -> None:
+    wrong = [
+        f"{module}:{line}: {name} (a one-item list or a global): put a session setting in reporting.records.SETTINGS, "
+        "per-test state in a ContextVar or on the plugin object"
+        for module, path in sorted(_modules().items())
+        for name, line in _mutable_cells(ast.parse(path.read_text()))
+        if (module, name) not in MIRROR_STATE
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_state_check_sees_a_one_item_list_and_a_global() -> None:
+    source = "_VERBOSE: list[bool] = [False]\n_COUNT = [0]\n_OK = [1, 2]\ndef f():\n    global _sink\n"
+    assert [name for name, _ in _mutable_cells(ast.parse(source))] == ["_VERBOSE", "_COUNT", "_sink"]
 
 
 def test_the_architecture_page_names_every_module_of_the_package() -> None:

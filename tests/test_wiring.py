@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from pytest_modelpatch.plugin import MARKERS
+from pytest_modelpatch import fixtures
+from pytest_modelpatch.plugin import MARKERS, PLUGIN_FIXTURES, fixtures_of
 
 
 def test_importing_the_plugin_imports_neither_torch_nor_transformers() -> None:
@@ -69,3 +72,32 @@ def test_every_public_name_resolves() -> None:
 
     missing = [name for name in pytest_modelpatch.__all__ if getattr(pytest_modelpatch, name, None) is None]
     assert missing == []
+
+
+def _decorated_fixtures(source: str) -> set[str]:
+    """The functions of a module's source decorated with ``@pytest.fixture`` (or ``@pytest.fixture(...)``)."""
+    found = set()
+    for node in ast.parse(source).body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for decorator in node.decorator_list:
+            call = decorator if isinstance(decorator, ast.Call) else None
+            if ast.unparse(call.func if call else decorator) == "pytest.fixture":
+                named = [k.value.value for k in (call.keywords if call else []) if k.arg == "name"]
+                found.add(named[0] if named else node.name)
+    return found
+
+
+def test_every_fixture_of_fixtures_py_opts_a_test_in_to_leak_errors() -> None:
+    assert PLUGIN_FIXTURES == _decorated_fixtures(Path(fixtures.__file__).read_text())
+    assert {"device", "dtype", "reference_model", "patched_model", "patch_registry"} <= PLUGIN_FIXTURES
+
+
+def test_a_new_fixture_defined_beside_them_counts_too() -> None:
+    source = Path(fixtures.__file__).read_text() + (
+        "\n\n@pytest.fixture\ndef tiny_tokenizer():\n    return None\n"
+        "\n\n@pytest.fixture(name='seeded_inputs')\ndef _seeded_inputs():\n    return None\n"
+    )
+    namespace: dict[str, object] = {"__name__": "pytest_modelpatch.fixtures_copy"}
+    exec(compile(source, fixtures.__file__, "exec"), namespace)
+    assert fixtures_of(namespace) == PLUGIN_FIXTURES | {"tiny_tokenizer", "seeded_inputs"}

@@ -40,11 +40,6 @@ def set_default_seed(seed: int | None) -> None:
     configure_checks(seed=seed)
 
 
-def set_default_max_examples(max_examples: int | None) -> None:
-    """Examples per property check when it gets no ``max_examples``."""
-    configure_checks(max_examples=max_examples)
-
-
 @dataclass
 class PropertyReport(PropertyOutcome):
     """How ``check_equivalence`` went: its worst error, worst passing example, and the minimal failure if any.

@@ -196,6 +196,6 @@ def implementations_line(reference: torch.nn.Module, patched: torch.nn.Module) -
     A composite model's towers are named where one is on another implementation than its model.
     """
     ours, theirs = implementations_of(reference), implementations_of(patched)
-    shown = [(axis, describe_implementations(ours, axis), describe_implementations(theirs, axis)) for axis, _ in IMPLEMENTATION_AXES]
+    shown = [(axis, describe_implementations(ours, axis), describe_implementations(theirs, axis)) for axis, _, _ in IMPLEMENTATION_AXES]
     sides = [f"{axis} {mine} (reference) vs {other} (patched)" for axis, mine, other in shown if mine != other]
     return f"implementations: {'; '.join(sides)}" if sides else ""

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.running import evaluating, model_device, move_inputs
-from pytest_modelpatch.reporting.records import SETTINGS, configure_checks
+from pytest_modelpatch.reporting.records import SETTINGS
 
 DEFAULT_WARMUP = 2
 DEFAULT_REPEATS = 7
@@ -36,13 +36,8 @@ DEFAULT_REPEATS = 7
 Clock = Callable[[Callable[[], Any]], float]  # runs a call once, returns its seconds
 
 
-def set_timing(enabled: bool) -> bool:
-    """Turn timing of equivalence checks on or off (the plugin sets ``SETTINGS.timing`` from the option); returns the old value."""
-    return bool(configure_checks(timing=bool(enabled))["timing"])
-
-
 def timing_enabled() -> bool:
-    """Whether ``--modelpatch-timing`` (or :func:`set_timing`) asked for timing."""
+    """Whether ``--modelpatch-timing`` (``SETTINGS.timing``, which the plugin sets) asked for timing."""
     return SETTINGS.timing
 
 

@@ -8,7 +8,6 @@ seed and shrink toward short, unpadded batches; token ids come from a drawn seed
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,7 +126,8 @@ def model_inputs(
     size = index_bytes + 4 + rows
     raw = st.binary(min_size=size, max_size=size)
     strategy = raw.map(from_bytes)
-    _BY_BYTES[strategy] = DrawnBytes(raw, from_bytes, size)
+    # the strategy carries how it draws: property checks read it back (drawn_bytes), no table on the side
+    setattr(strategy, _DRAWN_BYTES, DrawnBytes(raw, from_bytes, size))
     return strategy
 
 
@@ -144,12 +144,17 @@ class DrawnBytes:
     size: int  # every input's byte string has this length
 
 
-_BY_BYTES: weakref.WeakKeyDictionary[SearchStrategy[Any], DrawnBytes] = weakref.WeakKeyDictionary()
+_DRAWN_BYTES = "modelpatch_drawn_bytes"  # the attribute of a model_inputs strategy that holds its DrawnBytes
 
 
 def drawn_bytes(strategy: SearchStrategy[Any]) -> DrawnBytes | None:
-    """The bytes behind a ``model_inputs`` strategy (listed shapes); ``None`` for any other strategy."""
-    return _BY_BYTES.get(strategy)
+    """The bytes behind a ``model_inputs`` strategy (listed shapes); ``None`` for any other strategy.
+
+    A strategy derived from it (``.map``, ``.filter``) is another object, without them: its values may
+    no longer be what the bytes build.
+    """
+    drawn = getattr(strategy, _DRAWN_BYTES, None)
+    return drawn if isinstance(drawn, DrawnBytes) else None
 
 
 def _listed_shapes(batch_sizes: IntsSpec | range, seq_lens: IntsSpec | range, sides: tuple[str, ...]) -> list[tuple[int, int, str]] | None:

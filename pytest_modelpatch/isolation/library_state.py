@@ -214,7 +214,7 @@ class LibraryState:
     @classmethod
     def take(cls) -> LibraryState:
         _install_import_hook()
-        state = cls(registries=_registries(), executions=_EXECUTIONS[0])
+        state = cls(registries=_registries(), executions=_HOOK.executions)
         for name in _MODELING_NAMES:
             module = sys.modules.get(name)
             if module is not None:
@@ -227,7 +227,7 @@ class LibraryState:
         for record in self.modules.values():
             found += record.reconcile()
         found += [change for record in self.registries for change in record.reconcile()]
-        if _EXECUTIONS[0] != self.executions:
+        if _HOOK.executions != self.executions:
             found += self._reconcile_imported()
         return found
 
@@ -247,7 +247,7 @@ class LibraryState:
         compares: identity first, so a rebound function or class always differs. One C-level
         comparison a dict, where reconcile() walks each module and class in Python.
         """
-        if self._settled is None or _EXECUTIONS[0] != self.executions:
+        if self._settled is None or _HOOK.executions != self.executions:
             return False
         try:
             return all(map(operator.eq, self._watched, self._settled))
@@ -274,12 +274,11 @@ _BUILTIN_REGISTRIES: dict[int, dict[str, Any]] = {}
 # Every modeling module ever loaded: scanning sys.modules (thousands of names) per test costs ~0.3 ms.
 _MODELING_NAMES: set[str] = set()
 _CLASS_KEYS: dict[str, list[str]] = {}
-_EXECUTIONS = [0]  # modeling and registry modules executed (imported or reloaded) so far
 
 
 def executions() -> int:
     """A counter that moves whenever a watched module is imported or reloaded: snapshots go stale."""
-    return _EXECUTIONS[0]
+    return _HOOK.executions
 
 
 class _RecordingLoader(importlib.abc.Loader):
@@ -296,7 +295,7 @@ class _RecordingLoader(importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._loader.exec_module(module)
-        _EXECUTIONS[0] += 1
+        _HOOK.executions += 1
         if is_modeling_module(module.__name__):
             _MODELING_NAMES.add(module.__name__)
             _CLASS_KEYS.pop(module.__name__, None)
@@ -306,6 +305,11 @@ class _RecordingLoader(importlib.abc.Loader):
 
 
 class _ModelingImportHook(importlib.abc.MetaPathFinder):
+    """Wraps the loaders of watched modules; counts what they executed, a mirror of the import system."""
+
+    def __init__(self) -> None:
+        self.executions = 0  # modeling and registry modules executed (imported or reloaded) so far
+
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if not is_modeling_module(fullname) and fullname not in _REGISTRY_MODULES:
             return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -136,23 +137,25 @@ class PristineScope:
                 change.apply(change.after)
 
 
-_current: list[PristineScope] = []
+# the open scopes, innermost last: per-test state, so a context variable (as the test's tolerance and
+# record sink), not a module global; a tuple, so a scope opened in a copied context stays there
+_SCOPES: ContextVar[tuple[PristineScope, ...]] = ContextVar("modelpatch_pristine_scopes", default=())
 
 
 def open_scope() -> PristineScope:
     """Start recording a test's method and context patches; the scope becomes current."""
     scope = PristineScope()
-    _current.append(scope)
+    _SCOPES.set((*_SCOPES.get(), scope))
     return scope
 
 
 def close_scope(scope: PristineScope) -> None:
-    if scope in _current:
-        _current.remove(scope)
+    _SCOPES.set(tuple(open_ for open_ in _SCOPES.get() if open_ is not scope))
 
 
 def current_scope() -> PristineScope | None:
-    return _current[-1] if _current else None
+    scopes = _SCOPES.get()
+    return scopes[-1] if scopes else None
 
 
 @contextmanager

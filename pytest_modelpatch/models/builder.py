@@ -32,7 +32,7 @@ from pytest_modelpatch.models.reference import prepare_reference, reference_prob
 
 
 # keywords of @pytest.mark.model that are not config attributes; anything else must be one
-MARKER_KEYWORDS = ("seed", "init", "fusion_config", "attn_implementation", "experts_implementation")
+MARKER_KEYWORDS = ("seed", "init", "fusion_config", *IMPLEMENTATIONS)
 GROUND_TRUTH = "eager"  # each axis's reference implementation: transformers' default is not (grouped_mm experts on CPU)
 DTYPE_KEYWORDS = ("dtype", "torch_dtype")
 

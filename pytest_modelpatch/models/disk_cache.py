@@ -21,14 +21,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pytest_modelpatch.reporting.records import SETTINGS
+
 MANIFEST_FILE = "modelpatch-manifest.json"
 STALE_PARTIAL_SECONDS = 3600.0  # another process's build of a different entry may still be running
-_FULL_VERIFICATION: list[bool] = [False]
-
-
-def set_full_verification(on: bool) -> None:
-    """``--modelpatch-verify-cache``: hash every file of an entry on use, not just check sizes and headers."""
-    _FULL_VERIFICATION[0] = on
 
 
 def _sha256(path: Path) -> str:
@@ -75,7 +71,7 @@ def verify_entry(entry: Path, *, full: bool | None = None) -> str | None:
 
     Example: ``verify_entry(path) is None`` before ``from_pretrained(path)``.
     """
-    full = _FULL_VERIFICATION[0] if full is None else full
+    full = SETTINGS.full_verification if full is None else full
     manifest = entry / MANIFEST_FILE
     try:
         files: dict[str, dict[str, Any]] = json.loads(manifest.read_text())["files"]

@@ -12,18 +12,13 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_VERBOSE: list[bool] = [False]
-
-
-def set_verbose_loads(on: bool) -> None:
-    """``pytest -v``: let transformers' bars and load reports through."""
-    _VERBOSE[0] = on
+from pytest_modelpatch.reporting.records import SETTINGS
 
 
 @contextmanager
 def quiet_loads() -> Iterator[None]:
-    """No progress bars, load reports or transformers warnings inside the block (unless ``-v``)."""
-    if _VERBOSE[0]:
+    """No progress bars, load reports or transformers warnings inside the block (unless ``-v``: ``SETTINGS.verbose_loads``)."""
+    if SETTINGS.verbose_loads:
         yield
         return
     from transformers.utils import logging as transformers_logging

@@ -4,16 +4,18 @@ Capability modules call ``record_check(...)``; the plugin installs a sink per
 test that attaches the rows to the test report, so they travel from xdist
 workers to the controller. Outside a pytest test the rows are dropped.
 
-The session's choices for every check (the seed property checks draw from, whether forwards are
-timed) live here too, in :data:`SETTINGS`: the plugin writes them, compare/ reads them, so
-neither the plugin nor reporting reaches up into compare/ to set them.
+The session's settings (the seed property checks draw from, whether forwards are timed, whether
+internal loads print, whether cached checkpoints are hashed) live here too, in :data:`SETTINGS`,
+the one object that holds them: ``plugin.py`` writes them once in ``pytest_configure``, and
+models/ and compare/ read them, so neither the plugin nor reporting reaches up to set them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass
@@ -71,36 +73,40 @@ def shown_outcome(outcome: str, expected_failure: bool) -> str:
     return "xfailed" if outcome == "failed" else "xpassed"
 
 
-_sink: Callable[[CheckRecord], None] | None = None
+# the running test's sink: per-test state, so a context variable (as the test's tolerance), not a global
+_SINK: ContextVar[Callable[[CheckRecord], None] | None] = ContextVar("modelpatch_record_sink", default=None)
 
 
 def set_record_sink(sink: Callable[[CheckRecord], None] | None) -> Callable[[CheckRecord], None] | None:
     """Install the function that receives records; returns the previous one."""
-    global _sink
-    previous, _sink = _sink, sink
+    previous = _SINK.get()
+    _SINK.set(sink)
     return previous
 
 
 def record_check(record: CheckRecord) -> None:
     """Hand a finished check to the current test's report (no-op outside pytest)."""
-    if _sink is not None:
-        _sink(record)
+    sink = _SINK.get()
+    if sink is not None:
+        sink(record)
 
 
 @dataclass
 class CheckSettings:
-    """What the pytest session decides for every check; a check's own arguments win over these."""
+    """What the pytest session decides for every check and load; a check's own arguments win over these."""
 
     seed: int | None = None  # property checks' seed when a call passes none (--modelpatch-seed)
     max_examples: int | None = None  # property checks' examples when a call passes none
     timing: bool = False  # --modelpatch-timing: time both models' forwards beside each forward check
+    verbose_loads: bool = False  # pytest -v: let transformers' bars and load reports of internal loads through
+    full_verification: bool = False  # --modelpatch-verify-cache: hash every file of a cached checkpoint on use
 
 
 SETTINGS = CheckSettings()
 
 
 def configure_checks(**changes: Any) -> dict[str, Any]:
-    """Change :data:`SETTINGS` (``seed=``, ``max_examples=``, ``timing=``); returns the values replaced, to restore.
+    """Change :data:`SETTINGS` (its fields by name, e.g. ``seed=``, ``timing=``); returns the values replaced, to restore.
 
     Example: ``previous = configure_checks(seed=1234)`` ... ``configure_checks(**previous)``.
     """
@@ -114,8 +120,22 @@ def configure_checks(**changes: Any) -> dict[str, Any]:
     return previous
 
 
-# the implementation axes a model's config records, and the attribute each is read from
-IMPLEMENTATION_AXES = (("attention", "_attn_implementation"), ("experts", "_experts_implementation"))
+class ImplementationAxis(NamedTuple):
+    """One implementation a model is loaded with: its name in reports, its keyword, its config attribute."""
+
+    name: str  # as report lines show it: "attention"
+    keyword: str  # from_pretrained's keyword, and the patch and model markers': "attn_implementation"
+    attribute: str  # where a loaded model's config records it: "_attn_implementation"
+
+
+# The one table of implementation axes: the markers' keywords and help, the builder's eager
+# reference and the report's lines derive from it. Here, in reporting/, because every room that
+# reads it (isolation, models, compare, the plugin) may import reporting.records.
+IMPLEMENTATION_AXES = (
+    ImplementationAxis("attention", "attn_implementation", "_attn_implementation"),
+    ImplementationAxis("experts", "experts_implementation", "_experts_implementation"),
+)
+IMPLEMENTATION_KEYWORDS = tuple(axis.keyword for axis in IMPLEMENTATION_AXES)
 
 
 def implementations_of(model: Any) -> dict[str, str]:
@@ -127,7 +147,7 @@ def implementations_of(model: Any) -> dict[str, str]:
     """
     found = {}
     for path, level in _config_levels(getattr(model, "config", None)):
-        for axis, attribute in IMPLEMENTATION_AXES:
+        for axis, _, attribute in IMPLEMENTATION_AXES:
             name = getattr(level, attribute, None)
             if name is not None:
                 found[f"{axis}.{path}" if path else axis] = str(name)

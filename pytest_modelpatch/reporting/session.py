@@ -25,7 +25,7 @@ import pytest
 
 from pytest_modelpatch.errors import PatchUsageError, ReportFileError
 from pytest_modelpatch.reporting.gate import DEFAULT_FACTOR, DEFAULT_FLOOR, GateVerdict, Thresholds, evaluate
-from pytest_modelpatch.reporting.records import CheckRecord, configure_checks, implementations_of, set_record_sink
+from pytest_modelpatch.reporting.records import CheckRecord, implementations_of, set_record_sink
 from pytest_modelpatch.reporting.report import (
     REPORT_FORMAT, class_of, device_class, device_order, load_report, row_from_record, summary_lines, sweep_lines,
     write_report,
@@ -147,17 +147,14 @@ class XdistSeed:
 
 
 def configure(config: pytest.Config, default_device: str = "cpu") -> None:
-    """Set the session seed and timing in this process; on the controller, register the report and xdist hooks.
+    """Validate the report options; on the controller, register the report and xdist hooks.
 
-    They go into ``records.SETTINGS``, which compare/ reads: nothing here imports compare/ (or torch).
-    Each xdist worker runs this too, with the controller's seed and its own reading of the timing option.
-    ``default_device``: the session's ``--modelpatch-device`` (validated by the plugin), for the report header.
+    Each xdist worker runs this too. The session seed and timing are ``records.SETTINGS``, which
+    ``plugin.py`` sets. ``default_device``: the session's ``--modelpatch-device`` (validated by the
+    plugin), for the report header.
     """
     seed = session_seed(config)
     validate_options(config)
-    timing = bool(config.getoption("modelpatch_timing") or config.getini("modelpatch_timing"))
-    previous = configure_checks(seed=seed, timing=timing)
-    config.add_cleanup(lambda: configure_checks(**previous))  # an in-process pytester run must not leave them set
     recorder = SelectionRecorder(config)
     config.pluginmanager.register(recorder, "modelpatch-selection")
     if is_worker(config):

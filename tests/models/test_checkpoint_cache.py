@@ -59,15 +59,15 @@ def test_nan_bytes_of_the_same_size_are_rebuilt_in_a_fresh_session_and_load_fini
 
 
 def test_flipped_bytes_within_a_session_are_caught_under_verify_cache(entry: Path, tmp_path: Path) -> None:
-    from pytest_modelpatch.models.disk_cache import set_full_verification
+    from pytest_modelpatch.reporting.records import configure_checks
 
     good = _weights(entry).read_bytes()
     _flip_last_byte(_weights(entry))
-    set_full_verification(True)
+    previous = configure_checks(full_verification=True)  # as --modelpatch-verify-cache sets it
     try:
         cached_checkpoint(tiny_config("llama"), cache_dir=tmp_path)  # memoized this session, verified again
     finally:
-        set_full_verification(False)
+        configure_checks(**previous)
     assert _weights(entry).read_bytes() == good
 
 

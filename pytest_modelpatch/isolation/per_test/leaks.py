@@ -86,19 +86,33 @@ class LeakTally:
             )
 
 
-# Snapshots a finished test guard left equal to the live state, and the moment they are valid
-# for: retaking them for every test is most of the guard's cost (~0.1 ms a test).
-_REUSABLE: dict[str, tuple[tuple[int, int], PatchStateSnapshot, LibraryState]] = {}
-_SCOPE_CHANGES = [0]
+class ReusableSnapshots:
+    """The snapshots a finished test guard left equal to the live state, and the moment they hold for.
 
+    Retaking them for every test is most of the guard's cost (~0.1 ms a test). The session's
+    ``IsolationScopes`` holds one (session state on the plugin object, not in module globals);
+    its moment moves when a wider-scoped fixture sets up or tears down, or a watched module is
+    executed (``library_state.executions()``, which mirrors the import system and stays there).
+    """
 
-def scope_changed() -> None:
-    """A wider-scoped fixture set up or tore down: the state between tests may have moved."""
-    _SCOPE_CHANGES[0] += 1
+    def __init__(self) -> None:
+        self.scope_changes = 0
+        self._kept: tuple[tuple[int, int], PatchStateSnapshot, LibraryState] | None = None
 
+    def scope_changed(self) -> None:
+        """A wider-scoped fixture set up or tore down: the state between tests may have moved."""
+        self.scope_changes += 1
 
-def _moment() -> tuple[int, int]:
-    return _SCOPE_CHANGES[0], executions()
+    def _moment(self) -> tuple[int, int]:
+        return self.scope_changes, executions()
+
+    def take(self) -> tuple[PatchStateSnapshot, LibraryState] | None:
+        """The kept snapshots when nothing could have moved since they were kept; once only."""
+        kept, self._kept = self._kept, None
+        return (kept[1], kept[2]) if kept is not None and kept[0] == self._moment() else None
+
+    def keep(self, snapshot: PatchStateSnapshot, library: LibraryState) -> None:
+        self._kept = (self._moment(), snapshot, library)
 
 
 class LeakGuard:
@@ -110,12 +124,12 @@ class LeakGuard:
     ``finish()`` restores and diffs only when the state is not the one the last restore left.
     """
 
-    def __init__(self, mode: str, *, reuse: bool = False) -> None:
+    def __init__(self, mode: str, *, reuse: ReusableSnapshots | None = None) -> None:
         self.mode = mode
         self._reuse = reuse
-        kept = _REUSABLE.pop("test", None) if reuse else None
-        if kept is not None and kept[0] == _moment():
-            self._guard, self._library = PatchStateGuard(kept[1]), kept[2]
+        kept = reuse.take() if reuse is not None else None
+        if kept is not None:
+            self._guard, self._library = PatchStateGuard(kept[0]), kept[1]
         else:
             self._take()
 
@@ -158,8 +172,8 @@ class LeakGuard:
             library.settle()
         # restored: the live state equals the snapshots again. Not after an import: the next
         # guard takes a library state that holds the new module, so its fast path can see it.
-        if self._reuse and library.executions == executions():
-            _REUSABLE["test"] = (_moment(), snapshot, library)
+        if self._reuse is not None and library.executions == executions():
+            self._reuse.keep(snapshot, library)
         if not changes:
             return "", None
         chosen = self.mode if self.mode != AUTO else ("error" if opted_in() else "warn")

@@ -13,20 +13,22 @@ from typing import Any
 import pytest
 
 from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.reporting.records import IMPLEMENTATION_KEYWORDS
 
+# the from_pretrained choices of both markers that select an implementation; the builder loads the
+# reference with transformers' eager one on each axis only the patch marker sets
+IMPLEMENTATIONS = IMPLEMENTATION_KEYWORDS
+_IMPLEMENTATION_ARGS = "".join(f"{axis}=None, " for axis in IMPLEMENTATIONS)
 PATCH_MARKER_HELP = (
     "patch(mapping=None, *, conversions=None, overwrite=False, methods=None, allow=None, context=None, "
-    "attn_implementation=None, experts_implementation=None, load_kwargs=None, transform=None, tp_plan=None, "
+    f"{_IMPLEMENTATION_ARGS}load_kwargs=None, transform=None, tp_plan=None, "
     "**context_kwargs): register transformers patches for this test and restore all global patch state afterwards; "
     "the load choices, transforms and tensor-parallel plan entries reach the patched model only"
 )
 _KEYWORDS = (
     "mapping", "conversions", "overwrite", "methods", "allow", "context",
-    "attn_implementation", "experts_implementation", "load_kwargs", "transform", "tp_plan",
+    *IMPLEMENTATIONS, "load_kwargs", "transform", "tp_plan",
 )  # fmt: skip
-# the from_pretrained choices of both markers that select an implementation; the builder loads the
-# reference with transformers' eager one on each axis only the patch marker sets
-IMPLEMENTATIONS = ("attn_implementation", "experts_implementation")
 
 
 def _where(node: pytest.Item | pytest.Collector) -> str:

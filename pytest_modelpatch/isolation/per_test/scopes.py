@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_modelpatch.errors import PatchLeakError, PatchUsageError
-from pytest_modelpatch.isolation.per_test.leaks import LeakGuard, LeakTally, parse_leak_mode, scope_changed
+from pytest_modelpatch.isolation.per_test.leaks import LeakGuard, LeakTally, ReusableSnapshots, parse_leak_mode
 from pytest_modelpatch.isolation.per_test.patch_spec import collect_patch_spec
 
 if TYPE_CHECKING:
@@ -88,6 +88,7 @@ class IsolationScopes:
         self._plugin_fixtures = plugin_fixtures
         self._open: ItemScope | None = None  # the running test's, while it is open
         self._fixture_guards: dict[Any, LeakGuard] = {}  # fixtures of wider scope, setup to teardown
+        self._reusable = ReusableSnapshots()  # what one test's guard leaves the next
 
     def open(self, item: pytest.Item) -> ItemScope:
         """Open the test's guard, patches and tolerance; the item's teardown closes them.
@@ -100,7 +101,7 @@ class IsolationScopes:
         marker) is kept for the end of setup: raised inside pytest_fixture_setup, before the
         fixture ran, it would leave pytest's fixture cache inconsistent for every later test.
         """
-        scope = item.stash[_SCOPE] = ItemScope(LeakGuard(self.mode, reuse=True) if self.mode != "off" else None, item)
+        scope = item.stash[_SCOPE] = ItemScope(LeakGuard(self.mode, reuse=self._reusable) if self.mode != "off" else None, item)
         self._open = scope
         item.addfinalizer(lambda: self.close(scope))
         try:
@@ -162,7 +163,7 @@ class IsolationScopes:
             if _SCOPE not in request.node.stash:
                 self.open(request.node)
         elif fixturedef not in self._fixture_guards:
-            scope_changed()
+            self._reusable.scope_changed()
             if self.mode != "off":
                 self._fixture_guards[fixturedef] = LeakGuard(self.mode)
                 # asked for from a test's body (request.getfixturevalue): what it sets up is the baseline
@@ -176,16 +177,18 @@ class IsolationScopes:
 
     def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> None:
         if fixturedef.scope != "function":
-            scope_changed()
+            self._reusable.scope_changed()
         guard = self._fixture_guards.pop(fixturedef, None)
         if guard is not None:
             uses = lambda: not self._plugin_fixtures.isdisjoint((fixturedef.argname, *fixturedef.argnames))  # noqa: E731
             self._finish_guard(guard, f"{fixturedef.scope}-scoped fixture {fixturedef.argname!r}", request.node, uses)
 
-    # tryfirst: the outermost wrapper, so it sees the report after pytest's xfail handling
-    @pytest.hookimpl(wrapper=True, tryfirst=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-        report = yield
+    def stamp_report(self, item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport) -> None:
+        """Put this phase's leaks on its report; a leak error fails the test, even an xfail one.
+
+        Not a hook: ``plugin.py``'s one outermost ``pytest_runtest_makereport`` calls it, last, once
+        pytest's xfail handling has made the report.
+        """
         leaks = item.stash.get(_LEAKS, None)
         if leaks:
             LeakTally.stamp(report, leaks)
@@ -195,4 +198,3 @@ class IsolationScopes:
             if hasattr(report, "wasxfail"):  # pytest turns any error of an xfail test into an xfail: a leak is not one
                 del report.wasxfail
                 report.outcome = "failed"
-        return report
