@@ -21,6 +21,9 @@ Then the same paired ratio on every route inputs reach a property check by (``--
 a mapping of strategies (``{"input_ids": strategy}``), and ``check_generation`` against both models'
 bare greedy decoding loops on the prompts it drew. Goal: <= 1.3x on each.
 
+Figures before and after each change are recorded in docs/equivalence.md ("Cost"); on a shared
+2-core machine compare them only within one run of alternating before/after benches.
+
 Usage::
 
     python benchmarks/bench_equivalence.py                      # llama_fused_qkv, 50 examples, both sizes

@@ -10,6 +10,7 @@ replay all build on this module and nothing here builds on them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -55,27 +56,53 @@ def flatten_outputs(value: Any, path: str = "", *, caches: bool = True) -> Itera
 
         dict(flatten_outputs(model(**inputs)))["logits"]  # also "cache.layers[0].keys" (past_key_values before 5.24)
     """
-    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str)):
-        yield path, value
-    elif dataclasses.is_dataclass(value) and isinstance(value, Mapping):
+    # Walked into a list, not through nested generators: every check flattens both outputs of
+    # every example, and a chain of ``yield from`` cost ~10 us a tiny Llama's output.
+    found: list[tuple[str, Any]] = []
+    _flatten_into(found, value, path, caches)
+    return iter(found)
+
+
+_LEAF, _FIELDS, _MAPPING, _SEQUENCE, _OTHER = range(5)
+
+
+@functools.lru_cache(maxsize=512)
+def _kind(cls: type) -> tuple[int, tuple[str, ...]]:
+    """How ``flatten_outputs`` walks an instance of ``cls``, with a ``ModelOutput``'s field names."""
+    if issubclass(cls, (torch.Tensor, bool, int, float, str, type(None))):
+        return _LEAF, ()
+    if dataclasses.is_dataclass(cls) and issubclass(cls, Mapping):
         # ModelOutput: fields() keeps the None ones, which keys() drops.
-        for f in dataclasses.fields(value):
-            yield from flatten_outputs(getattr(value, f.name), _join(path, f.name), caches=caches)
-    elif isinstance(value, Mapping):
+        return _FIELDS, tuple(f.name for f in dataclasses.fields(cls))
+    if issubclass(cls, Mapping):
+        return _MAPPING, ()
+    if issubclass(cls, (list, tuple)):
+        return _SEQUENCE, ()
+    return _OTHER, ()
+
+
+def _flatten_into(found: list[tuple[str, Any]], value: Any, path: str, caches: bool) -> None:
+    kind, names = _kind(type(value))
+    if kind == _LEAF:
+        found.append((path, value))
+    elif kind == _FIELDS:
+        for name in names:
+            _flatten_into(found, getattr(value, name), _join(path, name), caches)
+    elif kind == _MAPPING:
         for key, item in value.items():
             sub = _join(path, key) if isinstance(key, str) and key.isidentifier() else f"{path}[{key!r}]"
-            yield from flatten_outputs(item, sub, caches=caches)
-    elif isinstance(value, (list, tuple)):
+            _flatten_into(found, item, sub, caches)
+    elif kind == _SEQUENCE:
         for index, item in enumerate(value):
-            yield from flatten_outputs(item, f"{path}[{index}]", caches=caches)
+            _flatten_into(found, item, f"{path}[{index}]", caches)
     elif _is_cache(value):
         if caches:
             for index, layer in enumerate(value.layers):
                 for name, item in vars(layer).items():
                     if not name.startswith("_") and isinstance(item, (torch.Tensor, Mapping, list, tuple)):
-                        yield from flatten_outputs(item, f"{path}.layers[{index}].{name}")
+                        _flatten_into(found, item, f"{path}.layers[{index}].{name}", True)
     else:
-        yield path, _Opaque(type(value).__qualname__)
+        found.append((path, _Opaque(type(value).__qualname__)))
 
 
 @dataclass(frozen=True)

@@ -320,8 +320,16 @@ class ToleranceSpec:
     policy_source: str
     atol: tuple[float, str] | None = None
     rtol: tuple[float, str] | None = None
+    # each dtype's Tolerance, made once: a property check asks for it for every output of every example
+    _by_dtype: dict[Any, Tolerance] = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def for_dtype(self, dtype: Any) -> Tolerance:
+        found = self._by_dtype.get(dtype)
+        if found is None:
+            found = self._by_dtype[dtype] = self._resolve(dtype)
+        return found
+
+    def _resolve(self, dtype: Any) -> Tolerance:
         name = dtype_label(dtype)
         entry = self.policy.entry(name)
         origin = f"policy {self.policy.name!r}" + ("" if self.policy_source == "default" else f" ({self.policy_source})")
