@@ -158,19 +158,19 @@ def test_method_patch_is_caught_by_check_equivalence_and_its_noop_twin_passes(
         """
 import pytest
 from my_patches import patched_LlamaMLP, same_LlamaMLP
-from pytest_modelpatch import check_equivalence
+from pytest_modelpatch import check_equivalent
 
 
 @pytest.mark.model("llama")
 @pytest.mark.patch(methods=[patched_LlamaMLP])
 def test_scaled_mlp(reference_model, patched_model):
-    check_equivalence(reference_model, patched_model, max_examples=5)
+    check_equivalent(reference_model, patched_model, max_examples=5)
 
 
 @pytest.mark.model("llama")
 @pytest.mark.patch(methods=[same_LlamaMLP])
 def test_same_mlp(reference_model, patched_model):
-    check_equivalence(reference_model, patched_model, max_examples=5)
+    check_equivalent(reference_model, patched_model, max_examples=5)
 """
     )
     result = pytester.runpytest("-p", "no:randomly")
