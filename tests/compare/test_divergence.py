@@ -15,7 +15,6 @@ from pytest_modelpatch.compare.divergence import (
 )
 from pytest_modelpatch.compare.equivalence import assert_equivalent
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
-from pytest_modelpatch.compare.tolerance import resolve_tolerance
 
 
 def ids(batch: int = 2, length: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:
