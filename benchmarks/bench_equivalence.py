@@ -1,4 +1,4 @@
-"""Cost of one check_equivalence example against two bare forwards and against a per-example reload.
+"""Cost of one check_equivalent example against two bare forwards and against a per-example reload.
 
 Three timings, in one run, on the same tiny model and the same drawn inputs. Both models are built
 as a pytest session builds them: ``ModelBuilder`` (so the reference enters ``pristine()`` and is
@@ -7,9 +7,9 @@ verified around every call, and the patched model counts replacement calls), ins
 from ``pytest_configure`` (without that hold each ``pristine()`` would install and uninstall them,
 a cost no pytest user pays):
 
-- ``check_equivalence``: hypothesis inside one call, models built once (wall time / examples run);
+- ``check_equivalent``: hypothesis inside one call, models built once (wall time / examples run);
 - bare forwards: ``reference(**x)`` and ``patched(**x)`` under ``no_grad`` on exactly the examples
-  check_equivalence drew (goal: check_equivalence <= 1.3x this);
+  check_equivalent drew (goal: check_equivalent <= 1.3x this);
 - per-example reload: a hand-written ``@given`` test that loads both models with ``from_pretrained``
   in every example and compares logits with ``torch.testing.assert_close``, as such tests are written today.
 
@@ -17,8 +17,8 @@ Printed at the default tiny size users get, and the ratio again at hidden size 2
 512), where the forwards weigh more against the check's fixed cost per input.
 
 Then the same paired ratio on every route inputs reach a property check by (``--routes``, on by default):
-``check_equivalence``'s default inputs, a user's own strategy (``st.integers(...).map(make_batch)``),
-a mapping of strategies (``{"input_ids": strategy}``), and ``check_generation`` against both models'
+``check_equivalent``'s default inputs, a user's own strategy (``st.integers(...).map(make_batch)``),
+a mapping of strategies (``{"input_ids": strategy}``), and ``check_generates_equivalent`` against both models'
 bare greedy decoding loops on the prompts it drew. Goal: <= 1.3x on each.
 
 Figures before and after each change are recorded in docs/equivalence.md ("Cost"); on a shared
@@ -58,8 +58,8 @@ from pytest_modelpatch.models.checkpoints import load_pretrained
 from pytest_modelpatch.compare.outputs import compare_outputs
 from pytest_modelpatch.compare.running import cache_keyword
 from pytest_modelpatch.compare import decoding_properties
-from pytest_modelpatch.compare.decoding_properties import check_generation
-from pytest_modelpatch.compare.property_checks import check_equivalence
+from pytest_modelpatch.compare.decoding_properties import check_generates_equivalent
+from pytest_modelpatch.compare.property_checks import check_equivalent
 from pytest_modelpatch.compare.property_loop import GROUP_SIZE, input_groups
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.isolation.interception import hold_for_session
@@ -76,13 +76,13 @@ def register(patch: Any) -> None:
 
 
 def time_check(reference: Any, patched: Any, examples: int, seen: list[Mapping[str, Any]]) -> float:
-    """check_equivalence with its default inputs; ``seen`` gets the inputs it compared, each once."""
+    """check_equivalent with its default inputs; ``seen`` gets the inputs it compared, each once."""
     seen.clear()
     # the patched model's calls are the inputs compared (a repeat drawn by hypothesis is not)
     handle = patched.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
     try:
         start = time.perf_counter()
-        report = check_equivalence(reference, patched, max_examples=examples)
+        report = check_equivalent(reference, patched, max_examples=examples)
         elapsed = time.perf_counter() - start
     finally:
         handle.remove()
@@ -112,7 +112,7 @@ def time_compare(reference: Any, patched: Any, seen: list[Mapping[str, Any]]) ->
 
 
 def time_draws(config: Any, examples: int) -> float:
-    """hypothesis and ``model_inputs`` alone, no models, in groups as check_equivalence draws them: the floor."""
+    """hypothesis and ``model_inputs`` alone, no models, in groups as check_equivalent draws them: the floor."""
     count = [0]
 
     drawn = drawn_bytes(model_inputs(config))
@@ -123,7 +123,7 @@ def time_draws(config: Any, examples: int) -> float:
     def draw_only(raws: list[bytes]) -> None:
         count[0] += len([drawn.build(raw) for raw in raws])
 
-    draw_only._hypothesis_internal_database_key = None  # as check_equivalence skips deriving it (~2 ms a call)
+    draw_only._hypothesis_internal_database_key = None  # as check_equivalent skips deriving it (~2 ms a call)
     start = time.perf_counter()
     draw_only()
     return (time.perf_counter() - start) / count[0]
@@ -164,7 +164,7 @@ def make_ids(config: Any, seed: int) -> torch.Tensor:
 
 
 def route_inputs(route: str, config: Any) -> Any:
-    """What ``inputs=`` gets on each route of ``check_equivalence``."""
+    """What ``inputs=`` gets on each route of ``check_equivalent``."""
     seeds = st.integers(0, 2**31 - 1)
     if route == "default":
         return None
@@ -188,7 +188,7 @@ def time_route_check(reference: Any, patched: Any, route: str, examples: int, se
         decoding_properties.decode_pair = spy  # type: ignore[assignment]
         try:
             start = time.perf_counter()
-            report = check_generation(reference, patched, max_examples=examples)
+            report = check_generates_equivalent(reference, patched, max_examples=examples)
             elapsed = time.perf_counter() - start
         finally:
             decoding_properties.decode_pair = real  # type: ignore[assignment]
@@ -197,7 +197,7 @@ def time_route_check(reference: Any, patched: Any, route: str, examples: int, se
     handle = patched.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
     try:
         start = time.perf_counter()
-        report = check_equivalence(reference, patched, inputs=route_inputs(route, reference.config), max_examples=examples)
+        report = check_equivalent(reference, patched, inputs=route_inputs(route, reference.config), max_examples=examples)
         elapsed = time.perf_counter() - start
     finally:
         handle.remove()
@@ -206,7 +206,7 @@ def time_route_check(reference: Any, patched: Any, route: str, examples: int, se
 
 
 def bare_decode(model: Any, prompts: Mapping[str, Any], new_tokens: int) -> None:
-    """Greedy decoding with ``.forward`` itself, as check_generation's loop feeds each model: prefill, then a token a step."""
+    """Greedy decoding with ``.forward`` itself, as check_generates_equivalent's loop feeds each model: prefill, then a token a step."""
     from transformers import DynamicCache
 
     cache = {cache_keyword(model): DynamicCache(config=model.config)}
@@ -313,11 +313,11 @@ def ratio_text(measured: dict[str, Any], note: str = "") -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--patch", default="llama_fused_qkv", help="example patch under fixtures/patches")
-    parser.add_argument("--examples", type=int, default=50, help="check_equivalence examples")
+    parser.add_argument("--examples", type=int, default=50, help="check_equivalent examples")
     parser.add_argument("--reload-examples", type=int, default=5, help="examples for the per-example reload test")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--route-examples", type=int, default=60, help="examples per check on each route")
-    parser.add_argument("--generation-examples", type=int, default=10, help="check_generation examples")
+    parser.add_argument("--generation-examples", type=int, default=10, help="check_generates_equivalent examples")
     parser.add_argument("--no-routes", action="store_true", help="skip the per-route ratios")
     parser.add_argument("--routes-only", action="store_true", help="only the per-route ratios")
     parser.add_argument(
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         f"model: {measured['model']} ({args.patch}{', ' + args.config if args.config else ''}), "
         f"{args.examples} examples, median of {args.repeats} interleaved runs"
     )
-    print(f"check_equivalence        {check * 1e3:8.2f} ms/example")
+    print(f"check_equivalent        {check * 1e3:8.2f} ms/example")
     print(f"two bare forwards        {measured['bare'] * 1e3:8.2f} ms/example   {ratio_text(measured, '; goal <= 1.3x')}")
     print(f"  drawing inputs         {measured['draw'] * 1e3:8.2f} ms/example   (hypothesis + model_inputs, no models)")
     print(f"  comparing outputs      {measured['compare'] * 1e3:8.2f} ms/example   (compare_outputs alone)")

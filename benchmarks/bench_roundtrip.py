@@ -1,11 +1,11 @@
-"""Cost of check_roundtrip against transformers' own load + save of the same checkpoint.
+"""Cost of assert_roundtrip against transformers' own load + save of the same checkpoint.
 
 Writes a seeded fp32 Llama of about 280 MB in three shards, registers the fused-QKV
 example patch, and runs each measurement in a fresh subprocess:
 
 - baseline: ``from_pretrained`` + ``save_pretrained`` (what any user of the patch pays);
-- check: ``check_roundtrip`` (load, save, streaming diff, unpatched reload + outputs);
-- weights-only: ``check_roundtrip(check_outputs=False)``.
+- check: ``assert_roundtrip`` (load, save, streaming diff, unpatched reload + outputs);
+- weights-only: ``assert_roundtrip(check_outputs=False)``.
 
 Peak memory is the child's ``VmHWM`` minus its RSS after importing torch and transformers,
 so import overhead does not count. Goals: time <= 1.2x baseline, peak <= 1.2x (model size +
@@ -53,7 +53,7 @@ def child(mode: str, source: str, work: str) -> None:
     from transformers.monkey_patching import register_patch_mapping
 
     from fixtures.patches import llama_fused_qkv
-    from pytest_modelpatch.roundtrip.check import check_roundtrip
+    from pytest_modelpatch.roundtrip.check import assert_roundtrip
 
     register_patch_mapping(llama_fused_qkv.MAPPING)
     for key, transforms in llama_fused_qkv.CONVERSIONS.items():
@@ -64,7 +64,7 @@ def child(mode: str, source: str, work: str) -> None:
         model = transformers.LlamaForCausalLM.from_pretrained(source, dtype="auto")
         model.save_pretrained(work)
     else:
-        report = check_roundtrip(source, tmp_path=work, check_outputs=(mode == "check"))
+        report = assert_roundtrip(source, tmp_path=work, check_outputs=(mode == "check"))
         assert report.passed, str(report)
     elapsed = time.perf_counter() - started
     peak = _proc_kib("VmHWM")

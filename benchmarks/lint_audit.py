@@ -86,7 +86,7 @@ def identity_mapping(family: str, index: Any) -> dict[str, type]:
 
 def identity_outcome(family: str, index: Any) -> IdentityOutcome:
     """Lint ``family``'s classes replacing themselves; only the contract kinds count."""
-    from pytest_modelpatch.lint.patterns import lint_patterns
+    from pytest_modelpatch.lint.patterns import run_lint
     from pytest_modelpatch.models.structure import meta_structures
 
     outcome = IdentityOutcome(family)
@@ -102,7 +102,7 @@ def identity_outcome(family: str, index: Any) -> IdentityOutcome:
         meta_structures(_model_type(family, index), {})
     except Exception as error:
         outcome.sources_only = f"{type(error).__name__}: {_first_line(error)}"
-    found = lint_patterns(mapping, families=[family], checks=("signature", "weights", "plan"),
+    found = run_lint(mapping, families=[family], checks=("signature", "weights", "plan"),
                           structures=meta_structures, index=index)
     outcome.findings = [f for f in found if str(f.kind) in CONTRACT_KINDS]
     return outcome

@@ -89,7 +89,7 @@ def _run_lint(args: argparse.Namespace) -> int:
 
     findings = lint_patterns(mapping, families=args.families, index=index, conversions=conversions, checks=checks)
     args.patterns = list(mapping)
-    bad = patterns.failing(findings, allow)
+    bad = patterns.failing_findings(findings, allow)
     failed = {id(f) for f in bad}  # findings compare by value; thousands of them, so by identity
     if args.json:
         matches = patterns.matched_classes(args.patterns, families=args.families, index=index)

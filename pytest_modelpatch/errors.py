@@ -70,6 +70,10 @@ class ModelPatchWarning(UserWarning):
     """Warning category for everything pytest-modelpatch warns about."""
 
 
+class ModelPatchDeprecationWarning(ModelPatchWarning, DeprecationWarning):
+    """A public name or keyword that was renamed: the message names the new one."""
+
+
 class ModelMismatchError(ModelPatchError):
     """A check was given two different models (family, architecture or config shape) to compare."""
 

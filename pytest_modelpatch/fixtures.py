@@ -316,7 +316,7 @@ def sharded_choices(
 
 @pytest.fixture
 def roundtrip(tmp_path: Any, request: pytest.FixtureRequest) -> Any:
-    """``check_roundtrip`` bound to this test's ``tmp_path``: ``roundtrip.check(checkpoint_or_model)``.
+    """``assert_roundtrip`` bound to this test's ``tmp_path``: ``roundtrip.check(checkpoint_or_model)``.
 
     Its patched loads take the patch marks' load choices and transforms, as ``patched_model``'s do.
     """

@@ -282,6 +282,99 @@ def test_reference_documents_every_fixture_of_the_plugin(pytester: pytest.Pytest
     assert not missing, f"docs/reference.md has no '### `name`' section for fixtures {missing}"
 
 
+def _documented_signature(name: str, value: object) -> str:
+    """``name(params)`` as docs/reference.md writes it: defaults as literals, a function default by name."""
+    import inspect
+
+    parts: list[str] = []
+    keyword_only = False
+    for parameter in inspect.signature(value).parameters.values():  # type: ignore[arg-type]
+        if parameter.kind is parameter.VAR_POSITIONAL:
+            parts.append(f"*{parameter.name}")
+            keyword_only = True
+            continue
+        if parameter.kind is parameter.KEYWORD_ONLY and not keyword_only:
+            parts.append("*")
+            keyword_only = True
+        if parameter.kind is parameter.VAR_KEYWORD:
+            parts.append(f"**{parameter.name}")
+            continue
+        default = parameter.default
+        if default is parameter.empty:
+            parts.append(parameter.name)
+        elif default is os.environ:
+            parts.append(f"{parameter.name}=os.environ")
+        elif callable(default):
+            parts.append(f"{parameter.name}={default.__name__}")
+        elif isinstance(default, str):
+            parts.append(f'{parameter.name}="{default}"')
+        else:
+            parts.append(f"{parameter.name}={default!r}")
+    return f"{name}({', '.join(parts)})"
+
+
+def _python_api_entries() -> dict[str, str]:
+    """The names in docs/reference.md's Python API tables: name -> the signature written, or '' for a bare name."""
+    section = REFERENCE.read_text().split("## Python API", 1)[1]
+    entries: dict[str, str] = {}
+    for row in re.findall(r"^\| (.+?) \| .+ \|$", section, re.M):
+        for entry in re.findall(r"`([^`]+)`", row):
+            name = re.match(r"[A-Za-z_]\w*", entry)
+            assert name, f"docs/reference.md: {entry!r} in the Python API table is not a name"
+            if name.group(0) in ("name",):
+                continue
+            assert name.group(0) not in entries, f"docs/reference.md lists {name.group(0)} twice in the Python API"
+            entries[name.group(0)] = entry if "(" in entry else ""
+    return entries
+
+
+def test_reference_python_api_is_all_and_the_real_signatures() -> None:
+    import pytest_modelpatch
+
+    entries = _python_api_entries()
+    public = set(pytest_modelpatch.__all__) - {"__version__"}
+    missing = sorted(public - set(entries))
+    assert not missing, f"docs/reference.md's Python API tables lack these names of __all__: {missing}"
+    stale = sorted(set(entries) - public)
+    assert not stale, f"docs/reference.md's Python API lists {stale}, which pytest_modelpatch.__all__ does not export"
+    import inspect
+
+    wrong = {}
+    for name, written in entries.items():
+        value = getattr(pytest_modelpatch, name)
+        if inspect.isfunction(value):
+            real = _documented_signature(name, value)
+            if written != real:
+                wrong[name] = real
+    assert not wrong, "docs/reference.md writes other signatures; the real ones:\n" + "\n".join(wrong.values())
+
+
+def test_no_doc_imports_a_module_of_the_package() -> None:
+    """Everything the docs, README and the main job import comes from ``pytest_modelpatch`` itself."""
+    internal = re.compile(r"^\s*(from pytest_modelpatch\.[\w.]+ import|import pytest_modelpatch\.)", re.M)
+    sources = [*DOC_FILES, *sorted((REPO_ROOT / "docs").rglob("*.py"))]
+    found = [f"{path.relative_to(REPO_ROOT)}:{text[: m.start()].count(chr(10)) + 1}: {m.group(0).strip()}"
+             for path in sources for text in [path.read_text(encoding="utf-8")] for m in internal.finditer(text)]  # fmt: skip
+    assert not found, "import these from pytest_modelpatch (export them if they are not):\n" + "\n".join(found)
+
+
+def test_renamed_names_warn_and_call_the_new_ones() -> None:
+    import warnings
+
+    import pytest_modelpatch
+    from pytest_modelpatch.errors import ModelPatchDeprecationWarning
+
+    assert not {"check_equivalence", "check_roundtrip", "without_patches"} & set(pytest_modelpatch.__all__)
+    with pytest.warns(ModelPatchDeprecationWarning, match="check_reversible is now reversibility_problems") as caught:
+        assert pytest_modelpatch.check_reversible({}) == []
+    assert caught[0].filename == __file__  # the caller's line, not the alias's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelPatchDeprecationWarning)
+        with pytest.raises(ModelPatchDeprecationWarning, match="without_patches is now pristine"):
+            with pytest_modelpatch.without_patches():
+                pass
+
+
 # ---------------------------------------------------------------------------
 # output the docs quote: run the command, compare
 # ---------------------------------------------------------------------------
@@ -354,13 +447,13 @@ def test_quoted(reference_model, patched_model):
     "noncausal fused qkv, property": """
 import pytest
 from fixtures.patches import llama_fused_qkv_noncausal as broken
-from pytest_modelpatch import check_equivalence
+from pytest_modelpatch import check_equivalent
 
 
 @pytest.mark.model("llama")
 @pytest.mark.patch(broken.MAPPING, conversions=broken.CONVERSIONS)
 def test_quoted(reference_model, patched_model):
-    check_equivalence(reference_model, patched_model, max_examples=50, seed=0)
+    check_equivalent(reference_model, patched_model, max_examples=50, seed=0)
 """,
 }
 

@@ -24,12 +24,14 @@ from fixtures.patches import (
     qwen3_moe_router,
     training_transforms,
 )
-from pytest_modelpatch.models.builder import ModelRequest
-from pytest_modelpatch.compare.decoding import assert_generates_equivalent
-from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.graph.export import assert_exports_equivalent
-from pytest_modelpatch.models.usage import patch_usage
-from pytest_modelpatch import assert_trains_equivalent
+from pytest_modelpatch import (
+    ModelRequest,
+    assert_equivalent,
+    assert_exports_equivalent,
+    assert_generates_equivalent,
+    assert_trains_equivalent,
+    patch_usage,
+)
 
 
 def _verify(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]

@@ -21,7 +21,7 @@ import torch
 from pytest_modelpatch.compare.backward_divergence import BackwardCall, BackwardDivergence, backward_calls, first_backward_divergence
 from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.sharded import logical_tensors
-from pytest_modelpatch.compare.divergence import Divergence, first_divergence
+from pytest_modelpatch.compare.divergence import Divergence, find_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, describe_tolerances, flatten_outputs
 from pytest_modelpatch.compare.running import default_inputs, describe_inputs, placement, unwrapped
 from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
@@ -245,7 +245,7 @@ def _locate(
     backward hooks on every module.
     """
     if not all(c.passed for c in [*report.outputs, *([report.loss] if report.loss else [])]):
-        return first_divergence(reference, patched, inputs, report.tolerance, train=True)
+        return find_divergence(reference, patched, inputs, report.tolerance, train=True)
     calls: tuple[list[BackwardCall], list[BackwardCall]] = ([], [])
     try:
         with backward_calls(reference, calls[0]):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
-from pytest_modelpatch.compare.divergence import Divergence, first_divergence
+from pytest_modelpatch.compare.divergence import Divergence, find_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_tensors, describe_tolerances
 from pytest_modelpatch.compare.running import cache_keyword, describe_inputs, evaluating, implementations_line, model_device, move_inputs, placement, unfilled_cache_hint, unwrapped
 from pytest_modelpatch.compare.same_model import check_same_model
@@ -217,7 +217,7 @@ def locate_step(
             decoder.run(tokens)
             tokens = torch.tensor(done.reference_tokens, device=device)
         ref_inputs, pat_inputs = decoder.step_inputs(tokens)
-        return first_divergence(reference, patched, ref_inputs, spec, patched_inputs=pat_inputs)
+        return find_divergence(reference, patched, ref_inputs, spec, patched_inputs=pat_inputs)
 
 
 # ---------------------------------------------------------------------------

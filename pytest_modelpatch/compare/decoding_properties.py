@@ -1,8 +1,8 @@
-"""``check_generation``: decoding equivalence over drawn prompts, shrunk to a minimal failing one.
+"""``check_generates_equivalent``: decoding equivalence over drawn prompts, shrunk to a minimal failing one.
 
 Hypothesis draws the batch size, prompt lengths, padding side (left or none: decoder-only
 models generate from left-padded batches) and ``max_new_tokens``; both models are built once.
-Seeded like ``check_equivalence`` (``seed=``, else the session seed, else 0).
+Seeded like ``check_equivalent`` (``seed=``, else the session seed, else 0).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ DEFAULT_MAX_EXAMPLES = 10  # each example decodes: costlier than a forward
 
 @dataclass
 class GenerationPropertyReport(PropertyOutcome):
-    """How ``check_generation`` went: prompt batches decoded, near-ties, and the minimal failing prompt if any.
+    """How ``check_generates_equivalent`` went: prompt batches decoded, near-ties, and the minimal failing prompt if any.
 
     ``failure`` is the minimal prompt's DecodingReport.
     """
@@ -44,7 +44,7 @@ class GenerationPropertyReport(PropertyOutcome):
 
     @property
     def header(self) -> str:
-        return f"check_generation(seed={self.seed}, max_examples={self.max_examples})"
+        return f"check_generates_equivalent(seed={self.seed}, max_examples={self.max_examples})"
 
     def __str__(self) -> str:
         if self.passed:
@@ -60,14 +60,14 @@ class GenerationPropertyReport(PropertyOutcome):
 
 
 
-def check_generation(
+def check_generates_equivalent(
     reference: torch.nn.Module,
     patched: torch.nn.Module,
     *,
     max_examples: int | None = None,
     seed: int | None = None,
     max_batch_size: int = 3,
-    max_prompt_len: int = 12,
+    max_seq_len: int = 12,
     max_new_tokens: int = 8,
     padding: tuple[str, ...] = ("left", "none"),
     cache_implementation: str | None = None,
@@ -79,11 +79,11 @@ def check_generation(
 
     Example::
 
-        check_generation(reference_model, patched_model, max_examples=20)
-        check_generation(reference_model, patched_model, cache_implementation="static", max_new_tokens=4)
+        check_generates_equivalent(reference_model, patched_model, max_examples=20)
+        check_generates_equivalent(reference_model, patched_model, cache_implementation="static", max_new_tokens=4)
     """
     __tracebackhide__ = True
-    check_same_model(reference, patched, "check_generation")
+    check_same_model(reference, patched, "check_generates_equivalent")
     check_cache_implementation(cache_implementation)
     spec = resolve_tolerance(atol, rtol, policy)
     report = GenerationPropertyReport(
@@ -92,7 +92,7 @@ def check_generation(
         max_examples=max_examples or SETTINGS.max_examples or DEFAULT_MAX_EXAMPLES,
     )  # fmt: skip
     prompts = model_inputs(
-        reference.config, max_batch_size=max_batch_size, max_seq_len=max_prompt_len, padding=padding, position_ids=False
+        reference.config, max_batch_size=max_batch_size, max_seq_len=max_seq_len, padding=padding, position_ids=False
     )
     loop = PropertyLoop(report.seed, report.max_examples)
     options: dict[str, Any] = {"cache_implementation": cache_implementation, "spec": spec}
@@ -125,7 +125,7 @@ def _with_new_tokens(prompts: SearchStrategy[dict[str, torch.Tensor]], max_new_t
     """A prompt batch and how many tokens to decode from it, drawn as one byte string.
 
     The prompt's bytes (``model_inputs``'), then one byte for the count: drawn as bytes, as
-    ``check_equivalence``'s inputs are, the group shrinks to the smallest prompt (one padded row of
+    ``check_equivalent``'s inputs are, the group shrinks to the smallest prompt (one padded row of
     two tokens for a mask dropped on single-token steps), where a tuple of the prompt and an
     integer, in a list, stopped at longer ones.
     """

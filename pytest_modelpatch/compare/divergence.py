@@ -7,7 +7,7 @@ one of the many that merely pass it on. Only computed values count: a field one 
 never produces (attention weights under sdpa, a mask left to the kernel, ``None`` on one
 side) or holds in another form (a mask of booleans against an additive float one) is
 named, but makes no module diverge and no inputs differ.
-``check_module_equivalence`` replays the real arguments an original module received into
+``assert_module_equivalent`` replays the real arguments an original module received into
 its replacement.
 """
 
@@ -156,12 +156,36 @@ def first_divergence(
     reference: torch.nn.Module,
     patched: torch.nn.Module,
     inputs: Mapping[str, Any],
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+    policy: str | TolerancePolicy | None = None,
+    train: bool = False,
+) -> Divergence | None:
+    """The first module, in the order calls finish, present in both models whose output differs
+    under the tolerance ``atol``/``rtol``/``policy`` give (as for ``assert_equivalent``).
+
+    Prefers a module whose inputs agree (it introduced the difference); falls back to the first
+    differing module at all. ``None`` when every shared module agrees. ``train=True`` runs both in
+    train mode with dropout off (for ``if self.training`` paths).
+
+    Example::
+
+        first_divergence(reference_model, patched_model, inputs).name  # "model.layers.0.self_attn"
+    """
+    return find_divergence(reference, patched, inputs, resolve_tolerance(atol, rtol, policy), train=train)
+
+
+def find_divergence(
+    reference: torch.nn.Module,
+    patched: torch.nn.Module,
+    inputs: Mapping[str, Any],
     spec: ToleranceSpec,
     *,
     patched_inputs: Mapping[str, Any] | None = None,
     train: bool = False,
 ) -> Divergence | None:
-    """The first module, in the order calls finish, present in both models whose output differs.
+    """``first_divergence`` under a resolved tolerance, as the checks call it.
 
     Prefers a module whose inputs agree (it introduced the difference); falls back to the
     first differing module at all. ``None`` when every shared module agrees. The result's
@@ -172,7 +196,7 @@ def first_divergence(
 
     Example::
 
-        first_divergence(reference, patched, inputs, resolve_tolerance()).name  # "model.layers.0.self_attn"
+        find_divergence(reference, patched, inputs, resolve_tolerance()).name  # "model.layers.0.self_attn"
     """
     own = inputs if patched_inputs is None else patched_inputs
     patched_calls = {(c.name, c.index): c for c in record_module_calls(patched, own, train=train)}
@@ -215,12 +239,16 @@ def _computed_differences(comparisons: list[TensorComparison]) -> tuple[list[Ten
 
 
 def divergence_profile(
-    reference: torch.nn.Module, patched: torch.nn.Module, inputs: Mapping[str, Any], spec: ToleranceSpec | None = None
+    reference: torch.nn.Module,
+    patched: torch.nn.Module,
+    inputs: Mapping[str, Any],
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+    policy: str | TolerancePolicy | None = None,
 ) -> list[tuple[str, float]]:
     """``[(module call, max abs output difference), ...]`` for every call both models make, in forward order."""
-    from pytest_modelpatch.compare.tolerance import resolve_tolerance
-
-    found = first_divergence(reference, patched, inputs, spec or resolve_tolerance())
+    found = find_divergence(reference, patched, inputs, resolve_tolerance(atol, rtol, policy))
     if found is not None:
         return found.profile
     patched_calls = {(c.name, c.index): c for c in record_module_calls(patched, inputs)}
@@ -316,8 +344,8 @@ class ModuleEquivalenceReport(CheckReport):
 def _resolve_module(model: torch.nn.Module | None, name: str, role: str) -> torch.nn.Module:
     if model is None:
         raise PatchUsageError(
-            f"check_module_equivalence: module name {name!r} given without {role}=; pass the model, "
-            f"e.g. check_module_equivalence({name!r}, reference=reference_model, patched=patched_model)."
+            f"assert_module_equivalent: module name {name!r} given without {role}=; pass the model, "
+            f"e.g. assert_module_equivalent({name!r}, reference=reference_model, patched=patched_model)."
         )
     try:
         return model.get_submodule(name)
@@ -326,12 +354,12 @@ def _resolve_module(model: torch.nn.Module | None, name: str, role: str) -> torc
         close = difflib.get_close_matches(name, names, n=3)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         raise PatchUsageError(
-            f"check_module_equivalence: {role} {type(model).__name__} has no submodule {name!r}.{hint}"
+            f"assert_module_equivalent: {role} {type(model).__name__} has no submodule {name!r}.{hint}"
         ) from None
 
 
-def check_module_equivalence(
-    original_module: torch.nn.Module | str,
+def assert_module_equivalent(
+    reference_module: torch.nn.Module | str,
     patched_module: torch.nn.Module | str | None = None,
     *,
     reference: torch.nn.Module | None = None,
@@ -341,46 +369,46 @@ def check_module_equivalence(
     rtol: float | None = None,
     policy: str | TolerancePolicy | None = None,
 ) -> ModuleEquivalenceReport:
-    """Replay the arguments ``original_module`` got in a reference forward into ``patched_module``.
+    """Replay the arguments ``reference_module`` got in the reference forward into ``patched_module``.
 
     Catches a broken module even when later layers hide the error in the final outputs.
 
     Example::
 
-        check_module_equivalence("model.layers.0.self_attn", reference=reference_model, patched=patched_model)
-        check_module_equivalence(ref.model.layers[0].self_attn, pat.model.layers[0].self_attn, reference=ref)
+        assert_module_equivalent("model.layers.0.self_attn", reference=reference_model, patched=patched_model)
+        assert_module_equivalent(ref.model.layers[0].self_attn, pat.model.layers[0].self_attn, reference=ref)
     """
     __tracebackhide__ = True
     if reference is not None and patched is not None:
-        check_same_model(reference, patched, "check_module_equivalence")
+        check_same_model(reference, patched, "assert_module_equivalent")
     start = time.perf_counter()
-    original_name = original_module if isinstance(original_module, str) else type(original_module).__name__
+    reference_name = reference_module if isinstance(reference_module, str) else type(reference_module).__name__
     if patched_module is None:
-        if not isinstance(original_module, str):
-            raise PatchUsageError("check_module_equivalence: pass patched_module (a module or a qualified name).")
-        patched_module = original_module
+        if not isinstance(reference_module, str):
+            raise PatchUsageError("assert_module_equivalent: pass patched_module (a module or a qualified name).")
+        patched_module = reference_module
     patched_name = patched_module if isinstance(patched_module, str) else type(patched_module).__name__
-    if isinstance(original_module, str):
-        original_module = _resolve_module(reference, original_module, "reference")
+    if isinstance(reference_module, str):
+        reference_module = _resolve_module(reference, reference_module, "reference")
     if isinstance(patched_module, str):
         patched_module = _resolve_module(patched, patched_module, "patched")
     if reference is None:
         raise PatchUsageError(
-            "check_module_equivalence: pass reference= (the model containing the original module): "
+            "assert_module_equivalent: pass reference= (the model containing the original module): "
             "its forward supplies the real arguments to replay."
         )
     inputs = default_inputs(reference) if inputs is None else inputs
     spec = resolve_tolerance(atol, rtol, policy)
-    calls = capture_module_calls(reference, original_module, inputs)
+    calls = capture_module_calls(reference, reference_module, inputs)
     if not calls:
         raise ModelPatchError(
-            f"check_module_equivalence: {original_name} ({type(original_module).__name__}) did not run in the "
+            f"assert_module_equivalent: {reference_name} ({type(reference_module).__name__}) did not run in the "
             f"reference forward on {describe_inputs(inputs)}; pick a module on the forward path."
         )
     report = ModuleEquivalenceReport(
-        f"{original_name} ({type(original_module).__name__})",
+        f"{reference_name} ({type(reference_module).__name__})",
         f"{patched_name} ({type(patched_module).__name__})",
-        len(calls), [], spec, **placement(original_module),
+        len(calls), [], spec, **placement(reference_module),
     )  # fmt: skip
     with evaluating(patched_module):
         for index, call in enumerate(calls):

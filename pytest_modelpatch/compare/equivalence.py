@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
-from pytest_modelpatch.compare.divergence import Divergence, first_divergence
+from pytest_modelpatch.compare.divergence import Divergence, find_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, describe_tolerances
 from pytest_modelpatch.compare.running import cache_hint_for, default_inputs, implementations_line, describe_inputs, evaluating, placement, unwrapped
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
@@ -122,7 +122,7 @@ def compare_models(
         found = (implementations_line(reference, patched), cache_hint_for(patched, comparisons), sharding_line(patched))
         report.extra += [line for line in found if line]
     if locate and not report.passed:
-        report.divergence = first_divergence(reference, patched, inputs, spec)
+        report.divergence = find_divergence(reference, patched, inputs, spec)
     report.duration_s = time.perf_counter() - start
     return report
 

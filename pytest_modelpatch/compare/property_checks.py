@@ -1,7 +1,8 @@
 """Property checks: run hypothesis inside one call against models that are already built.
 
-``check_equivalence`` draws many inputs (batch sizes, lengths, padding) and compares
-the two models on each, with no model rebuilt per example. It is deterministic: the
+``check_equivalent`` and ``check_backward_equivalent`` draw many inputs (batch sizes, lengths,
+padding) and compare the two models on each as ``assert_equivalent`` and
+``assert_backward_equivalent`` do, with no model rebuilt per example. It is deterministic: the
 seed is fixed (``seed=``, else the session seed the plugin sets, else 0) and printed
 in every failure, so every xdist worker and every rerun draws the same examples.
 """
@@ -42,9 +43,8 @@ def set_default_seed(seed: int | None) -> None:
 
 @dataclass
 class PropertyReport(PropertyOutcome):
-    """How ``check_equivalence`` went: its worst error, worst passing example, and the minimal failure if any.
-
-    ``failure`` is an EquivalenceReport, or a BackwardReport with ``backward=True``.
+    """How ``check_equivalent`` or ``check_backward_equivalent`` went: its worst error, worst passing
+    example, and the minimal failure if any (an ``EquivalenceReport``, or a ``BackwardReport``).
     """
 
     max_rel_error: float = 0.0
@@ -58,8 +58,8 @@ class PropertyReport(PropertyOutcome):
 
     @property
     def header(self) -> str:
-        backward = ", backward=True" if self.backward else ""
-        return f"check_equivalence(seed={self.seed}, max_examples={self.max_examples}{backward})"
+        name = "check_backward_equivalent" if self.backward else "check_equivalent"
+        return f"{name}(seed={self.seed}, max_examples={self.max_examples})"
 
     def __str__(self) -> str:
         if self.passed:
@@ -135,12 +135,12 @@ def _inputs_strategy(
     if isinstance(inputs, Mapping):
         return st.just(inputs), False
     raise PatchUsageError(
-        f"check_equivalence: inputs= must be a hypothesis strategy of input dicts (got {type(inputs).__name__}); "
+        f"{'check_backward_equivalent' if backward else 'check_equivalent'}: inputs= must be a hypothesis strategy of input dicts (got {type(inputs).__name__}); "
         "e.g. inputs=pytest_modelpatch.families.strategies.model_inputs(config, max_seq_len=16)."
     )
 
 
-def check_equivalence(
+def check_equivalent(
     reference: torch.nn.Module,
     patched: torch.nn.Module,
     *,
@@ -151,22 +151,50 @@ def check_equivalence(
     rtol: float | None = None,
     policy: str | TolerancePolicy | None = None,
     allow_unused: bool = False,
-    backward: bool = False,
 ) -> PropertyReport:
-    """Compare the two models on many drawn inputs; on failure, shrink and show the minimal example.
+    """``assert_equivalent`` over many drawn inputs; on failure, shrink and show the minimal example.
 
     ``inputs=``: a strategy of input dicts, a dict of strategies (one per key) or a fixed dict (run once).
     A replacement class that ran in none of the examples fails the check, unless ``allow_unused=True``.
-    ``backward=True``: each example is a training step compared as ``assert_backward_equivalent``
-    does (labels added where the model takes them; loss, outputs and every gradient).
 
     Example::
 
-        check_equivalence(reference_model, patched_model, max_examples=50)
-        check_equivalence(ref, pat, inputs=model_inputs(ref.config, padding="left"), seed=1234)
+        check_equivalent(reference_model, patched_model, max_examples=50)
+        check_equivalent(ref, pat, inputs=model_inputs(ref.config, padding="left"), seed=1234)
     """
     __tracebackhide__ = True
-    check_same_model(reference, patched, "check_equivalence")
+    return _check_property(reference, patched, inputs, max_examples, seed, atol, rtol, policy, allow_unused, backward=False)
+
+
+def check_backward_equivalent(
+    reference: torch.nn.Module,
+    patched: torch.nn.Module,
+    *,
+    inputs: SearchStrategy[Mapping[str, Any]] | Mapping[str, Any] | None = None,
+    max_examples: int | None = None,
+    seed: int | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    policy: str | TolerancePolicy | None = None,
+    allow_unused: bool = False,
+) -> PropertyReport:
+    """``assert_backward_equivalent`` over many drawn inputs: each example a training step (labels added
+    where the model takes them; loss, outputs and every gradient), the failing one shrunk.
+
+    Example::
+
+        check_backward_equivalent(reference_model, patched_model, max_examples=20)
+    """
+    __tracebackhide__ = True
+    return _check_property(reference, patched, inputs, max_examples, seed, atol, rtol, policy, allow_unused, backward=True)
+
+
+def _check_property(
+    reference: torch.nn.Module, patched: torch.nn.Module, inputs: Any, max_examples: int | None, seed: int | None,
+    atol: float | None, rtol: float | None, policy: str | TolerancePolicy | None, allow_unused: bool, *, backward: bool,
+) -> PropertyReport:  # fmt: skip
+    __tracebackhide__ = True
+    check_same_model(reference, patched, "check_backward_equivalent" if backward else "check_equivalent")
     strategy, grouped = _inputs_strategy(reference, inputs, backward)
     spec = resolve_tolerance(atol, rtol, policy)  # read the test's overrides here, once
     report = PropertyReport(
@@ -197,7 +225,7 @@ def check_equivalence(
             failure = loop.run(strategy, compare_one, prepare=_training_example(reference) if backward else None, grouped=grouped)
     except Unsatisfiable:
         raise PatchUsageError(
-            "check_equivalence(backward=True): no drawn example gave the loss a token to score (a causal LM "
+            "check_backward_equivalent: no drawn example gave the loss a token to score (a causal LM "
             "scores each token from the ones before it, so one-token rows train nothing); draw sequences of "
             "two or more tokens, e.g. inputs=model_inputs(config, min_seq_len=2)."
         ) from None

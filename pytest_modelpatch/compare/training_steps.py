@@ -29,7 +29,7 @@ import torch
 from pytest_modelpatch.compare.backward import GRADIENT_POLICY, checkpoint_gradients
 from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.check_report import CheckReport
-from pytest_modelpatch.compare.divergence import Divergence, first_divergence
+from pytest_modelpatch.compare.divergence import Divergence, find_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_tensors, describe_tolerances
 from pytest_modelpatch.compare.running import default_inputs, describe_inputs, forward, placement, unwrapped
 from pytest_modelpatch.compare.same_model import check_same_model
@@ -416,7 +416,7 @@ def _train(
             # the difference is outside every module, in the loss, say)
             located = True
             inputs = {k: v for k, v in micro[0].items() if k != "labels"}
-            report.divergence = first_divergence(reference, patched, inputs, step_spec, train=True)
+            report.divergence = find_divergence(reference, patched, inputs, step_spec, train=True)
             report.divergence_step = index
         for opt in (ref_opt, pat_opt):
             opt.step()

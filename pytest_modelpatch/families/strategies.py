@@ -1,7 +1,7 @@
 """Hypothesis strategies for model inputs and tiny configs.
 
 For users who write ``@given`` themselves (with models built once, at module or
-session scope) and for ``check_equivalence``, which draws from ``model_inputs`` by
+session scope) and for ``check_equivalent``, which draws from ``model_inputs`` by
 default. Every draw goes through hypothesis, so examples are reproducible from its
 seed and shrink toward short, unpadded batches; token ids come from a drawn seed.
 """

@@ -40,12 +40,12 @@ class ReversibilityProblem:
         return f"{where}: {self.reason}"
 
 
-def check_reversible(conversions: dict[str, list[Any]]) -> list[ReversibilityProblem]:
+def reversibility_problems(conversions: dict[str, list[Any]]) -> list[ReversibilityProblem]:
     """Every problem that would stop ``save_pretrained`` from reversing ``conversions``; empty if none.
 
     Example::
 
-        assert check_reversible({"llama": [fused_qkv_converter()]}) == []
+        assert reversibility_problems({"llama": [fused_qkv_converter()]}) == []  # assert_reversible raises them
     """
     problems: list[ReversibilityProblem] = []
     for key, transforms in conversions.items():
@@ -55,8 +55,13 @@ def check_reversible(conversions: dict[str, list[Any]]) -> list[ReversibilityPro
 
 
 def assert_reversible(conversions: dict[str, list[Any]]) -> None:
-    """Raise PatchUsageError listing every conversion operation without a usable reverse."""
-    problems = check_reversible(conversions)
+    """Raise PatchUsageError listing every conversion operation without a usable reverse (``reversibility_problems``).
+
+    Example::
+
+        assert_reversible({"llama": [fused_qkv_converter()]})  # the conversions a patch registers
+    """
+    problems = reversibility_problems(conversions)
     if problems:
         listed = "\n  ".join(str(problem) for problem in problems)
         raise PatchUsageError(

@@ -5,7 +5,7 @@ exact key first, then tries every key in mapping order with ``re.search``;
 ``apply_patches`` does that for every attribute of every loaded ``transformers*``
 module and swaps each class it finds. A broad key such as ``".*Attention"`` therefore
 also swaps containers (``BertAttention`` holds ``BertSelfAttention``) and ModelOutput
-dataclasses. ``lint_patterns`` reports those against the installed transformers,
+dataclasses. ``run_lint`` reports those against the installed transformers,
 using the cached scan index (:mod:`pytest_modelpatch.lint.scan_index`).
 """
 
@@ -28,7 +28,7 @@ from pytest_modelpatch.lint.scan_index import CORE, ClassEntry, ScanIndex, load_
 CHECKS = ("names", "signature", "weights", "plan")
 
 
-def lint_patterns(
+def run_lint(
     mapping_or_keys: Mapping[str, object] | Iterable[str] | str,
     *,
     families: Iterable[str] | None = None,
@@ -37,7 +37,8 @@ def lint_patterns(
     structures: StructureBuilder | None = None,
     index: ScanIndex | None = None,
 ) -> list[Finding]:
-    """Findings for each key, matched exactly as transformers matches them.
+    """The lint itself: findings for each key, matched exactly as transformers matches them, with the
+    structures ``structures`` builds (none: this room builds no model).
 
     ``families`` (model types or folder names such as ``"bert"``) limits the classes
     considered to those the families' modules bind; matches elsewhere become ``BROAD``.
@@ -51,10 +52,10 @@ def lint_patterns(
 
     Example::
 
-        for finding in lint_patterns({".*Attention": MyAttention}, families=["bert"]):
+        for finding in run_lint({".*Attention": MyAttention}, families=["bert"]):
             print(finding)  # [CONTAINER] pattern '.*Attention' replaces BertAttention ...
 
-        lint_patterns(MAPPING, families=["llama"], conversions=CONVERSIONS, structures=meta_structures)
+        run_lint(MAPPING, families=["llama"], conversions=CONVERSIONS, structures=meta_structures)
     """
     keys = [mapping_or_keys] if isinstance(mapping_or_keys, str) else list(mapping_or_keys)
     wanted = _checks(checks)
@@ -101,10 +102,10 @@ def matched_classes(
     }
 
 
-def failing(findings: Iterable[Finding], allow: Mapping[str, Iterable[str]] | None = None) -> list[Finding]:
+def failing_findings(findings: Iterable[Finding], allow: Mapping[str, Iterable[str]] | None = None) -> list[Finding]:
     """The findings of a failing kind that ``allow`` (``{key: ["CONTAINER", ...]}``) does not excuse.
 
-    Example: ``failing(findings, allow={".*Attention": ["CONTAINER"]})``.
+    Example: ``failing_findings(findings, allow={".*Attention": ["CONTAINER"]})``.
     """
     allowed = {key: {str(k).upper() for k in kinds} for key, kinds in (allow or {}).items()}
     return [f for f in findings if f.kind in FAILING_KINDS and str(f.kind) not in allowed.get(f.key, set())]
@@ -131,8 +132,8 @@ def lint_for_registration(
     Example: ``lint_for_registration({"LlamaAttention": MyAttention}, families=["llama"])``.
     """
     _check_allow(mapping, allow)
-    findings = lint_patterns(mapping, families=families, conversions=conversions, checks=checks, structures=structures)
-    bad = failing(findings, allow)
+    findings = run_lint(mapping, families=families, conversions=conversions, checks=checks, structures=structures)
+    bad = failing_findings(findings, allow)
     if not bad:
         _warn(findings, allow)
         return

@@ -82,7 +82,7 @@ def lint_patterns(
         lint_patterns({"LlamaAttention": LlamaFusedQKVAttention}, families=["llama"])
         # [WEIGHT_NAMES] ... missing keys ... qkv_proj ...; [PARALLEL_PLAN] layers.*.self_attn.q_proj ...
     """
-    return patterns.lint_patterns(mapping_or_keys, families=families, conversions=conversions, checks=checks,
+    return patterns.run_lint(mapping_or_keys, families=families, conversions=conversions, checks=checks,
                                   structures=structures, index=index)
 
 

@@ -2,14 +2,14 @@
 
 A patch that changes a weight layout (fused QKV, module-list experts, fused patch
 embeddings) is only safe to ship if ``from_pretrained`` -> ``save_pretrained``
-gives the checkpoint back bit for bit. ``check_roundtrip`` proves that with the
+gives the checkpoint back bit for bit. ``assert_roundtrip`` proves that with the
 patches and conversions currently registered in transformers (the test's), and
 then reloads the saved copy *without* patches to show the reference outputs are
 unchanged.
 
 Example::
 
-    report = check_roundtrip(checkpoint_dir, tmp_path=tmp_path)
+    report = assert_roundtrip(checkpoint_dir, tmp_path=tmp_path)
     print(report)  # roundtrip passed: 48/48 tensors identical, 2.1 MB compared; outputs identical
 """
 
@@ -86,7 +86,7 @@ class RoundtripReport:
         return "\n".join(lines)
 
 
-def check_roundtrip(
+def assert_roundtrip(
     source: str | Path | transformers.PreTrainedModel,
     *,
     tmp_path: str | Path | None = None,
@@ -113,7 +113,7 @@ def check_roundtrip(
 
         register_patch_mapping(MAPPING)
         register_checkpoint_conversion_mapping("llama", CONVERSIONS["llama"], overwrite=True)
-        check_roundtrip(checkpoint_dir, tmp_path=tmp_path)
+        assert_roundtrip(checkpoint_dir, tmp_path=tmp_path)
     """
     __tracebackhide__ = True
     started = time.perf_counter()
@@ -135,7 +135,7 @@ def check_roundtrip(
 
 
 class Roundtrip:
-    """The ``roundtrip`` fixture: ``check_roundtrip`` bound to the test's ``tmp_path``.
+    """The ``roundtrip`` fixture: ``assert_roundtrip`` bound to the test's ``tmp_path``.
 
     Example::
 
@@ -148,12 +148,12 @@ class Roundtrip:
         self.choices = choices  # the patch marks' load keywords and transforms, for every patched load
 
     def check(self, source: str | Path | transformers.PreTrainedModel, **options: Any) -> RoundtripReport:
-        """Run ``check_roundtrip(source, tmp_path=<the test's tmp_path>, **options)`` with the test's load choices."""
+        """Run ``assert_roundtrip(source, tmp_path=<the test's tmp_path>, **options)`` with the test's load choices."""
         __tracebackhide__ = True
         if self.choices is not None:
             options.setdefault("load_kwargs", self.choices.kwargs)
             options.setdefault("transforms", self.choices.transforms)
-        return check_roundtrip(source, tmp_path=self.tmp_path, **options)
+        return assert_roundtrip(source, tmp_path=self.tmp_path, **options)
 
 
 def load_with_fusion(

@@ -12,7 +12,7 @@ from conftest import Pair
 
 from pytest_modelpatch.compare.backward import assert_backward_equivalent
 from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.property_checks import check_equivalence
+from pytest_modelpatch.compare.property_checks import check_backward_equivalent
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.reporting.records import CheckRecord
 
@@ -135,13 +135,13 @@ def test_backward_record_row(pair: Callable[..., Pair], records: list[CheckRecor
 
 def test_property_check_with_backward_catches_the_broken_kernel_and_shrinks(pair: Callable[..., Pair]) -> None:
     with pytest.raises(AssertionError) as failure:
-        check_equivalence(*pair("llama_swiglu_autograd_broken"), max_examples=5, backward=True)
+        check_backward_equivalent(*pair("llama_swiglu_autograd_broken"), max_examples=5)
     message = str(failure.value)
-    assert re.match(r"check_equivalence\(seed=0, max_examples=5, backward=True\): example \d of 5 failed; shrunk", message)
+    assert re.match(r"check_backward_equivalent\(seed=0, max_examples=5\): example \d of 5 failed; shrunk", message)
     # shrunk to one row of two tokens: the smallest causal-LM step with a label to predict
     assert re.search(r"\ninputs: input_ids=\[\[\d+, \d+\]\], attention_mask=\[\[1, 1\]\], .*labels=\[\[", message)
     assert "first module in backward order whose gradient diverges: model.layers.1.mlp" in message
-    assert check_equivalence(*pair("llama_swiglu_autograd"), max_examples=3, backward=True).passed
+    assert check_backward_equivalent(*pair("llama_swiglu_autograd"), max_examples=3).passed
 
 
 def test_property_check_with_backward_compares_no_example_without_a_scored_token(pair: Callable[..., Pair]) -> None:
@@ -154,10 +154,10 @@ def test_property_check_with_backward_compares_no_example_without_a_scored_token
     reference, patched = pair("llama_swiglu_autograd_broken")
     one_token = model_inputs(reference.config, seq_lens=[1], padding="none")
     with pytest.raises(PatchUsageError, match="no drawn example gave the loss a token to score"):
-        check_equivalence(reference, patched, inputs=one_token, max_examples=3, backward=True)
+        check_backward_equivalent(reference, patched, inputs=one_token, max_examples=3)
     mixed = st.one_of(one_token, model_inputs(reference.config, seq_lens=[3], padding="none"))
     with pytest.raises(AssertionError, match=r"inputs: input_ids=\[\[\d+, \d+, \d+\]\]"):
-        check_equivalence(reference, patched, inputs=mixed, max_examples=5, backward=True)
+        check_backward_equivalent(reference, patched, inputs=mixed, max_examples=5)
 
 
 def test_training_state_sees_a_dropout_added_or_replaced_after_an_earlier_check() -> None:

@@ -40,7 +40,7 @@ def test_a_replacement_that_never_ran_fails_the_check_unless_allowed(pytester: p
         """
 import pytest
 from my_patch import MAPPING
-from pytest_modelpatch import assert_equivalent, check_equivalence, patch_usage
+from pytest_modelpatch import assert_equivalent, check_equivalent, patch_usage
 
 
 @pytest.mark.model("llama")
@@ -51,15 +51,15 @@ def test_assert_equivalent(reference_model, patched_model):
 
 @pytest.mark.model("llama")
 @pytest.mark.patch(MAPPING, allow={"LlamaDecoderLayer": ["CONTAINER"]})
-def test_check_equivalence(reference_model, patched_model):
-    check_equivalence(reference_model, patched_model, max_examples=3)
+def test_check_equivalent(reference_model, patched_model):
+    check_equivalent(reference_model, patched_model, max_examples=3)
 
 
 @pytest.mark.model("llama")
 @pytest.mark.patch(MAPPING, allow={"LlamaDecoderLayer": ["CONTAINER"]})
 def test_allowed(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model, allow_unused=True)
-    check_equivalence(reference_model, patched_model, max_examples=3, allow_unused=True)
+    check_equivalent(reference_model, patched_model, max_examples=3, allow_unused=True)
     usage = {u.replacement.rpartition(".")[2]: u for u in patch_usage(patched_model)}
     assert usage["MyMLP"].instances == 2 and usage["MyMLP"].calls_in_last_forward == 0
     assert usage["FusedLayer"].calls_in_last_forward == 2
@@ -77,7 +77,7 @@ def test_patch_usage_counts_only_the_models_own_calls_not_module_replays(pyteste
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaMLP
-from pytest_modelpatch import check_module_equivalence, patch_usage
+from pytest_modelpatch import assert_module_equivalent, patch_usage
 
 
 class MyMLP(LlamaMLP):
@@ -91,7 +91,7 @@ def test_replay_is_not_a_model_call(reference_model, patched_model):
     (usage,) = patch_usage(patched_model)
     assert usage.calls_in_last_forward == 2
     # replays real arguments into the patched MLP, calling it directly: not a call the model made
-    check_module_equivalence("model.layers.0.mlp", reference=reference_model, patched=patched_model)
+    assert_module_equivalent("model.layers.0.mlp", reference=reference_model, patched=patched_model)
     (usage,) = patch_usage(patched_model)
     assert usage.calls_in_last_forward == 2
 """

@@ -1,4 +1,4 @@
-"""assert_generates_equivalent and check_generation: decoding step by step through each model's cache."""
+"""assert_generates_equivalent and check_generates_equivalent: decoding step by step through each model's cache."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from conftest import Pair, load_pair
 
 from fixtures import load_patch, tiny_config
-from pytest_modelpatch import PatchUsageError, assert_equivalent, assert_generates_equivalent, check_generation
+from pytest_modelpatch import PatchUsageError, assert_equivalent, assert_generates_equivalent, check_generates_equivalent
 from pytest_modelpatch.compare.decoding import default_prompts
 from pytest_modelpatch.models.checkpoints import cached_checkpoint
 from pytest_modelpatch.families.catalog import tiny_config as tiny_config_of
@@ -187,21 +187,21 @@ def test_real_token_mismatch_in_bf16_fails(bf16_pair: Pair) -> None:
 
 
 # ---------------------------------------------------------------------------
-# check_generation and usage errors
+# check_generates_equivalent and usage errors
 # ---------------------------------------------------------------------------
 
 
 def test_check_generation_passes_a_correct_patch(pair: Callable[..., Pair], records: list[Any]) -> None:
-    report = check_generation(*pair("llama_fused_qkv"), max_examples=4, max_new_tokens=3)
+    report = check_generates_equivalent(*pair("llama_fused_qkv"), max_examples=4, max_new_tokens=3)
     assert report.passed and report.examples == 4
     assert [(r.kind, r.outcome, r.examples) for r in records] == [("decode", "passed", 4)]
 
 
 def test_check_generation_shrinks_the_mask_drop_to_one_padded_row(pair: Callable[..., Pair]) -> None:
     with pytest.raises(AssertionError) as failure:
-        check_generation(*pair("llama_decode_mask_drop"), max_examples=20, max_new_tokens=6)
+        check_generates_equivalent(*pair("llama_decode_mask_drop"), max_examples=20, max_new_tokens=6)
     message = str(failure.value)
-    assert message.startswith("check_generation(seed=0, max_examples=20): example ")
+    assert message.startswith("check_generates_equivalent(seed=0, max_examples=20): example ")
     # minimal: one row, one pad slot, two new tokens (the bug needs a single-token step)
     assert "attention_mask=[[0, 1]]" in message and "(of 2 new tokens)" in message
 

@@ -1,4 +1,4 @@
-"""first_divergence and check_module_equivalence: naming the module that broke, replaying its real inputs."""
+"""first_divergence and assert_module_equivalent: naming the module that broke, replaying its real inputs."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ import torch
 from conftest import Pair
 
 from pytest_modelpatch.compare.divergence import (
-    check_module_equivalence,
+    assert_module_equivalent,
     first_divergence,
     record_module_calls,
 )
 from pytest_modelpatch.compare.equivalence import assert_equivalent
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
-from pytest_modelpatch.compare.tolerance import resolve_tolerance
 
 
 def ids(batch: int = 2, length: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -32,7 +31,7 @@ def test_calls_are_recorded_in_the_order_they_finish(pair: Callable[..., Pair]) 
 
 def test_noncausal_attention_is_named_even_though_its_o_proj_diverges_first(pair: Callable[..., Pair]) -> None:
     # o_proj finishes before self_attn and its output differs too, but its input already differed.
-    found = first_divergence(*pair("llama_fused_qkv_noncausal"), ids(), resolve_tolerance())
+    found = first_divergence(*pair("llama_fused_qkv_noncausal"), ids())
     assert found is not None
     assert (found.name, found.reference_class, found.patched_class, found.inputs_agree) == (
         "model.layers.0.self_attn", "LlamaAttention", "LlamaFusedQKVNonCausalAttention", True,
@@ -41,7 +40,7 @@ def test_noncausal_attention_is_named_even_though_its_o_proj_diverges_first(pair
 
 
 def test_equivalent_patch_has_no_divergence(pair: Callable[..., Pair]) -> None:
-    assert first_divergence(*pair("llama_fused_qkv"), ids(), resolve_tolerance()) is None
+    assert first_divergence(*pair("llama_fused_qkv"), ids(), policy="default") is None
 
 
 def test_broad_bert_key_fails_at_the_replaced_container(pair: Callable[..., Pair]) -> None:
@@ -59,7 +58,7 @@ def test_narrow_bert_key_is_equivalent(pair: Callable[..., Pair]) -> None:
 
 def test_module_check_by_name_replays_real_arguments(pair: Callable[..., Pair]) -> None:
     reference, patched = pair("llama_fused_qkv")
-    report = check_module_equivalence("model.layers.1.self_attn", reference=reference, patched=patched, inputs=ids())
+    report = assert_module_equivalent("model.layers.1.self_attn", reference=reference, patched=patched, inputs=ids())
     assert report.passed and report.calls == 1
     assert str(report).startswith(
         "model.layers.1.self_attn (LlamaFusedQKVAttention) matches model.layers.1.self_attn (LlamaAttention)"
@@ -69,7 +68,7 @@ def test_module_check_by_name_replays_real_arguments(pair: Callable[..., Pair]) 
 def test_module_check_fails_for_the_noncausal_attention(pair: Callable[..., Pair]) -> None:
     reference, patched = pair("llama_fused_qkv_noncausal")
     with pytest.raises(AssertionError) as failure:
-        check_module_equivalence(
+        assert_module_equivalent(
             reference.model.layers[1].self_attn, patched.model.layers[1].self_attn, reference=reference, inputs=ids()
         )
     message = str(failure.value)
@@ -85,13 +84,13 @@ def test_module_check_catches_a_bug_the_model_outputs_hide(pair: Callable[..., P
     last_only = {**ids(), "logits_to_keep": 1}
     assert assert_equivalent(reference, patched, last_only).passed
     with pytest.raises(AssertionError, match="differs from model.layers.0.self_attn"):
-        check_module_equivalence("model.layers.0.self_attn", reference=reference, patched=patched, inputs=last_only)
+        assert_module_equivalent("model.layers.0.self_attn", reference=reference, patched=patched, inputs=last_only)
 
 
 def test_module_check_replays_cache_state_as_the_original_saw_it(pair: Callable[..., Pair]) -> None:
     # The reference forward fills the cache; the replay must get a copy taken at call time.
     reference, patched = pair("llama_fused_qkv")
-    report = check_module_equivalence(
+    report = assert_module_equivalent(
         "model.layers.0.self_attn", reference=reference, patched=patched, inputs={**ids(), "use_cache": True}
     )
     assert report.passed
@@ -100,25 +99,25 @@ def test_module_check_replays_cache_state_as_the_original_saw_it(pair: Callable[
 def test_unknown_module_name_suggests_close_names(pair: Callable[..., Pair]) -> None:
     reference, patched = pair("llama_fused_qkv")
     with pytest.raises(PatchUsageError, match=r"no submodule 'model.layer.0.self_attn'.*'model.layers.0.self_attn'"):
-        check_module_equivalence("model.layer.0.self_attn", reference=reference, patched=patched)
+        assert_module_equivalent("model.layer.0.self_attn", reference=reference, patched=patched)
 
 
 def test_module_name_without_models_is_a_usage_error() -> None:
     with pytest.raises(PatchUsageError, match=r"without reference=; pass the model"):
-        check_module_equivalence("model.layers.0.self_attn")
+        assert_module_equivalent("model.layers.0.self_attn")
 
 
 def test_module_objects_without_reference_model_is_a_usage_error(pair: Callable[..., Pair]) -> None:
     reference, patched = pair("llama_fused_qkv")
     with pytest.raises(PatchUsageError, match="pass reference="):
-        check_module_equivalence(reference.model.layers[0].self_attn, patched.model.layers[0].self_attn)
+        assert_module_equivalent(reference.model.layers[0].self_attn, patched.model.layers[0].self_attn)
 
 
 def test_module_that_never_runs_is_reported(pair: Callable[..., Pair]) -> None:
     reference, patched = pair("llama_fused_qkv")
     stray = torch.nn.Linear(2, 2)
     with pytest.raises(ModelPatchError, match="did not run in the reference forward"):
-        check_module_equivalence(stray, stray, reference=reference, inputs=ids())
+        assert_module_equivalent(stray, stray, reference=reference, inputs=ids())
 
 
 def test_a_field_one_implementation_never_produces_does_not_make_a_module_diverge(pytester: pytest.Pytester) -> None:

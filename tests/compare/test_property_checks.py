@@ -1,4 +1,4 @@
-"""check_equivalence: hypothesis inside one call, models built once; failures shrink to a minimal example."""
+"""check_equivalent: hypothesis inside one call, models built once; failures shrink to a minimal example."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from hypothesis.control import current_build_context
 from fixtures import load_patch
 from pytest_modelpatch.models.checkpoints import cached_checkpoint
 from pytest_modelpatch.compare import property_loop
-from pytest_modelpatch.compare.decoding_properties import check_generation
+from pytest_modelpatch.compare.decoding_properties import check_generates_equivalent
 from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.property_checks import check_equivalence, set_default_seed
+from pytest_modelpatch.compare.property_checks import check_equivalent, set_default_seed
 from pytest_modelpatch.compare.property_loop import GROUP_SIZE
 from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs, tiny_configs
@@ -36,20 +36,20 @@ def test_good_patches_pass_over_varied_inputs(pair: Callable[[str], Pair], name:
     reference, patched = pair(name)
     seen: list[dict[str, torch.Tensor]] = []
     inputs = model_inputs(reference.config).map(lambda example: seen.append(example) or example)
-    report = check_equivalence(reference, patched, inputs=inputs, max_examples=20)
+    report = check_equivalent(reference, patched, inputs=inputs, max_examples=20)
     assert report.passed and report.examples == 20
     shapes = {tuple(example["input_ids"].shape) for example in seen}
     left_padded = any(bool((e["attention_mask"][:, 0] == 0).any()) for e in seen)
     right_padded = any(bool((e["attention_mask"][:, -1] == 0).any()) for e in seen)
     assert len(shapes) > 5 and left_padded and right_padded
-    assert str(report).startswith(f"check_equivalence(seed=0, max_examples=20): patched {type(patched).__name__} matches")
+    assert str(report).startswith(f"check_equivalent(seed=0, max_examples=20): patched {type(patched).__name__} matches")
 
 
 def test_noncausal_attention_is_caught_and_shrunk_to_two_tokens(pair: Callable[[str], Pair]) -> None:
     with pytest.raises(AssertionError) as failure:
-        check_equivalence(*pair("llama_fused_qkv_noncausal"))
+        check_equivalent(*pair("llama_fused_qkv_noncausal"))
     message = str(failure.value)
-    assert re.match(r"check_equivalence\(seed=0, max_examples=25\): example \d+ of 25 failed; shrunk in \d+", message)
+    assert re.match(r"check_equivalent\(seed=0, max_examples=25\): example \d+ of 25 failed; shrunk in \d+", message)
     # One row of two unpadded tokens: the smallest input on which causal and non-causal attention differ.
     assert re.search(r"\ninputs: input_ids=\[\[\d+, \d+\]\], attention_mask=\[\[1, 1\]\], position_ids=\[\[0, 1\]\]", message)
     assert "  logits: shape (1, 2, 128) float32: " in message
@@ -61,7 +61,7 @@ def test_inputs_are_drawn_in_groups_and_each_compared_input_is_new(pair: Callabl
     compared: list[dict[str, torch.Tensor]] = []
     handle = patched.register_forward_pre_hook(lambda _m, _a, kwargs: compared.append(dict(kwargs)), with_kwargs=True)
     try:
-        report = check_equivalence(reference, patched, max_examples=GROUP_SIZE * 2 + 3)  # over two groups
+        report = check_equivalent(reference, patched, max_examples=GROUP_SIZE * 2 + 3)  # over two groups
     finally:
         handle.remove()
     assert report.passed and report.examples == len(compared) == GROUP_SIZE * 2 + 3
@@ -84,7 +84,7 @@ def test_while_shrinking_an_input_that_differed_is_not_compared_again(
     spy = DrawnBytes(real.raw, lambda raw: built.append(raw) or real.build(raw), real.size)
     monkeypatch.setattr(property_loop, "drawn_bytes", lambda s: spy if s is strategy else None)
     with pytest.raises(AssertionError) as failure:
-        check_equivalence(reference, patched, inputs=strategy, max_examples=50)
+        check_equivalent(reference, patched, inputs=strategy, max_examples=50)
     assert re.search(r"shrunk in [1-9]\d* more runs", str(failure.value)) and "Flaky" not in str(failure.value)
     assert len(built) == len(set(built)), "an input's bytes were built and compared twice"
 
@@ -93,31 +93,31 @@ def test_a_small_budget_still_reaches_inputs_of_more_than_one_token(pair: Callab
     # hypothesis starts from its simplest input (one token, where causal and non-causal attention
     # agree); groups that repeat it with other seeds (fixed-size lists do) pass a 3-example check
     with pytest.raises(AssertionError, match=r"example \d of 3 failed"):
-        check_equivalence(*pair("llama_fused_qkv_noncausal"), max_examples=3)
+        check_equivalent(*pair("llama_fused_qkv_noncausal"), max_examples=3)
 
 
 def test_same_seed_same_examples_and_same_report(pair: Callable[[str], Pair]) -> None:
     messages = []
     for _ in range(2):
         with pytest.raises(AssertionError) as failure:
-            check_equivalence(*pair("llama_fused_qkv_noncausal"), seed=1234, max_examples=10)
+            check_equivalent(*pair("llama_fused_qkv_noncausal"), seed=1234, max_examples=10)
         messages.append(str(failure.value))
     assert messages[0] == messages[1]
-    assert messages[0].startswith("check_equivalence(seed=1234, max_examples=10)")
+    assert messages[0].startswith("check_equivalent(seed=1234, max_examples=10)")
 
 
 def test_session_seed_set_by_the_plugin_is_used_and_printed(pair: Callable[[str], Pair]) -> None:
     set_default_seed(77)
     try:
-        report = check_equivalence(*pair("llama_fused_qkv"), max_examples=3)
+        report = check_equivalent(*pair("llama_fused_qkv"), max_examples=3)
     finally:
         set_default_seed(None)
     assert report.seed == 77 and "seed=77" in str(report)
 
 
 def test_works_from_a_test_with_function_scoped_fixtures(pair: Callable[[str], Pair], tmp_path: Path) -> None:
-    # @given is inside check_equivalence, not on this test: no function_scoped_fixture health check.
-    assert check_equivalence(*pair("llama_fused_qkv"), max_examples=3).passed
+    # @given is inside check_equivalent, not on this test: no function_scoped_fixture health check.
+    assert check_equivalent(*pair("llama_fused_qkv"), max_examples=3).passed
 
 
 def test_an_exception_from_a_model_is_shrunk_and_reported(pair: Callable[[str], Pair]) -> None:
@@ -130,7 +130,7 @@ def test_an_exception_from_a_model_is_shrunk_and_reported(pair: Callable[[str], 
     handle = patched.register_forward_pre_hook(reject_batches, with_kwargs=True)
     try:
         with pytest.raises(AssertionError) as failure:
-            check_equivalence(reference, patched)
+            check_equivalent(reference, patched)
     finally:
         handle.remove()
     message = str(failure.value)
@@ -140,9 +140,9 @@ def test_an_exception_from_a_model_is_shrunk_and_reported(pair: Callable[[str], 
 
 
 def test_one_property_record_per_check(pair: Callable[[str], Pair], records: list[CheckRecord]) -> None:
-    check_equivalence(*pair("qwen3_moe_router"), max_examples=5)
+    check_equivalent(*pair("qwen3_moe_router"), max_examples=5)
     with pytest.raises(AssertionError):
-        check_equivalence(*pair("llama_fused_qkv_noncausal"), max_examples=5)
+        check_equivalent(*pair("llama_fused_qkv_noncausal"), max_examples=5)
     assert [(r.kind, r.outcome, r.examples >= 5) for r in records] == [
         ("property", "passed", True),
         ("property", "failed", True),
@@ -151,12 +151,12 @@ def test_one_property_record_per_check(pair: Callable[[str], Pair], records: lis
 
 
 def test_tolerance_arguments_apply_to_every_example(pair: Callable[[str], Pair]) -> None:
-    assert check_equivalence(*pair("llama_fused_qkv_noncausal"), atol=10.0, max_examples=5).passed
+    assert check_equivalent(*pair("llama_fused_qkv_noncausal"), atol=10.0, max_examples=5).passed
 
 
 def test_inputs_must_be_a_strategy_or_a_dict(pair: Callable[[str], Pair]) -> None:
     with pytest.raises(pytest.UsageError, match="inputs= must be a hypothesis strategy"):
-        check_equivalence(*pair("llama_fused_qkv"), inputs=[1, 2, 3])  # type: ignore[arg-type]
+        check_equivalent(*pair("llama_fused_qkv"), inputs=[1, 2, 3])  # type: ignore[arg-type]
 
 
 @settings(max_examples=4, deadline=None)
@@ -172,7 +172,7 @@ def test_fused_qkv_is_equivalent_across_head_and_kv_head_layouts(
 MASK_IGNORING = '''
 import pytest
 from transformers.models.llama.modeling_llama import LlamaAttention
-from pytest_modelpatch import assert_equivalent, check_equivalence
+from pytest_modelpatch import assert_equivalent, check_equivalent
 
 
 class MaskIgnoringAttention(LlamaAttention):
@@ -187,16 +187,16 @@ def test_mask(reference_model, patched_model):
     import torch
     unpadded = {"input_ids": torch.arange(1, 9)[None]}
     assert_equivalent(reference_model, patched_model, unpadded)  # no padding: the bug hides
-    check_equivalence(reference_model, patched_model, max_examples=25)
+    check_equivalent(reference_model, patched_model, max_examples=25)
 '''
 
 
 def test_default_drawn_inputs_reach_padded_attention_masks(pytester: pytest.Pytester) -> None:
-    # an attention that ignores the mask is only wrong on padded rows: check_equivalence must draw them
+    # an attention that ignores the mask is only wrong on padded rows: check_equivalent must draw them
     pytester.makepyfile(MASK_IGNORING)
     result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*check_equivalence(seed=*failed*"])
+    result.stdout.fnmatch_lines(["*check_equivalent(seed=*failed*"])
     masks = re.findall(r"inputs: .*?attention_mask=(\[\[[01, \[\]]*\]\])", result.stdout.str())
     assert masks and all("0" in mask for mask in masks), masks  # the shrunk example is a padded batch
 
@@ -236,7 +236,7 @@ def test_every_input_route_draws_many_inputs_per_hypothesis_example(pair: Callab
     reference, patched = pair("llama_fused_qkv")
     examples, handle = _hypothesis_examples_per_forward(patched)
     try:
-        report = check_equivalence(reference, patched, inputs=ROUTES[route], max_examples=40)
+        report = check_equivalent(reference, patched, inputs=ROUTES[route], max_examples=40)
     finally:
         handle.remove()
     assert report.passed and report.examples == len(examples) == 40
@@ -248,7 +248,7 @@ def test_check_generation_decodes_many_prompts_per_hypothesis_example(pair: Call
     reference, patched = pair("llama_fused_qkv")
     examples, handle = _hypothesis_examples_per_forward(patched)
     try:
-        report = check_generation(reference, patched, max_examples=12, max_new_tokens=2)
+        report = check_generates_equivalent(reference, patched, max_examples=12, max_new_tokens=2)
     finally:
         handle.remove()
     assert report.passed and report.examples == 12
@@ -260,9 +260,9 @@ def test_a_users_strategy_still_catches_a_wrong_patch_and_reports_the_minimal_in
     pair: Callable[[str], Pair], route: str
 ) -> None:
     with pytest.raises(AssertionError) as failure:
-        check_equivalence(*pair("llama_fused_qkv_noncausal"), inputs=ROUTES[route], max_examples=60)
+        check_equivalent(*pair("llama_fused_qkv_noncausal"), inputs=ROUTES[route], max_examples=60)
     message = str(failure.value)
-    assert re.match(r"check_equivalence\(seed=0, max_examples=60\): example \d+ of 60 failed; shrunk in \d+ more runs", message)
+    assert re.match(r"check_equivalent\(seed=0, max_examples=60\): example \d+ of 60 failed; shrunk in \d+ more runs", message)
     # the smallest integer whose batch has two tokens, the fewest on which non-causal attention differs
     minimal = _batch_from_seed(4)["input_ids"].tolist()
     assert f"\ninputs: input_ids={minimal}\n" in message

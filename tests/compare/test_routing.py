@@ -109,7 +109,7 @@ LOOP = """
 import time
 import pytest
 from fixtures import load_patch
-from pytest_modelpatch import check_equivalence
+from pytest_modelpatch import check_equivalent
 
 PATCH = load_patch("mixtral_expert_loop")
 
@@ -119,7 +119,7 @@ PATCH = load_patch("mixtral_expert_loop")
 @pytest.mark.patch(PATCH.MAPPING)
 def test_per_expert_loop(reference_model, patched_model, dtype):
     start = time.perf_counter()
-    report = check_equivalence(reference_model, patched_model, max_examples=200)
+    report = check_equivalent(reference_model, patched_model, max_examples=200)
     print(f"ELAPSED {time.perf_counter() - start:.2f}s")
     print(report)
     assert report.examples == 200
@@ -140,7 +140,7 @@ def test_bf16_mixtral_with_per_expert_loop_passes_200_examples(pytester: pytest.
 BROKEN = """
 import pytest
 from fixtures import load_patch
-from pytest_modelpatch import assert_equivalent, check_equivalence
+from pytest_modelpatch import assert_equivalent, check_equivalent
 
 PATCH = load_patch("mixtral_wrong_expert_router")
 
@@ -149,7 +149,7 @@ PATCH = load_patch("mixtral_wrong_expert_router")
 @pytest.mark.dtypes("float32", "bfloat16")
 @pytest.mark.patch(PATCH.MAPPING)
 def test_property(reference_model, patched_model, dtype):
-    check_equivalence(reference_model, patched_model, max_examples=200)
+    check_equivalent(reference_model, patched_model, max_examples=200)
 
 
 @pytest.mark.model("mixtral")

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pytest_modelpatch import assert_equivalent, check_equivalence, check_module_equivalence
+from pytest_modelpatch import assert_equivalent, check_equivalent, assert_module_equivalent
 from pytest_modelpatch.errors import ModelMismatchError
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.families.catalog import tiny_config
@@ -15,8 +15,8 @@ from pytest_modelpatch.families.catalog import tiny_config
 LLAMA = seeded_model(tiny_config("llama"))
 CHECKS: dict[str, Callable[[torch.nn.Module, torch.nn.Module], object]] = {
     "assert_equivalent": assert_equivalent,
-    "check_equivalence": lambda ref, pat: check_equivalence(ref, pat, max_examples=2),
-    "check_module_equivalence": lambda ref, pat: check_module_equivalence("model.norm", reference=ref, patched=pat),
+    "check_equivalent": lambda ref, pat: check_equivalent(ref, pat, max_examples=2),
+    "assert_module_equivalent": lambda ref, pat: assert_module_equivalent("model.norm", reference=ref, patched=pat),
 }
 
 

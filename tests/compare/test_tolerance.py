@@ -199,7 +199,7 @@ def test_sqnr_is_ten_log10_of_signal_over_noise() -> None:
 INT8_SUITE = """
 import pytest
 from fixtures.patches import llama_int8_mlp
-from pytest_modelpatch import assert_equivalent, check_equivalence
+from pytest_modelpatch import assert_equivalent, check_equivalent
 
 INT8 = pytest.mark.patch(llama_int8_mlp.MAPPING)
 
@@ -215,7 +215,7 @@ def test_default_policy_calls_quantization_a_bug(reference_model, patched_model)
 @pytest.mark.tolerance(policy="sqnr")
 def test_sqnr_marker(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
-    check_equivalence(reference_model, patched_model, max_examples=5)
+    check_equivalent(reference_model, patched_model, max_examples=5)
 
 
 @pytest.mark.model("llama")
@@ -255,7 +255,7 @@ def test_int8_weight_only_patch_passes_sqnr_and_fails_a_stricter_threshold(pytes
 ORACLE_SUITE = """
 import pytest
 from fixtures.patches import llama_reordered_mlp
-from pytest_modelpatch import assert_equivalent, check_equivalence
+from pytest_modelpatch import assert_equivalent, check_equivalent
 
 
 @pytest.mark.model("llama")
@@ -265,7 +265,7 @@ from pytest_modelpatch import assert_equivalent, check_equivalence
 def test_reordered_accumulation(reference_model, patched_model):
     report = assert_equivalent(reference_model, patched_model)
     assert not all(c.max_abs == 0 for c in report.comparisons)  # it does round differently
-    check_equivalence(reference_model, patched_model, max_examples=5)
+    check_equivalent(reference_model, patched_model, max_examples=5)
 
 
 @pytest.mark.model("llama")

@@ -69,7 +69,7 @@ def test_model_inputs_bytes_order_shapes_so_that_shrinking_never_moves_to_a_late
     assert walked == sorted(walked) and len(set(walked)) == 6
     simplest = drawn.build(bytes(2) + rest)
     assert simplest["input_ids"].shape == (1, 1) and simplest["attention_mask"].tolist() == [[1]]
-    # equal bytes, equal inputs (what lets check_equivalence skip an input it compared already)
+    # equal bytes, equal inputs (what lets check_equivalent skip an input it compared already)
     raw = b"\xff\xff\x00\x00\x00\x07\x02\x01"
     first, again = drawn.build(raw), drawn.build(raw)
     assert first["attention_mask"].sum() < first["attention_mask"].numel()  # the pad bytes padded the rows

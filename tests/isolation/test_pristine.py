@@ -151,26 +151,26 @@ def test_the_context_left_nothing_behind():
     result.stdout.fnmatch_lines(["*FAILED*test_unnormalized_norm*"])
 
 
-def test_method_patch_is_caught_by_check_equivalence_and_its_noop_twin_passes(
+def test_method_patch_is_caught_by_check_equivalent_and_its_noop_twin_passes(
     pytester: pytest.Pytester, patches: None
 ) -> None:
     pytester.makepyfile(
         """
 import pytest
 from my_patches import patched_LlamaMLP, same_LlamaMLP
-from pytest_modelpatch import check_equivalence
+from pytest_modelpatch import check_equivalent
 
 
 @pytest.mark.model("llama")
 @pytest.mark.patch(methods=[patched_LlamaMLP])
 def test_scaled_mlp(reference_model, patched_model):
-    check_equivalence(reference_model, patched_model, max_examples=5)
+    check_equivalent(reference_model, patched_model, max_examples=5)
 
 
 @pytest.mark.model("llama")
 @pytest.mark.patch(methods=[same_LlamaMLP])
 def test_same_mlp(reference_model, patched_model):
-    check_equivalence(reference_model, patched_model, max_examples=5)
+    check_equivalent(reference_model, patched_model, max_examples=5)
 """
     )
     result = pytester.runpytest("-p", "no:randomly")

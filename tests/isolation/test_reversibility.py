@@ -11,7 +11,7 @@ from transformers.core_model_loading import Chunk, Concatenate, ConversionOps, W
 
 from fixtures.patches import llama_fused_qkv, qwen2_moe
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.isolation.reversibility import assert_reversible, check_reversible
+from pytest_modelpatch.isolation.reversibility import assert_reversible, reversibility_problems
 
 
 class ScaleByTwo(ConversionOps):
@@ -41,7 +41,7 @@ def fuse(op: Any) -> WeightConverter:
 def test_example_patches_and_every_builtin_mapping_are_reversible() -> None:
     builtin = {key: value for key, value in _build_checkpoint_conversion_mapping().items() if isinstance(value, list)}
     assert len(builtin) > 100
-    assert check_reversible({**builtin, **llama_fused_qkv.CONVERSIONS, **qwen2_moe.CONVERSIONS}) == []
+    assert reversibility_problems({**builtin, **llama_fused_qkv.CONVERSIONS, **qwen2_moe.CONVERSIONS}) == []
 
 
 def test_custom_op_without_reverse_is_named_with_key_converter_and_op() -> None:
@@ -49,7 +49,7 @@ def test_custom_op_without_reverse_is_named_with_key_converter_and_op() -> None:
         "llama": [WeightRenaming("input_layernorm", "attn_norm"), fuse(Concatenate(0))],
         "mistral": [WeightConverter("o_proj", "o_proj_scaled", operations=[ScaleByTwo()])],
     }
-    (problem,) = check_reversible(conversions)
+    (problem,) = reversibility_problems(conversions)
     assert (problem.key, problem.index, problem.operation) == ("mistral", 0, "ScaleByTwo")
     assert str(problem) == (
         "conversion 'mistral' [0] WeightConverter(['o_proj'] -> ['o_proj_scaled']), operation ScaleByTwo: "
@@ -68,7 +68,7 @@ def test_custom_op_without_reverse_is_named_with_key_converter_and_op() -> None:
 def test_unusable_reverses_are_reported(op: Any, reason: str) -> None:
     converter = fuse(Concatenate(0))
     converter.operations = [op]
-    (problem,) = check_reversible({"llama": [converter]})
+    (problem,) = reversibility_problems({"llama": [converter]})
     assert reason in str(problem)
 
 

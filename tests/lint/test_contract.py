@@ -22,7 +22,7 @@ from transformers.models.vibevoice_asr.modeling_vibevoice_asr import VibeVoiceAs
 from fixtures import PATCH_MODULES, load_patch
 from fixtures.patches import llama_fused_qkv
 from pytest_modelpatch.lint.findings import Kind
-from pytest_modelpatch.lint.patterns import Finding, lint_for_registration, lint_patterns
+from pytest_modelpatch.lint.patterns import Finding, lint_for_registration, run_lint
 from pytest_modelpatch.errors import ModelPatchWarning, PatchUsageError
 from pytest_modelpatch.models.structure import meta_structures
 
@@ -72,7 +72,7 @@ def kinds(findings: list[Finding]) -> list[str]:
 
 def contract(mapping: dict[str, type], conversions: dict[str, list[Any]] | None = None,
              checks: tuple[str, ...] = ("signature", "weights", "plan")) -> list[Finding]:
-    return lint_patterns(mapping, families=["llama"], conversions=conversions, checks=checks,
+    return run_lint(mapping, families=["llama"], conversions=conversions, checks=checks,
                          structures=meta_structures)
 
 
@@ -171,7 +171,7 @@ def test_good_examples_have_a_clean_contract(name: str) -> None:
     patch = load_patch(name)
     if patch.EXPECTED != "equivalent":
         pytest.skip(f"{name} is not a good example ({patch.EXPECTED})")
-    found = lint_patterns(patch.MAPPING, families=[patch.MODEL_TYPE], conversions=patch.CONVERSIONS,
+    found = run_lint(patch.MAPPING, families=[patch.MODEL_TYPE], conversions=patch.CONVERSIONS,
                           checks=("signature", "weights"), structures=meta_structures)
     assert found == []
 
@@ -227,7 +227,7 @@ def no_op(family: str, class_name: str) -> type:
 @pytest.mark.parametrize(("family", "class_name"), PREFIXED_PROJECTORS)
 def test_a_no_op_patch_keeps_the_weight_names_where_conversions_add_the_base_prefix(family: str,
                                                                                    class_name: str) -> None:
-    assert lint_patterns({class_name: no_op(family, class_name)}, families=[family], checks=("weights",),
+    assert run_lint({class_name: no_op(family, class_name)}, families=[family], checks=("weights",),
                          structures=meta_structures) == []
 
 
@@ -241,7 +241,7 @@ class RenamedAcousticProjector(VibeVoiceAsrMultiModalProjector):
 
 
 def test_a_renamed_weight_under_the_base_prefix_is_still_a_weight_names_finding() -> None:
-    (finding,) = lint_patterns({"VibeVoiceAsrMultiModalProjector": RenamedAcousticProjector},
+    (finding,) = run_lint({"VibeVoiceAsrMultiModalProjector": RenamedAcousticProjector},
                                families=["vibevoice_asr"], checks=("weights",), structures=meta_structures)
     assert finding.kind is Kind.WEIGHT_NAMES
     assert "missing keys (initialised randomly at load): multi_modal_projector.acoustic_in.bias" in finding.message

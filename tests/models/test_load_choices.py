@@ -274,15 +274,15 @@ EVERY_CHECK = """
 import pytest
 from fixtures.patches import mechanisms
 from pytest_modelpatch import (
-    assert_backward_equivalent, assert_compiles_equivalent, assert_exports_equivalent, check_equivalence, check_generation,
+    assert_backward_equivalent, assert_compiles_equivalent, assert_exports_equivalent, check_equivalent, check_generates_equivalent,
 )
 
 GOOD = pytest.mark.patch(transform=mechanisms.rmsnorm_instance_patcher)
 BROKEN = pytest.mark.patch(transform=mechanisms.rmsnorm_instance_patcher_no_eps)
 CHECKS = {
-    "property": lambda r, p: check_equivalence(r, p, max_examples=4),
+    "property": lambda r, p: check_equivalent(r, p, max_examples=4),
     "backward": lambda r, p: assert_backward_equivalent(r, p),
-    "generation": lambda r, p: check_generation(r, p, max_examples=2, max_new_tokens=2),
+    "generation": lambda r, p: check_generates_equivalent(r, p, max_examples=2, max_new_tokens=2),
     "export": lambda r, p: assert_exports_equivalent(r, p),
     "compile": lambda r, p: assert_compiles_equivalent(r, p),
 }

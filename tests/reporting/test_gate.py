@@ -33,12 +33,12 @@ def test_attention(reference_model, patched_model):
 
 SECOND = """
 import pytest
-from pytest_modelpatch import check_module_equivalence
+from pytest_modelpatch import assert_module_equivalent
 
 
 @pytest.mark.model("llama")
 def test_mlp(reference_model, patched_model):
-    check_module_equivalence("model.layers.0.mlp", reference=reference_model, patched=patched_model)
+    assert_module_equivalent("model.layers.0.mlp", reference=reference_model, patched=patched_model)
 """
 
 

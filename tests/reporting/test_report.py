@@ -15,7 +15,7 @@ from pytest_modelpatch.reporting.session import attaching_checks
 SUITE_EQUIVALENCE = """
 import pytest
 from transformers.models.llama.modeling_llama import LlamaMLP
-from pytest_modelpatch import assert_equivalent, check_module_equivalence
+from pytest_modelpatch import assert_equivalent, assert_module_equivalent
 
 
 class SameMLP(LlamaMLP):
@@ -26,7 +26,7 @@ class SameMLP(LlamaMLP):
 @pytest.mark.patch({"LlamaMLP": SameMLP})
 def test_mlp(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
-    check_module_equivalence("model.layers.0.mlp", reference=reference_model, patched=patched_model)
+    assert_module_equivalent("model.layers.0.mlp", reference=reference_model, patched=patched_model)
 
 
 def test_without_checks():
@@ -35,12 +35,12 @@ def test_without_checks():
 
 SUITE_PROPERTY = """
 import pytest
-from pytest_modelpatch import check_equivalence
+from pytest_modelpatch import check_equivalent
 
 
 @pytest.mark.model("llama")
 def test_property(reference_model, patched_model):
-    check_equivalence(reference_model, patched_model, max_examples=3)
+    check_equivalent(reference_model, patched_model, max_examples=3)
 """
 
 

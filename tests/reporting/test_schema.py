@@ -78,7 +78,7 @@ def assert_valid_report(path: Path) -> dict[str, Any]:
 NAN_SUITE = """
 import pytest
 from transformers.models.llama.modeling_llama import LlamaMLP
-from pytest_modelpatch import assert_equivalent, check_equivalence
+from pytest_modelpatch import assert_equivalent, check_equivalent
 
 
 class NaNMLP(LlamaMLP):
@@ -94,7 +94,7 @@ def test_nan(reference_model, patched_model):
 
 @pytest.mark.model("llama")
 def test_property(reference_model, patched_model):
-    check_equivalence(reference_model, patched_model, max_examples=3)
+    check_equivalent(reference_model, patched_model, max_examples=3)
 """
 
 

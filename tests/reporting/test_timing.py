@@ -29,7 +29,7 @@ import time
 
 import pytest
 from transformers.models.llama.modeling_llama import LlamaMLP
-from pytest_modelpatch import assert_equivalent, check_equivalence
+from pytest_modelpatch import assert_equivalent, check_equivalent
 
 
 class SlowMLP(LlamaMLP):
@@ -46,7 +46,7 @@ class SameMLP(LlamaMLP):
 @pytest.mark.patch({"LlamaMLP": SlowMLP})
 def test_slow(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
-    check_equivalence(reference_model, patched_model, max_examples=3)
+    check_equivalent(reference_model, patched_model, max_examples=3)
 
 
 @pytest.mark.model("llama")

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from fixtures.patches.lossy import LlamaOutProjMLP
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
-from pytest_modelpatch.roundtrip.check import check_roundtrip
+from pytest_modelpatch.roundtrip.check import assert_roundtrip
 
 torch.set_num_threads(1)
 
@@ -45,7 +45,7 @@ def test_a_dropped_weight_is_filled_as_the_patched_fixture_fills_it(
     torch.manual_seed(test_seed)  # the test's own random state, different in each case
     state = torch.get_rng_state()
     with pytest.raises(AssertionError) as failure:
-        check_roundtrip(model_builder.checkpoint(LLAMA), tmp_path=tmp_path)
+        assert_roundtrip(model_builder.checkpoint(LLAMA), tmp_path=tmp_path)
     message = str(failure.value)
     assert "model.layers.0.mlp.down_proj.weight: missing from the saved checkpoint" in message
     assert f"{FILLED}: unexpected in the saved checkpoint" in message
@@ -61,7 +61,7 @@ def test_a_dropped_weight_saved_in_the_patched_layout_is_the_fixtures_fill(
     patched = model_builder.patched(LLAMA)
     torch.manual_seed(3)
     # saved and reloaded with the patch, the filled weight is now in the checkpoint: the round-trip holds
-    report = check_roundtrip(model_builder.checkpoint(LLAMA), tmp_path=tmp_path, save_original_format=False)
+    report = assert_roundtrip(model_builder.checkpoint(LLAMA), tmp_path=tmp_path, save_original_format=False)
     assert report.passed and report.outputs
     saved = {name: tensor for file in sorted(report.saved.glob("*.safetensors")) for name, tensor in load_file(file).items()}
     assert torch.equal(saved[FILLED], patched.state_dict()[FILLED])

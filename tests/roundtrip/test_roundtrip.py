@@ -1,4 +1,4 @@
-"""check_roundtrip: patched load -> save gives the source checkpoint back bit for bit, or a report naming the tensor."""
+"""assert_roundtrip: patched load -> save gives the source checkpoint back bit for bit, or a report naming the tensor."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fixtures.patches import llama_fused_qkv, qwen2_moe
 from fixtures.patches._fused_qkv import ConcatenateQKV, qkv_sizes
 from pytest_modelpatch.isolation.registration import register_patches
 from pytest_modelpatch.isolation.guard import isolated_patch_state
-from pytest_modelpatch.roundtrip.check import Roundtrip, check_roundtrip
+from pytest_modelpatch.roundtrip.check import Roundtrip, assert_roundtrip
 from pytest_modelpatch.errors import CheckpointError
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.roundtrip.safetensors_diff import diff_checkpoints
@@ -47,7 +47,7 @@ def sharded_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_fused_qkv_llama_roundtrip_is_bit_exact(patch_registry: Any, llama_dir: Path, tmp_path: Path) -> None:
     register(llama_fused_qkv, patch_registry)
-    report = check_roundtrip(llama_dir, tmp_path=tmp_path)
+    report = assert_roundtrip(llama_dir, tmp_path=tmp_path)
     # identical tensors and config.json: the unpatched reload would be the source model itself
     assert report.passed and report.outputs_checked and report.outputs_implied and not report.outputs
     assert report.weights.summary() == "21/21 tensors identical, 361.7 kB compared"
@@ -60,7 +60,7 @@ def test_fused_qkv_llama_roundtrip_is_bit_exact_across_differing_shards(
 ) -> None:
     register(llama_fused_qkv, patch_registry)
     assert len(list(sharded_llama_dir.glob("*.safetensors"))) >= 3
-    report = check_roundtrip(sharded_llama_dir, tmp_path=tmp_path, max_shard_size="100KB")
+    report = assert_roundtrip(sharded_llama_dir, tmp_path=tmp_path, max_shard_size="100KB")
     saved_shards = sorted(p.name for p in report.saved.glob("*.safetensors"))
     assert len(saved_shards) >= 2 and saved_shards != sorted(p.name for p in sharded_llama_dir.glob("*.safetensors"))
     assert report.passed, str(report)
@@ -69,7 +69,7 @@ def test_fused_qkv_llama_roundtrip_is_bit_exact_across_differing_shards(
 def test_fused_qkv_llama_roundtrip_is_bit_exact_in_bf16(patch_registry: Any, tmp_path: Path) -> None:
     source = write_checkpoint("llama", tmp_path / "bf16", dtype="bfloat16", max_shard_size="40KB")
     register(llama_fused_qkv, patch_registry)
-    report = check_roundtrip(source, tmp_path=tmp_path)
+    report = assert_roundtrip(source, tmp_path=tmp_path)
     assert report.dtype == "bfloat16"
     assert {row.source.dtype for row in report.weights.tensors} == {"BF16"}
     assert report.passed
@@ -85,7 +85,7 @@ def test_qwen2_moe_module_list_experts_and_fused_qkv_roundtrip_bit_exact(
     source = write_checkpoint("qwen2_moe", tmp_path / "source", dtype=dtype, max_shard_size=max_shard_size)
     assert (source / "model.safetensors.index.json").exists() == (max_shard_size is not None)
     register(qwen2_moe, patch_registry)
-    report = check_roundtrip(source, tmp_path=tmp_path)
+    report = assert_roundtrip(source, tmp_path=tmp_path)
     names = {row.name for row in report.weights.tensors}
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in names and "model.layers.1.self_attn.v_proj.bias" in names
     assert report.passed, str(report)
@@ -101,7 +101,7 @@ def test_reference_model_source_is_saved_first_and_compared(patch_registry: Any,
 
 def test_patched_layout_survives_save_and_reload_with_patches(patch_registry: Any, llama_dir: Path, tmp_path: Path) -> None:
     register(llama_fused_qkv, patch_registry)
-    report = check_roundtrip(llama_dir, tmp_path=tmp_path, save_original_format=False)
+    report = assert_roundtrip(llama_dir, tmp_path=tmp_path, save_original_format=False)
     names = {row.name for row in report.weights.tensors}
     assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.self_attn.q_proj.weight" not in names
     assert report.passed and report.outputs
@@ -114,7 +114,7 @@ def test_roundtrip_writes_one_record_per_check(patch_registry: Any, llama_dir: P
     previous = set_record_sink(rows.append)
     try:
         register(llama_fused_qkv, patch_registry)
-        check_roundtrip(llama_dir, tmp_path=tmp_path, check_outputs=False)
+        assert_roundtrip(llama_dir, tmp_path=tmp_path, check_outputs=False)
     finally:
         set_record_sink(previous)
     assert [(r.kind, r.outcome, r.patch_keys) for r in rows] == [("roundtrip", "passed", ["LlamaAttention"])]
@@ -143,7 +143,7 @@ def test_fused_qkv_roundtrip_is_bit_exact_over_tiny_configs(
     source = write_checkpoint("llama", work / "source", **overrides)
     with isolated_patch_state():
         register_patches(llama_fused_qkv.MAPPING, conversions=llama_fused_qkv.CONVERSIONS, overwrite=True)
-        report = check_roundtrip(source, tmp_path=work, check_outputs=False)
+        report = assert_roundtrip(source, tmp_path=work, check_outputs=False)
     assert report.passed
 
 
@@ -189,7 +189,7 @@ def test_fused_patch_embeddings_match_the_conv3d_model_and_leak_nothing(qwen3_vl
 def test_fused_patch_embeddings_roundtrip_bit_exact(qwen3_vl: tuple[Any, Path], tmp_path: Path) -> None:
     reference, path = qwen3_vl
     inputs = example_inputs(reference.config, model_class=type(reference))
-    report = check_roundtrip(path, tmp_path=tmp_path, fusion_config=FUSION, inputs=inputs)
+    report = assert_roundtrip(path, tmp_path=tmp_path, fusion_config=FUSION, inputs=inputs)
     assert report.passed and report.outputs
     assert "'fusion_config' added: {'patch_embeddings': True}" in str(report)
 
@@ -205,7 +205,7 @@ def test_qwen2_vl_patch_embeddings_fusion_is_caught_dropping_the_conv_weight(tmp
     torch.manual_seed(0)
     Qwen2VLForConditionalGeneration(tiny_config("qwen2_vl")).save_pretrained(tmp_path / "ckpt")
     with pytest.raises(AssertionError) as failure:
-        check_roundtrip(tmp_path / "ckpt", tmp_path=tmp_path, fusion_config=FUSION, check_outputs=False)
+        assert_roundtrip(tmp_path / "ckpt", tmp_path=tmp_path, fusion_config=FUSION, check_outputs=False)
     message = str(failure.value)
     assert "visual.patch_embed.proj.weight: missing from the saved checkpoint" in message
     assert "visual.patch_embed.linear_proj.weight: unexpected in the saved checkpoint" in message
@@ -251,7 +251,7 @@ def fused_qkv_with(op: ConversionOps) -> dict[str, list[WeightConverter]]:
 def test_lossy_bf16_fusion_fails_naming_the_rounded_tensors(patch_registry: Any, llama_dir: Path, tmp_path: Path) -> None:
     patch_registry.register(llama_fused_qkv.MAPPING, conversions=fused_qkv_with(ConcatenateInBF16(0)), overwrite=True)
     with pytest.raises(AssertionError) as failure:
-        check_roundtrip(llama_dir, tmp_path=tmp_path)
+        assert_roundtrip(llama_dir, tmp_path=tmp_path)
     message = str(failure.value)
     assert "roundtrip FAILED: 15/21 tensors identical" in message
     assert "model.layers.0.self_attn.q_proj.weight: bytes differ;" in message
@@ -261,7 +261,7 @@ def test_lossy_bf16_fusion_fails_naming_the_rounded_tensors(patch_registry: Any,
 def test_conversion_saving_k_as_v_fails_naming_both_tensors(patch_registry: Any, llama_dir: Path, tmp_path: Path) -> None:
     patch_registry.register(llama_fused_qkv.MAPPING, conversions=fused_qkv_with(ConcatenateSavingSwapped(0)), overwrite=True)
     with pytest.raises(AssertionError) as failure:
-        check_roundtrip(llama_dir, tmp_path=tmp_path, check_outputs=False)
+        assert_roundtrip(llama_dir, tmp_path=tmp_path, check_outputs=False)
     message = str(failure.value)
     for layer in (0, 1):
         assert f"model.layers.{layer}.self_attn.k_proj.weight: bytes differ;" in message
@@ -274,11 +274,11 @@ def test_failure_in_a_pytest_run_shows_the_report(pytester: pytest.Pytester, lla
         f"""
         from fixtures.patches import llama_fused_qkv, qwen2_moe
         from tests.roundtrip.test_roundtrip import ConcatenateInBF16, fused_qkv_with
-        from pytest_modelpatch.roundtrip.check import check_roundtrip
+        from pytest_modelpatch.roundtrip.check import assert_roundtrip
 
         def test_lossy(patch_registry, tmp_path):
             patch_registry.register(llama_fused_qkv.MAPPING, conversions=fused_qkv_with(ConcatenateInBF16(0)), overwrite=True)
-            check_roundtrip({str(llama_dir)!r}, tmp_path=tmp_path, check_outputs=False)
+            assert_roundtrip({str(llama_dir)!r}, tmp_path=tmp_path, check_outputs=False)
         """
     )
     result = pytester.runpytest("-p", "no:randomly")
@@ -286,7 +286,7 @@ def test_failure_in_a_pytest_run_shows_the_report(pytester: pytest.Pytester, lla
     result.stdout.fnmatch_lines(
         ["*AssertionError: roundtrip FAILED: 15/21 tensors identical*", "*model.layers.0.self_attn.k_proj.weight: bytes differ*"]
     )
-    assert "def check_roundtrip" not in result.stdout.str()  # __tracebackhide__: the user's line is shown
+    assert "def assert_roundtrip" not in result.stdout.str()  # __tracebackhide__: the user's line is shown
 
 
 # ---------------------------------------------------------------------------
@@ -324,13 +324,13 @@ def test_byte_compare_sees_negative_zero_and_counts_elements(tmp_path: Path) -> 
 
 def test_missing_directory_is_a_checkpoint_error_naming_it(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=f"checkpoint directory {tmp_path / 'nowhere'} does not exist"):
-        check_roundtrip(tmp_path / "nowhere")
+        assert_roundtrip(tmp_path / "nowhere")
 
 
 def test_directory_with_only_pytorch_model_bin_is_rejected(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match=r"no \.safetensors file in .*pytorch_model\.bin.*pickled weights only"):
-        check_roundtrip(tmp_path)
+        assert_roundtrip(tmp_path)
 
 
 def test_truncated_safetensors_file_is_named(llama_dir: Path, tmp_path: Path) -> None:
@@ -339,13 +339,13 @@ def test_truncated_safetensors_file_is_named(llama_dir: Path, tmp_path: Path) ->
     data = (llama_dir / "model.safetensors").read_bytes()
     (copy / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=f"{copy / 'model.safetensors'} is not a readable safetensors file.*truncated or corrupt"):
-        check_roundtrip(copy)
+        assert_roundtrip(copy)
 
 
 def test_corrupt_header_is_named(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     with pytest.raises(CheckpointError, match="model.safetensors is not a readable safetensors file"):
-        check_roundtrip(tmp_path)
+        assert_roundtrip(tmp_path)
 
 
 def test_a_checkpoint_without_config_json_is_named(llama_dir: Path, tmp_path: Path) -> None:
@@ -353,7 +353,7 @@ def test_a_checkpoint_without_config_json_is_named(llama_dir: Path, tmp_path: Pa
     copy.mkdir()
     os.symlink(llama_dir / "model.safetensors", copy / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"{copy} has no config.json"):
-        check_roundtrip(copy)
+        assert_roundtrip(copy)
 
 
 def test_index_naming_an_absent_shard_is_named(sharded_llama_dir: Path, tmp_path: Path) -> None:
@@ -363,7 +363,7 @@ def test_index_naming_an_absent_shard_is_named(sharded_llama_dir: Path, tmp_path
     for path in [*shards[1:], sharded_llama_dir / "model.safetensors.index.json", sharded_llama_dir / "config.json"]:
         os.symlink(path, copy / path.name)
     with pytest.raises(CheckpointError, match=f"names shard '{shards[0].name}'.*{copy / shards[0].name} does not exist"):
-        check_roundtrip(copy)
+        assert_roundtrip(copy)
 
 
 def test_index_disagreeing_with_its_shards_is_named(sharded_llama_dir: Path, tmp_path: Path) -> None:
@@ -375,4 +375,4 @@ def test_index_disagreeing_with_its_shards_is_named(sharded_llama_dir: Path, tmp
     for path in sharded_llama_dir.glob("*.safetensors"):
         os.symlink(path, copy / path.name)
     with pytest.raises(CheckpointError, match="places 'lm_head.weight' in .*-00001-of-.*, but it is in"):
-        check_roundtrip(copy)
+        assert_roundtrip(copy)

@@ -14,7 +14,7 @@ from fixtures.patches import llama_fused_qkv
 from pytest_modelpatch.compare.outputs import flatten_outputs
 from pytest_modelpatch.families.catalog import tiny_config
 from pytest_modelpatch.models.checkpoints import seeded_model
-from pytest_modelpatch.roundtrip.check import check_roundtrip
+from pytest_modelpatch.roundtrip.check import assert_roundtrip
 from pytest_modelpatch.roundtrip.differences import identical_outputs
 
 torch.set_num_threads(1)
@@ -50,7 +50,7 @@ def test_identical_outputs_is_exact_and_fails_a_tensor_on_one_side_or_of_another
 
 def test_a_model_source_compares_every_output_path_cache_layers_included(patch_registry: Any, tmp_path: Path) -> None:
     patch_registry.register(llama_fused_qkv.MAPPING, conversions=llama_fused_qkv.CONVERSIONS, overwrite=True)
-    report = check_roundtrip(build_model("llama", seed=3), tmp_path=tmp_path)
+    report = assert_roundtrip(build_model("llama", seed=3), tmp_path=tmp_path)
     names = [row.name for row in report.outputs]
     assert report.passed and names[0] == "logits"
     # the KV cache (`cache` from transformers 5.24, `past_key_values` before) is compared layer by layer
@@ -62,5 +62,5 @@ def test_a_model_that_draws_in_eval_mode_round_trips_with_identical_outputs(tmp_
     # reloaded model must draw the same mask (compare.running.forward seeds each pass)
     model = seeded_model(tiny_config("vit_mae"))
     torch.manual_seed(5)
-    report = check_roundtrip(model, tmp_path=tmp_path)
+    report = assert_roundtrip(model, tmp_path=tmp_path)
     assert report.passed and report.outputs and report.outputs_identical, str(report)
