@@ -149,7 +149,7 @@ def test_a_lookup_table_call_is_read_as_a_call_site() -> None:
 
 def test_a_call_the_built_model_never_makes_is_not_judged() -> None:
     from fixtures.patches.bert_broad_attention import BertSdpaSelfAttention  # forward(hidden_states, mask, cache, ...)
-    from pytest_modelpatch import run_lint as with_models
+    from pytest_modelpatch import lint_patterns as with_models
 
     mapping = {"^BertAttention$": BertSdpaSelfAttention}
     # BertLayer runs self.crossattention(h, None, enc, enc_mask, cache=..., **kwargs) in a decoder with cross-attention
