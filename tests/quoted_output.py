@@ -11,6 +11,11 @@ positions and the order of rows. So:
   failing (or xfailed) check's max abs within :data:`FIGURE_RTOL`, its max rel within
   :data:`MAX_REL_RTOL`, or one unit of the last printed digit; a speedup is a measured time, any
   value matches;
+- a failing training check in bfloat16 or float16 (a ``training#N`` row at ``bfloat16@...``) is
+  compounded round-off: 16 bf16 optimizer steps cross the tolerance at step 2, 6 or 11 under
+  avx2, default and avx512 for the same broken loss (max abs 0.938, 2.38, 0.969), so its figures
+  match any value, as a passing check's do, and its row is found by its text cells wherever the
+  figures sort it (:func:`same_lines`); every other row keeps its place;
 - any other line matches when its text is equal and each number in it is: a figure (a number with
   a fraction or an exponent, or after a label such as ``max rel``) within :data:`FIGURE_RTOL` (a max
   rel within :data:`MAX_REL_RTOL`) or one unit of its last digit; any other number (a count, a
@@ -53,12 +58,35 @@ def same_line(quoted: str, real: str) -> bool:
     return same_text_up_to_round_off(quoted, real)
 
 
+def same_lines(quoted: list[str], real: list[str]) -> bool:
+    """The same lines, each :func:`same_line`, in the same order but for compounded rows (:func:`compounded`),
+    which are matched wherever they stand."""
+    loose = [i for i, line in enumerate(quoted) if compounded(table_cells(line))]
+    placed = [i for i, line in enumerate(real) if compounded(table_cells(line))]
+    if len(quoted) != len(real) or len(loose) != len(placed):
+        return False
+    unmatched = [real[i] for i in placed]
+    for line in (quoted[i] for i in loose):
+        match = next((other for other in unmatched if same_line(line, other)), None)
+        if match is None:
+            return False
+        unmatched.remove(match)
+    rest = lambda lines, skip: [line for i, line in enumerate(lines) if i not in skip]  # noqa: E731
+    return all(map(same_line, rest(quoted, set(loose)), rest(real, set(placed))))
+
+
+def compounded(cells: list[str] | None) -> bool:
+    """A failing training check in a 16-bit dtype: its figures are compounded round-off (see the module's rules)."""
+    return (cells is not None and cells[0] != "passed" and cells[-4].startswith("training#")
+            and cells[-2].split("@")[0] in ("bfloat16", "float16"))  # fmt: skip
+
+
 def same_row(quoted: list[str], real: list[str]) -> bool:
     """Two table rows: the same outcome, text cells, and figures that agree as the outcome allows."""
     if len(quoted) != len(real) or quoted[0] != real[0]:
         return False
     timed = len(quoted) == 8  # a speedup column after max rel
-    passed = quoted[0] == "passed"
+    passed = quoted[0] == "passed" or compounded(quoted)
     for index, (a, b) in enumerate(zip(quoted, real)):
         if index in (1, 2):
             if not same_figure(a, b, passed=passed, rtol=FIGURE_RTOL if index == 1 else MAX_REL_RTOL):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from quoted_output import same_line
+from quoted_output import same_line, same_lines
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [*sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "README.md"]
@@ -400,8 +400,8 @@ def comparable_output(text: str) -> list[str]:
 
 
 def same_output(quoted: list[str], real: list[str]) -> bool:
-    """The same lines in the same order, each :func:`quoted_output.same_line`."""
-    return len(quoted) == len(real) and all(map(same_line, quoted, real))
+    """The same lines in the same order, each :func:`quoted_output.same_line` (:func:`quoted_output.same_lines`)."""
+    return same_lines(quoted, real)
 
 
 def test_comparable_output_drops_only_the_time_and_the_rules() -> None:

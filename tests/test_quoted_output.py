@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quoted_output import same_line
+from quoted_output import same_line, same_lines
 
 ROW = "xfailed  1.37      700       equivalence#1  LlamaForCausalLM     float32@cpu   docs/examples/t.py::test_scale"
 PASSED = "passed   5.36e-06  0.0247    equivalence#1  Qwen3VLModel         float32@cpu   docs/examples/t.py::test_vl"
@@ -54,3 +54,19 @@ def test_a_whole_figure_in_a_failure_line_is_a_figure_and_a_count_is_not() -> No
     assert same_line(line, line.replace("3177", "3218"))  # a max rel: 1.3%
     assert not same_line(line, line.replace("[1, 3, 2, 7]", "[1, 3, 2, 6]"))
     assert not same_line(line, line.replace("896/", "897/"))
+
+
+BF16_TRAINING = ("xfailed  0.969     3.85e+03  training#1     LlamaForCausalLM     bfloat16@cpu     "
+                 "docs/examples/t.py::test_late[bfloat16]")
+FP32_TRAINING = "xfailed  0.572     103       training#1     LlamaForCausalLM     float32@cpu      docs/examples/t.py::test_stale"
+
+
+def test_a_failing_bf16_training_row_matches_any_figures_wherever_it_sorts() -> None:
+    moved = BF16_TRAINING.replace("0.969     3.85e+03", "2.38      2.99e+03")
+    assert same_lines([ROW, BF16_TRAINING, FP32_TRAINING], [moved, ROW, FP32_TRAINING])
+    assert not same_lines([ROW, BF16_TRAINING], [ROW, moved.replace("xfailed", "failed ")])  # its outcome is exact
+    assert not same_lines([ROW, BF16_TRAINING], [ROW, moved.replace("test_late", "test_lade")])  # and its id
+    assert not same_lines([ROW, BF16_TRAINING], [ROW, FP32_TRAINING])  # it is there
+    # an fp32 training row is judged as any failing row: its figures up to round-off, its place exact
+    assert not same_lines([ROW, FP32_TRAINING], [FP32_TRAINING, ROW])
+    assert not same_line(FP32_TRAINING, FP32_TRAINING.replace("0.572", "0.672"))
