@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -109,7 +109,6 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
-
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
@@ -129,18 +128,14 @@ def __dir__() -> list[str]:
 # None is in __all__.
 # ---------------------------------------------------------------------------
 
-REMOVED_IN = "0.3"
-
-
-def _public(name: str) -> Callable[..., Any]:
-    return __getattr__(name)  # type: ignore[no-any-return]
+_REMOVED_IN = "0.3"
 
 
 def _warn(old: str, new: str, how: str = "", stacklevel: int = 3) -> None:
     from pytest_modelpatch.errors import ModelPatchDeprecationWarning
 
     warnings.warn(
-        f"pytest_modelpatch.{old} is now {new}{how}; the old name goes in {REMOVED_IN}.",
+        f"pytest_modelpatch.{old} is now {new}{how}; the old name goes in {_REMOVED_IN}.",
         ModelPatchDeprecationWarning,
         stacklevel=stacklevel,  # the caller's line
     )
@@ -151,7 +146,7 @@ def check_equivalence(reference: Any, patched: Any, *, backward: bool = False, *
     __tracebackhide__ = True
     new = "check_backward_equivalent" if backward else "check_equivalent"
     _warn("check_equivalence", new, " (backward=True is check_backward_equivalent)" if backward else "")
-    return _public(new)(reference, patched, **options)
+    return __getattr__(new)(reference, patched, **options)
 
 
 def check_generation(reference: Any, patched: Any, *, max_prompt_len: int | None = None, **options: Any) -> Any:
@@ -160,32 +155,32 @@ def check_generation(reference: Any, patched: Any, *, max_prompt_len: int | None
     _warn("check_generation", "check_generates_equivalent", " (max_prompt_len= is max_seq_len=)" if max_prompt_len else "")
     if max_prompt_len is not None:
         options["max_seq_len"] = max_prompt_len
-    return _public("check_generates_equivalent")(reference, patched, **options)
+    return __getattr__("check_generates_equivalent")(reference, patched, **options)
 
 
 def check_module_equivalence(original_module: Any, patched_module: Any = None, **options: Any) -> Any:
     """Renamed: ``assert_module_equivalent``, whose first argument is ``reference_module``."""
     __tracebackhide__ = True
     _warn("check_module_equivalence", "assert_module_equivalent")
-    return _public("assert_module_equivalent")(original_module, patched_module, **options)
+    return __getattr__("assert_module_equivalent")(original_module, patched_module, **options)
 
 
 def check_roundtrip(source: Any, **options: Any) -> Any:
     """Renamed: ``assert_roundtrip``."""
     __tracebackhide__ = True
     _warn("check_roundtrip", "assert_roundtrip")
-    return _public("assert_roundtrip")(source, **options)
+    return __getattr__("assert_roundtrip")(source, **options)
 
 
 def check_reversible(conversions: dict[str, list[Any]]) -> Any:
     """Renamed: ``reversibility_problems`` (the list), ``assert_reversible`` (raises)."""
     _warn("check_reversible", "reversibility_problems", " (assert_reversible raises them)")
-    return _public("reversibility_problems")(conversions)
+    return __getattr__("reversibility_problems")(conversions)
 
 
 @contextmanager
 def without_patches() -> Iterator[None]:
     """Renamed: ``pristine``, which does all it did and also swaps the test's method patches out."""
     _warn("without_patches", "pristine", " (it yields nothing)", stacklevel=4)  # through contextlib's __enter__
-    with _public("pristine")():
+    with __getattr__("pristine")():
         yield

@@ -399,20 +399,15 @@ def comparable_output(text: str) -> list[str]:
     return [line for line in kept if line]
 
 
-def same_output(quoted: list[str], real: list[str]) -> bool:
-    """The same lines in the same order, each :func:`quoted_output.same_line` (:func:`quoted_output.same_lines`)."""
-    return same_lines(quoted, real)
-
-
 def test_comparable_output_drops_only_the_time_and_the_rules() -> None:
     quoted = "intro\ndocs/examples/t.py ..x  [100%]\n\n==== 2 passed, 1 xfailed in 11.10s ====\n"
     assert comparable_output(quoted) == ["docs/examples/t.py ..x  [100%]", "2 passed, 1 xfailed in Ns"]
-    assert not same_output(comparable_output(quoted), comparable_output(quoted.replace("1 xfailed", "2 xfailed")))
+    assert not same_lines(comparable_output(quoted), comparable_output(quoted.replace("1 xfailed", "2 xfailed")))
     row = "passed   4.71e-06  0.00459   equivalence#1  Qwen3VLModel  float32@cpu   t.py::test_a"
     other = "xfailed  1.37      700       equivalence#1  LlamaForCausalLM  float32@cpu   t.py::test_b"
     table = comparable_output(f"docs/examples/t.py\n{row}\n{other}")
-    assert same_output(table, comparable_output(f"docs/examples/t.py\n{row.replace('0.00459', '0.0247')}\n{other.replace('700', '699')}"))
-    assert not same_output(table, comparable_output(f"docs/examples/t.py\n{other}\n{row}"))  # the order of rows is exact
+    assert same_lines(table, comparable_output(f"docs/examples/t.py\n{row.replace('0.00459', '0.0247')}\n{other.replace('700', '699')}"))
+    assert not same_lines(table, comparable_output(f"docs/examples/t.py\n{other}\n{row}"))  # the order of rows is exact
 
 
 def test_quickstart_quotes_what_the_main_job_prints() -> None:
@@ -421,7 +416,7 @@ def test_quickstart_quotes_what_the_main_job_prints() -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, *MAIN_JOB], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert same_output(comparable_output(quoted.code), comparable_output(done.stdout)), (
+    assert same_lines(comparable_output(quoted.code), comparable_output(done.stdout)), (
         f"{quoted.id} no longer shows what `pytest {' '.join(MAIN_JOB[2:])}` prints; paste the real output:\n"
         + done.stdout[done.stdout.find("docs/examples/"):]
     )

@@ -58,8 +58,7 @@ class PropertyReport(PropertyOutcome):
 
     @property
     def header(self) -> str:
-        name = "check_backward_equivalent" if self.backward else "check_equivalent"
-        return f"{name}(seed={self.seed}, max_examples={self.max_examples})"
+        return f"{_check_name(self.backward)}(seed={self.seed}, max_examples={self.max_examples})"
 
     def __str__(self) -> str:
         if self.passed:
@@ -135,8 +134,8 @@ def _inputs_strategy(
     if isinstance(inputs, Mapping):
         return st.just(inputs), False
     raise PatchUsageError(
-        f"{'check_backward_equivalent' if backward else 'check_equivalent'}: inputs= must be a hypothesis strategy of input dicts (got {type(inputs).__name__}); "
-        "e.g. inputs=pytest_modelpatch.families.strategies.model_inputs(config, max_seq_len=16)."
+        f"{_check_name(backward)}: inputs= must be a hypothesis strategy of input dicts (got {type(inputs).__name__}); "
+        "e.g. inputs=pytest_modelpatch.model_inputs(config, max_seq_len=16)."
     )
 
 
@@ -189,12 +188,17 @@ def check_backward_equivalent(
     return _check_property(reference, patched, inputs, max_examples, seed, atol, rtol, policy, allow_unused, backward=True)
 
 
+def _check_name(backward: bool) -> str:
+    """The public check a property run is, for its messages."""
+    return "check_backward_equivalent" if backward else "check_equivalent"
+
+
 def _check_property(
     reference: torch.nn.Module, patched: torch.nn.Module, inputs: Any, max_examples: int | None, seed: int | None,
     atol: float | None, rtol: float | None, policy: str | TolerancePolicy | None, allow_unused: bool, *, backward: bool,
 ) -> PropertyReport:  # fmt: skip
     __tracebackhide__ = True
-    check_same_model(reference, patched, "check_backward_equivalent" if backward else "check_equivalent")
+    check_same_model(reference, patched, _check_name(backward))
     strategy, grouped = _inputs_strategy(reference, inputs, backward)
     spec = resolve_tolerance(atol, rtol, policy)  # read the test's overrides here, once
     report = PropertyReport(
