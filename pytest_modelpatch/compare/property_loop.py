@@ -22,6 +22,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
+from pytest_modelpatch.compare.running import ieee_float32
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes
 from pytest_modelpatch.reporting.records import CheckRecord
 
@@ -106,7 +107,8 @@ class PropertyLoop:
         # one_group's tokenized source) cost every call ~2 ms, as much as ten tiny forwards
         one_group._hypothesis_internal_database_key = None  # type: ignore[attr-defined]
         try:
-            one_group()
+            with ieee_float32():  # once for the loop: each example's own block is then free
+                one_group()
         except _BudgetSpent:
             return None  # max_examples inputs checked, all passed
         except _ExampleDiffers:

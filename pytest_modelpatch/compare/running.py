@@ -3,7 +3,8 @@
 ``forward`` runs a model the one way every check runs it (seeded, so a model that draws in eval
 mode draws the same for both sides); ``unwrapped`` reaches the model inside a wrapper (PEFT's
 ``PeftModel``); ``cache_keyword`` and the hints name the ``cache``/``past_key_values`` rename;
-``implementations_line`` names each side's attention and experts implementation. What the
+``implementations_line`` names each side's attention and experts implementation;
+``ieee_float32`` holds float32 at full precision while a check runs its models. What the
 outputs are compared with is :mod:`.outputs`'.
 """
 
@@ -13,8 +14,9 @@ import copy
 import inspect
 import re
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -47,9 +49,67 @@ def oracle_outputs(reference: torch.nn.Module, inputs: Mapping[str, Any], spec: 
 # ---------------------------------------------------------------------------
 
 
+_IEEE_FLOAT32: ContextVar[bool] = ContextVar("modelpatch_ieee_float32", default=False)
+
+
+def _per_operation_precisions() -> list[Any]:
+    """torch >= 2.9's settings per backend and operation, each an ``fp32_precision``; none before."""
+    b = torch.backends
+    if not hasattr(b.cuda.matmul, "fp32_precision"):
+        return []
+    return [b.cuda.matmul, b.cudnn.conv, b.cudnn.rnn, b.mkldnn.matmul, b.mkldnn.conv, b.mkldnn.rnn]
+
+
+def _readable(read: Callable[[], Any]) -> Any:
+    """A legacy precision getter's value, or ``None`` where the caller's mix of legacy and per-operation settings makes it raise."""
+    try:
+        return read()
+    except RuntimeError:
+        return None
+
+
+@contextmanager
+def ieee_float32() -> Iterator[None]:
+    """Float32 matmuls and convolutions at IEEE precision for the block; the caller's settings put back after.
+
+    cuDNN convolutions run in TF32 by default on Ampere and later, and a user's
+    ``set_float32_matmul_precision("high"|"medium")`` turns on TF32 for CUDA matmuls and bf16 for
+    oneDNN's on CPU: 10 or 8 mantissa bits where the float32 tolerance allows for 24. The two
+    sides of a check rarely take the same kernels (a Conv3d against the Linear that replaces it),
+    so a correct patch would differ by 1e-3 (the Qwen3-VL patch embedding on an H200). Nested
+    blocks are free.
+    """
+    if _IEEE_FLOAT32.get():
+        yield
+        return
+    token = _IEEE_FLOAT32.set(True)
+    cudnn = torch.backends.cudnn
+    per_operation = _per_operation_precisions()
+    saved = [setting.fp32_precision for setting in per_operation]
+    matmul, cudnn_tf32 = _readable(torch.get_float32_matmul_precision), _readable(lambda: cudnn.allow_tf32)
+    try:
+        # the legacy setters first: torch keeps their state beside the per-operation settings
+        # and checks the two agree when torch.export, inductor or a library reads the legacy
+        # getters (a check that set only the new ones made torch.export raise); "ieee" agrees
+        # with "highest" and allow_tf32 False, and overrides a generic "tf32" that "none" inherits
+        torch.set_float32_matmul_precision("highest")
+        cudnn.allow_tf32 = False
+        for setting in per_operation:
+            setting.fp32_precision = "ieee"
+        yield
+    finally:
+        if matmul is not None:
+            torch.set_float32_matmul_precision(matmul)
+        if cudnn_tf32 is not None:
+            cudnn.allow_tf32 = cudnn_tf32
+        for setting, value in zip(per_operation, saved):
+            setting.fp32_precision = value
+        _IEEE_FLOAT32.reset(token)
+
+
 @contextmanager
 def evaluating(*models: torch.nn.Module) -> Iterator[None]:
-    """Eval mode and no_grad for a block; every module's training flag is restored after."""
+    """Eval mode, no_grad and :func:`ieee_float32` for a block; every module's training flag is restored after."""
     flags = [(module, module.training) for model in models for module in model.modules()]
     try:
         # a shared reference is in eval already, and eval() walks every module through
@@ -57,7 +117,7 @@ def evaluating(*models: torch.nn.Module) -> Iterator[None]:
         if any(training for _, training in flags):
             for model in models:
                 model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), ieee_float32():
             yield
     finally:
         for module, training in flags:  # a plain attribute: skip nn.Module.__setattr__'s checks
@@ -137,7 +197,7 @@ def forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Any:
     """
     device = model_device(model)
     if device.type != "cpu":
-        with torch.random.fork_rng(devices=[device], device_type=device.type):
+        with torch.random.fork_rng(devices=[device], device_type=device.type), ieee_float32():
             torch.manual_seed(FORWARD_SEED)
             return model(**move_inputs(inputs, device))
     # CPU: the default generator alone; torch.manual_seed also probes every accelerator
@@ -146,7 +206,8 @@ def forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Any:
     state = generator.get_state()
     generator.manual_seed(FORWARD_SEED)
     try:
-        return model(**move_inputs(inputs, device))
+        with ieee_float32():
+            return model(**move_inputs(inputs, device))
     finally:
         generator.set_state(state)
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.outputs import flatten_outputs
-from pytest_modelpatch.compare.running import forward, model_device
+from pytest_modelpatch.compare.running import forward, ieee_float32, model_device
 from pytest_modelpatch.errors import PatchUsageError
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -414,6 +414,7 @@ def training_run(
         _seed(device)
         stack.enter_context(training_state(model, checkpointing))
         stack.enter_context(_input_embedding_gradients(model, input_grads))
+        stack.enter_context(ieee_float32())  # the backward too
         with torch.enable_grad():
             outputs = forward(model, inputs)
             value, source = training_loss(outputs, loss)

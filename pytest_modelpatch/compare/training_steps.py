@@ -31,7 +31,7 @@ from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.check_report import CheckReport
 from pytest_modelpatch.compare.divergence import Divergence, find_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_tensors, describe_tolerances
-from pytest_modelpatch.compare.running import default_inputs, describe_inputs, forward, placement, unwrapped
+from pytest_modelpatch.compare.running import default_inputs, describe_inputs, forward, ieee_float32, placement, unwrapped
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.sharded import logical_tensors
 from pytest_modelpatch.compare.ties import tie_differences
@@ -271,7 +271,7 @@ def accumulate(
     total = torch.zeros(())
     for batch in batches:
         kwargs = dict(batch) if items is None else {**batch, "num_items_in_batch": items}
-        with torch.enable_grad():
+        with torch.enable_grad(), ieee_float32():  # the backward too
             value, _ = training_loss(forward(model, kwargs), loss)
             if items is None:
                 value = value / len(batches)
