@@ -69,13 +69,13 @@ def test_the_gpu_lane_without_a_gpu_stops_before_any_lane_saying_it_needs_one() 
     assert nowhere.returncode == 2 and ".ci/gpu: no python at /nonexistent/python" in nowhere.stderr
 
 
-def test_the_committed_baseline_names_only_examples_that_still_exist() -> None:
-    # the GPU lane and CI's shards lane gate against it; a renamed example would leave a row no run gives
+def test_the_committed_baseline_names_only_tests_that_still_exist() -> None:
+    # the GPU lane and CI's shards lane gate against it; a renamed test would leave a row no run gives
     from pytest_modelpatch.reporting.report import load_report
 
     baseline = load_report(REPO_ROOT / "tests" / "modelpatch-baseline.json")
-    examples = (REPO_ROOT / "docs" / "examples" / "test_verify_examples.py").read_text()
-    tests = {row["nodeid"].split("::")[1].partition("[")[0] for row in baseline["rows"]}
+    tests = {(path, name.partition("[")[0]) for path, name in (row["nodeid"].split("::")[:2] for row in baseline["rows"])}
     assert baseline["schema_version"] == 3 and len(tests) > 10
-    assert not [test for test in tests if f"def {test}(" not in examples]
+    assert {path for path, _ in tests} == {"docs/examples/test_verify_examples.py", "tests/models/test_gpu.py"}
+    assert not [(path, test) for path, test in tests if f"def {test}(" not in (REPO_ROOT / path).read_text()]
     assert {row["device_class"] for row in baseline["rows"]} == set(baseline["header"]["device_classes"])

@@ -3,7 +3,7 @@ generation on a few families with their patches, one GPU per xdist worker, the G
 
 Every test here is marked ``gpu``: skipped with the reason on a machine without one (so the CPU
 suite only collects them), an error under ``--modelpatch-require-gpu``, as .ci/gpu runs them.
-They have not run on a GPU yet: docs/ci.md says so until they have.
+docs/ci.md quotes their last run on a GPU, with the card's name.
 """
 
 from __future__ import annotations
@@ -93,3 +93,28 @@ def test_report_rows_and_header_carry_this_gpus_name(pytester: pytest.Pytester) 
     header = data["header"]
     assert header["accelerators"][0] == name and header["default_device_class"] == name
     assert header["default_device"] == "cuda" and header["device_classes"] == [name]
+
+
+@pytest.mark.model("qwen3_vl", fusion_config={"patch_embeddings": True})
+def test_float32_checks_run_without_the_callers_tf32(
+    reference_model: torch.nn.Module, patched_model: torch.nn.Module, device: str
+) -> None:
+    # the reference's patch embedding is a Conv3d (cuDNN: TF32 by default on Ampere and later),
+    # the fused one a Linear: on an H200 they differed by 1e-3 until checks ran at IEEE float32
+    from pytest_modelpatch.compare.running import default_inputs
+
+    backends = (torch.backends.cudnn.conv, torch.backends.cuda.matmul)
+    saved = [flag.fp32_precision for flag in backends]
+    try:
+        for flag in backends:
+            flag.fp32_precision = "tf32"
+        if torch.cuda.get_device_capability()[0] >= 8:  # a card with TF32: the flags matter here
+            inputs = default_inputs(reference_model)
+            with torch.no_grad():
+                by_hand = [model(**inputs).last_hidden_state for model in (reference_model, patched_model)]
+            assert (by_hand[0] - by_hand[1]).abs().max().item() > 1e-4  # over the float32 allowance
+        assert_equivalent(reference_model, patched_model)
+        assert [flag.fp32_precision for flag in backends] == ["tf32", "tf32"]
+    finally:
+        for flag, value in zip(backends, saved):
+            flag.fp32_precision = value
