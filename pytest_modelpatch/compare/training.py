@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.outputs import flatten_outputs
-from pytest_modelpatch.compare.running import forward, ieee_float32, model_device
+from pytest_modelpatch.compare.running import forward, ieee_float32, model_device, seed_generators
 from pytest_modelpatch.errors import PatchUsageError
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -411,7 +411,7 @@ def training_run(
     input_grads: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
-        _seed(device)
+        seed_generators(device, TRAINING_SEED)
         stack.enter_context(training_state(model, checkpointing))
         stack.enter_context(_input_embedding_gradients(model, input_grads))
         stack.enter_context(ieee_float32())  # the backward too
@@ -422,19 +422,6 @@ def training_run(
                 value.backward()
         gradients = parameter_gradients(model)
     return TrainingRun(_detached(outputs), value.detach(), source, gradients, input_grads)
-
-
-def _seed(device: torch.device) -> None:
-    """Seed the generators the model draws from: the CPU's, and its CUDA device's when it has one.
-
-    The ones ``fork_rng`` above puts back. ``torch.manual_seed`` seeds every backend and, on a
-    machine whose CUDA/XPU/MTIA is never initialised, queues a lazy call with a formatted stack
-    for each one (torch 2.x), costing more than a tiny model's forward and growing the queue.
-    """
-    torch.default_generator.manual_seed(TRAINING_SEED)
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(TRAINING_SEED)
 
 
 def _detached(outputs: Any) -> Any:
