@@ -15,7 +15,7 @@ import torch
 from test_devices import MARKED
 
 from fixtures.patches import llama_fused_qkv, mechanisms, mistral_fused_qkv, qwen3_moe_router
-from pytest_modelpatch import assert_equivalent, assert_generates_equivalent
+from pytest_modelpatch import assert_equivalent, assert_generates_equivalent, assert_trains_equivalent
 
 # fresh_interpreter: pytester runs start a new interpreter, since CUDA does not work in a child forked
 # from a process that initialised it (the warm fork server's imports may ask torch.cuda.is_available())
@@ -118,3 +118,20 @@ def test_float32_checks_run_without_the_callers_tf32(
     finally:
         for flag, value in zip(backends, saved):
             flag.fp32_precision = value
+
+
+@pytest.mark.model("llama", num_hidden_layers=1)
+@pytest.mark.patch(llama_fused_qkv.MAPPING, conversions=llama_fused_qkv.CONVERSIONS)
+@pytest.mark.parametrize("check", ["assert_equivalent", "assert_trains_equivalent"])
+def test_a_check_leaves_the_gpus_generator_as_found(
+    reference_model: torch.nn.Module, patched_model: torch.nn.Module, device: str, check: str
+) -> None:
+    # each forward and each training step seeds the GPU's generator: the caller's stream must go on as before
+    torch.cuda.manual_seed(1234)
+    expected = torch.rand(4, device=device)
+    torch.cuda.manual_seed(1234)
+    if check == "assert_equivalent":
+        assert_equivalent(reference_model, patched_model)
+    else:
+        assert_trains_equivalent(reference_model, patched_model, steps=2)
+    assert torch.equal(torch.rand(4, device=device), expected)
