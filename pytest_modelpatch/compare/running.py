@@ -107,10 +107,19 @@ def ieee_float32() -> Iterator[None]:
         _IEEE_FLOAT32.reset(token)
 
 
+# id(model) -> its device, for the models of the evaluating() block being run (they stay put in it)
+_DEVICES: ContextVar[dict[int, torch.device]] = ContextVar("modelpatch_model_devices", default={})
+
+
 @contextmanager
 def evaluating(*models: torch.nn.Module) -> Iterator[None]:
-    """Eval mode, no_grad and :func:`ieee_float32` for a block; every module's training flag is restored after."""
+    """Eval mode, no_grad and :func:`ieee_float32` for a block; every module's training flag is restored after.
+
+    The models' devices are looked up once for the block: a property check's forwards would
+    otherwise walk to each model's first parameter twice an example.
+    """
     flags = [(module, module.training) for model in models for module in model.modules()]
+    token = _DEVICES.set({**_DEVICES.get(), **{id(model): _first_device(model) for model in models}})
     try:
         # a shared reference is in eval already, and eval() walks every module through
         # transformers' train() override: ~0.3 ms a call for two tiny models
@@ -120,11 +129,18 @@ def evaluating(*models: torch.nn.Module) -> Iterator[None]:
         with torch.no_grad(), ieee_float32():
             yield
     finally:
+        _DEVICES.reset(token)
         for module, training in flags:  # a plain attribute: skip nn.Module.__setattr__'s checks
             module.__dict__["training"] = training
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter (the CPU when it has none)."""
+    device = _DEVICES.get().get(id(model))
+    return device if device is not None else _first_device(model)
+
+
+def _first_device(model: torch.nn.Module) -> torch.device:
     first = next(model.parameters(), None)
     return first.device if first is not None else torch.device("cpu")
 
