@@ -31,14 +31,9 @@ from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, 
 from pytest_modelpatch.compare.training import has_loss_targets, with_labels
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.usage import patch_usage, unused_message
-from pytest_modelpatch.reporting.records import SETTINGS, CheckRecord, configure_checks
+from pytest_modelpatch.reporting.records import SETTINGS, CheckRecord
 
 DEFAULT_MAX_EXAMPLES = 25
-
-
-def set_default_seed(seed: int | None) -> None:
-    """Seed used when a property check gets none (the plugin sets ``SETTINGS.seed`` to the session seed)."""
-    configure_checks(seed=seed)
 
 
 @dataclass

@@ -20,7 +20,8 @@ from pytest_modelpatch.models.checkpoints import cached_checkpoint
 from pytest_modelpatch.compare import property_loop
 from pytest_modelpatch.compare.decoding_properties import check_generates_equivalent
 from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.property_checks import check_equivalent, set_default_seed
+from pytest_modelpatch.compare.property_checks import check_equivalent
+from pytest_modelpatch.reporting.records import configure_checks
 from pytest_modelpatch.compare.property_loop import GROUP_SIZE
 from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs, tiny_configs
@@ -107,11 +108,11 @@ def test_same_seed_same_examples_and_same_report(pair: Callable[[str], Pair]) ->
 
 
 def test_session_seed_set_by_the_plugin_is_used_and_printed(pair: Callable[[str], Pair]) -> None:
-    set_default_seed(77)
+    previous = configure_checks(seed=77)  # as pytest_configure sets --modelpatch-seed
     try:
         report = check_equivalent(*pair("llama_fused_qkv"), max_examples=3)
     finally:
-        set_default_seed(None)
+        configure_checks(**previous)
     assert report.seed == 77 and "seed=77" in str(report)
 
 
