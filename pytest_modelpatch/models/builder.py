@@ -74,16 +74,15 @@ class ModelRequest:
                 )
         seed = options.pop("seed", 0)
         fusion = options.pop("fusion_config", None)
-        attn = options.pop("attn_implementation", None)
-        experts = options.pop("experts_implementation", None)
+        chosen = {axis: options.pop(axis, None) for axis in IMPLEMENTATIONS}
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise PatchUsageError(f"@pytest.mark.model on {where}: seed must be an int, got {seed!r}.")
         try:
             init = check_init(options.pop("init", DEFAULT_INIT))
             check_fusion_config(fusion)
-            check_attn_implementation(attn)
-            check_experts_implementation(experts)
-            request = cls(args[0], options, seed, fusion, init, attn, experts)
+            for axis, name in chosen.items():
+                check_implementation(axis, name)
+            request = cls(args[0], options, seed, fusion, init, **chosen)
             spec = request.model_spec  # refuses an override that is no config field; kept for the loads
         except PatchUsageError as exc:
             raise PatchUsageError(f"@pytest.mark.model on {where}: {exc}") from None
@@ -127,8 +126,8 @@ class LoadChoices:
 
     def check(self) -> None:
         """Refuse implementation names transformers does not know, as it would, with did-you-mean."""
-        check_attn_implementation(self.kwargs.get("attn_implementation"))
-        check_experts_implementation(self.kwargs.get("experts_implementation"))
+        for axis in IMPLEMENTATIONS:
+            check_implementation(axis, self.kwargs.get(axis))
 
     def transform(self, model: Any) -> Any:
         """Apply the transforms in order: each returns the model to go on with, or None (changed in place)."""
@@ -176,6 +175,12 @@ def check_experts_implementation(value: Any) -> None:
         raise PatchUsageError(
             f"experts_implementation={value!r} is not an experts implementation{_did_you_mean(str(value), known)}"
         )
+
+
+def check_implementation(axis: str, name: Any) -> None:
+    """Refuse a name transformers does not know for the implementation keyword ``axis`` (``None``: none chosen)."""
+    checks = {"attn_implementation": check_attn_implementation, "experts_implementation": check_experts_implementation}
+    checks[axis](name)
 
 
 def is_transformers_own(axis: str, name: str | None) -> bool:

@@ -7,9 +7,14 @@ original computation, not with itself. Each scenario has a broken twin that must
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+
+from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.isolation.per_test.patch_spec import IMPLEMENTATIONS
+from pytest_modelpatch.models.builder import ModelRequest, check_implementation
 
 ATTENTION = """
 import pytest
@@ -402,3 +407,15 @@ def test_a_composite_models_implementations_are_reported_per_tower(pytester: pyt
     result.stdout.fnmatch_lines(["E*implementations: attention eager (reference) vs wrong_scale_attn (vision_config: eager) (patched)"])
     patched = rows["test_towers.py::test_one_tower_left_on_eager"]["implementations"]["patched"]
     assert (patched["attention.vision_config"], patched["attention.text_config"]) == ("eager", "wrong_scale_attn")
+
+
+def test_every_implementation_axis_is_a_model_marker_keyword_with_its_name_check() -> None:
+    # one table (reporting.records.IMPLEMENTATION_AXES): a new axis fails here until the marker takes it
+    fields = {field.name for field in dataclasses.fields(ModelRequest)}
+    assert IMPLEMENTATIONS and set(IMPLEMENTATIONS) <= fields
+    for axis in IMPLEMENTATIONS:
+        request = ModelRequest.from_marker(("llama",), {axis: "eager"}, "here")
+        assert request.load_kwargs() == {axis: "eager"}
+        with pytest.raises(PatchUsageError, match=f"{axis}='no-such' is not an? "):
+            ModelRequest.from_marker(("llama",), {axis: "no-such"}, "here")
+        check_implementation(axis, None)  # none chosen
