@@ -44,10 +44,11 @@ MARKERS = {
     "dtypes": "dtypes(*dtypes): run the test once per dtype, e.g. dtypes('float32', 'bfloat16'); sets the dtype fixture",
     "model": "model(spec, *, seed=0, init='modelpatch', "
     + "".join(f"{axis}=None, " for axis in IMPLEMENTATION_KEYWORDS)
-    + "fusion_config=None, **config_overrides): the model behind reference_model and patched_model: a model type "
-    "('llama'), a PretrainedConfig or a local checkpoint directory, or a list of model types to run the test "
-    "once per type; families='patched' runs it once per family the test's patches reach (towers of composite "
-    "models included), families='all' once per family; an unknown keyword is a usage error",
+    + "fusion_config=None, transform=None, **config_overrides): the model behind reference_model and patched_model: "
+    "a model type ('llama'), a PretrainedConfig or a local checkpoint directory, or a list of model types to run the "
+    "test once per type; families='patched' runs it once per family the test's patches reach (towers of composite "
+    "models included), families='all' once per family; transform=fn(model) reaches both models (a LoRA both "
+    "train); an unknown keyword is a usage error",
     "tolerance": "tolerance(*, atol=None, rtol=None, policy=None): tolerance for this test's equivalence checks "
     "(arguments > this marker > modelpatch_atol/modelpatch_rtol ini > the per-dtype policy)",
     "parallel": PARALLEL_MARKER_HELP,

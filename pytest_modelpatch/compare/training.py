@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.outputs import flatten_outputs
-from pytest_modelpatch.compare.running import forward, ieee_float32, model_device, seed_generators
+from pytest_modelpatch.compare.running import forward, ieee_float32, model_device, seed_generators, unwrapped
 from pytest_modelpatch.errors import PatchUsageError
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -44,6 +44,8 @@ def with_labels(model: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, 
 
     found = dict(inputs)
     ids = found.get("input_ids")
+    # a wrapper's forward (PEFT's PeftModel) takes **kwargs: the model inside it says what they reach
+    model = unwrapped(model)
     if "labels" in found or not isinstance(ids, torch.Tensor) or "labels" not in forward_parameters(type(model)):
         return found
     name = type(model).__name__
@@ -72,7 +74,7 @@ def has_loss_targets(model: torch.nn.Module, inputs: Mapping[str, Any]) -> bool:
     labels = inputs.get("labels")
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dim() < 2:
         return True  # class ids per sequence, or regression targets: always scored
-    if type(model).__name__.endswith("ForCausalLM"):
+    if type(unwrapped(model)).__name__.endswith("ForCausalLM"):
         labels = labels[..., 1:]
     return bool((labels != -100).any())
 

@@ -262,6 +262,13 @@ def _items(model: torch.nn.Module, batches: Sequence[Mapping[str, Any]]) -> torc
     return sum((b["labels"][..., 1:] if shifts else b["labels"]).ne(-100).sum() for b in batches)  # type: ignore[return-value]
 
 
+NOTHING_TRAINS = (
+    "assert_trains_equivalent: the reference trains nothing (no parameter has requires_grad, or its loss depends on "
+    "none that does), so the check would compare nothing. Unfreeze what it should train (requires_grad=True), or "
+    "give a loss= that depends on it."
+)
+
+
 @dataclass(frozen=True)
 class Trainee:
     """What every step of one model reads, found once per check: whether the Trainer would pass it
@@ -294,8 +301,9 @@ def accumulate(
             value, _ = training_loss(forward(model, kwargs), loss)
             if items is None:
                 value = value / len(batches)
-            with around_backward():
-                value.backward()
+            if value.requires_grad:  # else the model bypasses every parameter it trains: compared as no gradient, not raised
+                with around_backward():
+                    value.backward()
         total = total + value.detach().float().cpu()
     gradients = {name: p.grad for name, p in trainee.parameters}
     present = [g.detach() for g in logical_tensors(data_parallel_inner(model), gradients).values() if g is not None]
@@ -365,7 +373,7 @@ def assert_trains_equivalent(
     make = optimizer or (lambda params: torch.optim.AdamW(params, lr=lr))
     batches = training_batches(reference, inputs, steps, grad_accumulation)
     report = TrainingReport(
-        reference=type(reference).__name__, patched=type(unwrapped(patched)).__name__, how=_how(make, optimizer, lr, steps, grad_accumulation),
+        reference=type(unwrapped(reference)).__name__, patched=type(unwrapped(patched)).__name__, how=_how(make, optimizer, lr, steps, grad_accumulation),
         tolerance=spec, ties=tie_differences(reference, patched), inputs=describe_inputs(batches[0][0]), **placement(reference),
     )  # fmt: skip
     sign_steps = ADAM_SIGN_STEPS * lr if optimizer is None else 0.0
@@ -412,6 +420,8 @@ def _train(
     loss: LossFn | None, spec: ToleranceSpec, report: TrainingReport, sign_steps: float, *, watch_parameters: bool = False,
 ) -> None:  # fmt: skip
     ref_trainee, pat_trainee = Trainee.of(reference), Trainee.of(patched)
+    if not ref_trainee.parameters:
+        raise PatchUsageError(NOTHING_TRAINS)
     device = model_device(reference)
     ref_opt = make([p for _, p in ref_trainee.parameters])
     pat_opt = make([p for _, p in pat_trainee.parameters])
@@ -425,6 +435,8 @@ def _train(
         ref_loss, ref_norm, ref_grads = accumulate(ref_trainee, micro, loss, running_pristine)
         seed_generators(device, index)
         pat_loss, pat_norm, pat_grads = accumulate(pat_trainee, micro, loss, nullcontext)
+        if index == 0 and all(g is None for g in ref_grads.values()):
+            raise PatchUsageError(NOTHING_TRAINS)
         _note_trained(ever[0], ref_grads)
         _note_trained(ever[1], pat_grads)
         step = TrainingStep(

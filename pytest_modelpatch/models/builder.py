@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from pytest_modelpatch.models.reference import prepare_reference, reference_prob
 
 
 # keywords of @pytest.mark.model that are not config attributes; anything else must be one
-MARKER_KEYWORDS = ("seed", "init", "fusion_config", *IMPLEMENTATIONS)
+MARKER_KEYWORDS = ("seed", "init", "fusion_config", "transform", *IMPLEMENTATIONS)
 GROUND_TRUTH = "eager"  # each axis's reference implementation: transformers' default is not (grouped_mm experts on CPU)
 DTYPE_KEYWORDS = ("dtype", "torch_dtype")
 
@@ -45,8 +45,11 @@ class ModelRequest:
     ``experts_implementation`` are passed to both models' ``from_pretrained`` (a context for
     class patches; to verify an implementation, put it on ``@pytest.mark.patch``);
     ``fusion_config`` to the patched model's only (a fusion is a patch); ``seed`` and
-    ``init`` shape the seeded checkpoint's weights. The spec is resolved to a config once
-    per request (:attr:`model_spec`), however many loads read it.
+    ``init`` shape the seeded checkpoint's weights. ``transforms`` run on both models after they
+    load, before the patch marks' own (a LoRA both sides train, which a LoRA kernel is then
+    checked against), each from the generators seeded with ``seed``, so random adapter weights
+    are the same on both. The spec is resolved to a config once per request (:attr:`model_spec`),
+    however many loads read it.
     """
 
     spec: Any
@@ -56,6 +59,7 @@ class ModelRequest:
     init: str = DEFAULT_INIT
     attn_implementation: str | None = None
     experts_implementation: str | None = None
+    transforms: tuple[Callable[[Any], Any], ...] = ()
 
     @classmethod
     def from_marker(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any], where: str) -> ModelRequest:
@@ -75,6 +79,14 @@ class ModelRequest:
         seed = options.pop("seed", 0)
         fusion = options.pop("fusion_config", None)
         chosen = {axis: options.pop(axis, None) for axis in IMPLEMENTATIONS}
+        transforms = options.pop("transform", None) or ()
+        transforms = tuple(transforms) if isinstance(transforms, (list, tuple)) else (transforms,)
+        for transform in transforms:
+            if not callable(transform):
+                raise PatchUsageError(
+                    f"@pytest.mark.model on {where}: transform must be a callable fn(model) returning a model or None "
+                    f"(applied to both models after they load), got {transform!r}."
+                )
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise PatchUsageError(f"@pytest.mark.model on {where}: seed must be an int, got {seed!r}.")
         try:
@@ -82,7 +94,7 @@ class ModelRequest:
             check_fusion_config(fusion)
             for axis, name in chosen.items():
                 check_implementation(axis, name)
-            request = cls(args[0], options, seed, fusion, init, **chosen)
+            request = cls(args[0], options, seed, fusion, init, **chosen, transforms=transforms)
             spec = request.model_spec  # refuses an override that is no config field; kept for the loads
         except PatchUsageError as exc:
             raise PatchUsageError(f"@pytest.mark.model on {where}: {exc}") from None
@@ -102,6 +114,19 @@ class ModelRequest:
     def load_kwargs(self) -> dict[str, Any]:
         """``from_pretrained`` keywords both models are loaded with."""
         return {axis: getattr(self, axis) for axis in IMPLEMENTATIONS if getattr(self, axis)}
+
+    def transformed(self, model: Any) -> Any:
+        """``model`` through :attr:`transforms`, from generators seeded with :attr:`seed` (the caller's put back)."""
+        if not self.transforms:
+            return model
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.default_generator.manual_seed(self.seed)
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(self.seed)
+            return apply_transforms(model, self.transforms)
 
 
 @dataclass(frozen=True)
@@ -131,10 +156,15 @@ class LoadChoices:
 
     def transform(self, model: Any) -> Any:
         """Apply the transforms in order: each returns the model to go on with, or None (changed in place)."""
-        for fn in self.transforms:
-            result = fn(model)
-            model = model if result is None else result
-        return model
+        return apply_transforms(model, self.transforms)
+
+
+def apply_transforms(model: Any, transforms: Sequence[Callable[[Any], Any]]) -> Any:
+    """``model`` through each of ``transforms`` in order: each returns the model to go on with, or None (changed in place)."""
+    for fn in transforms:
+        result = fn(model)
+        model = model if result is None else result
+    return model
 
 
 def check_fusion_config(fusion: Any) -> None:
@@ -241,12 +271,15 @@ class ModelBuilder:
         """
         path = self.checkpoint(request, dtype=dtype)
         load = choices.reference_kwargs(request) if choices is not None else request.load_kwargs()
-        key = (str(path), dtype_name(dtype), str(device), repr(sorted(load.items())))
+        # the transforms themselves (compared by identity) and the seed they run from
+        transforms = (request.transforms, request.seed) if request.transforms else ()
+        key = (str(path), dtype_name(dtype), str(device), repr(sorted(load.items())), transforms)
         cached = self._references.get(key)
         if cached is not None and not reference_problems(cached):
             return cached
         with pristine():
-            model = prepare_reference(load_pretrained(path, dtype=dtype, device=device, **load))
+            # transformed in the pristine world too, and recorded after: its adapters are the reference's own
+            model = prepare_reference(request.transformed(load_pretrained(path, dtype=dtype, device=device, **load)))
         self._references.put(key, model)
         return model
 
@@ -273,10 +306,11 @@ class ModelBuilder:
         if keys:
             check_keys_applied(keys, self.reference(request, dtype=dtype, device=device, choices=choices), model)
         track_patch_usage(model, set(monkey_patching.get_patch_mapping().values()))
+        model = request.transformed(model)  # the model marker's, as the reference got them
         if choices is not None and choices.transforms:
             model = choices.transform(model)
-            if scope is not None:
-                scope.settle()  # an instance patcher may rebind class or module attributes
+        if scope is not None and (request.transforms or (choices is not None and choices.transforms)):
+            scope.settle()  # an instance patcher may rebind class or module attributes
         return model
 
 

@@ -172,3 +172,85 @@ def test_assert_equivalent_fails_on_a_broken_tie_whose_outputs_still_agree(pytes
         "ties its parameters (its * outputs agree, for now)",
         "*tie: the reference ties model.embed_tokens.weight and lm_head.weight (one tensor)*",
     ])  # fmt: skip
+
+
+LORA = """
+import pytest
+from peft import LoraConfig, get_peft_model
+from fixtures.patches import llama_swiglu_autograd as fused_mlp
+from pytest_modelpatch import assert_equivalent, assert_trains_equivalent
+
+
+def lora_attention(model):
+    return get_peft_model(model, LoraConfig(target_modules=["q_proj", "v_proj"], r=4, lora_alpha=8))
+
+
+def lora_mlp(model):
+    return get_peft_model(model, LoraConfig(target_modules=["up_proj"], r=4, lora_alpha=8))
+
+
+@pytest.mark.model("llama", transform=lora_attention)
+@pytest.mark.patch(fused_mlp.MAPPING)
+def test_a_fused_mlp_under_a_lora_of_the_attention(reference_model, patched_model):
+    assert type(reference_model).__name__ == type(patched_model).__name__ == "PeftModel"
+    trained = {n for n, p in reference_model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)  # the reference trains the adapters alone
+    assert_equivalent(reference_model, patched_model)
+    assert_trains_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llama", transform=lora_mlp)
+@pytest.mark.patch(fused_mlp.MAPPING)
+def test_a_fused_mlp_that_reads_up_proj_weight_ignores_its_lora(reference_model, patched_model):
+    # lora_B starts at zero: the adapter adds nothing until the first step, so the forward agrees
+    assert_equivalent(reference_model, patched_model)
+    assert_trains_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llama")
+def test_the_plain_reference_is_another_model(reference_model):
+    assert type(reference_model).__name__ == "LlamaForCausalLM"
+"""
+
+
+def test_a_lora_on_both_models_trains_the_same_and_a_kernel_that_skips_it_is_named(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("peft")
+    pytester.makepyfile(test_lora=LORA)
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA", "-W", "ignore::FutureWarning")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_lora.py::test_a_fused_mlp_that_reads_up_proj_weight_ignores_its_lora*"])
+    # the first step after the update diverges, and the adapter the kernel reads past never trains
+    result.stdout.fnmatch_lines(["*up_proj.lora_B*never updates it*"])
+
+
+def test_a_wrapped_model_is_given_the_labels_the_model_inside_takes() -> None:
+    # PEFT's PeftModel.forward takes **kwargs: without labels the checks trained on the default
+    # reduction (a random projection of the outputs), not the model's own loss
+    peft = pytest.importorskip("peft")
+    from pytest_modelpatch import seeded_model, tiny_config
+    from pytest_modelpatch.compare.training import has_loss_targets, with_labels
+    from pytest_modelpatch.families.inputs import example_inputs
+
+    config = tiny_config("llama", num_hidden_layers=1)
+    wrapped = peft.get_peft_model(seeded_model(config), peft.LoraConfig(target_modules=["q_proj"], r=2))
+    inputs = with_labels(wrapped, example_inputs(config))
+    assert torch.equal(inputs["labels"], inputs["input_ids"])
+    one_token = {"input_ids": inputs["input_ids"][:, :1], "labels": inputs["input_ids"][:, :1]}
+    assert not has_loss_targets(wrapped, one_token)  # scored as the causal LM inside scores it
+
+
+def test_a_reference_that_trains_nothing_is_a_usage_error() -> None:
+    from pytest_modelpatch import assert_trains_equivalent, seeded_model, tiny_config
+    from pytest_modelpatch.errors import PatchUsageError
+
+    config = tiny_config("llama", num_hidden_layers=1)
+    reference, patched = seeded_model(config), seeded_model(config)
+    for model in (reference, patched):
+        model.requires_grad_(False)
+    with pytest.raises(PatchUsageError, match="the reference trains nothing"):
+        assert_trains_equivalent(reference, patched, steps=1)
+    assert not any(p.requires_grad for p in reference.parameters())  # left as found
+    for model in (reference, patched):  # trainable, but the loss reads none of them
+        model.requires_grad_(True)
+    with pytest.raises(PatchUsageError, match="the reference trains nothing"):
+        assert_trains_equivalent(reference, patched, steps=1, loss=lambda out: out.logits.detach().sum())
