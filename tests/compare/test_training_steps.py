@@ -223,6 +223,7 @@ def test_a_lora_on_both_models_trains_the_same_and_a_kernel_that_skips_it_is_nam
     result.stdout.fnmatch_lines(["*up_proj.lora_B*never updates it*"])
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT calls it
 def test_a_wrapped_model_is_given_the_labels_the_model_inside_takes() -> None:
     # PEFT's PeftModel.forward takes **kwargs: without labels the checks trained on the default
     # reduction (a random projection of the outputs), not the model's own loss
