@@ -23,6 +23,7 @@ import torch
 
 from pytest_modelpatch.compare.outputs import TensorComparison, _describe_leaf, flatten_outputs
 from pytest_modelpatch.compare.tolerance import ToleranceSpec, dtype_label
+from pytest_modelpatch.models.devices import first_parameter_device, seeded_generators
 from pytest_modelpatch.reporting.records import IMPLEMENTATION_AXES, describe_implementations, implementations_of
 
 
@@ -119,7 +120,7 @@ def evaluating(*models: torch.nn.Module) -> Iterator[None]:
     otherwise walk to each model's first parameter twice an example.
     """
     flags = [(module, module.training) for model in models for module in model.modules()]
-    token = _DEVICES.set({**_DEVICES.get(), **{id(model): _first_device(model) for model in models}})
+    token = _DEVICES.set({**_DEVICES.get(), **{id(model): first_parameter_device(model) for model in models}})
     try:
         # a shared reference is in eval already, and eval() walks every module through
         # transformers' train() override: ~0.3 ms a call for two tiny models
@@ -137,12 +138,7 @@ def evaluating(*models: torch.nn.Module) -> Iterator[None]:
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device of the model's first parameter (the CPU when it has none)."""
     device = _DEVICES.get().get(id(model))
-    return device if device is not None else _first_device(model)
-
-
-def _first_device(model: torch.nn.Module) -> torch.device:
-    first = next(model.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
+    return device if device is not None else first_parameter_device(model)
 
 
 def class_pair(reference_class: str, patched_class: str) -> str:
@@ -213,8 +209,7 @@ def forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Any:
     """
     device = model_device(model)
     if device.type != "cpu":
-        with torch.random.fork_rng(devices=[device], device_type=device.type), ieee_float32():
-            seed_generators(device, FORWARD_SEED)
+        with seeded_generators(device, FORWARD_SEED), ieee_float32():
             return model(**move_inputs(inputs, device))
     # CPU: the default generator alone; torch.manual_seed also probes every accelerator
     # backend, which costs more than a tiny model's forward
@@ -226,20 +221,6 @@ def forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Any:
             return model(**move_inputs(inputs, device))
     finally:
         generator.set_state(state)
-
-
-def seed_generators(device: torch.device, seed: int) -> None:
-    """Seed the generators a model on ``device`` draws from: the CPU's, and its accelerator's.
-
-    Not ``torch.manual_seed``, which seeds every backend there is and costs ~90 us on a machine
-    without them (more than a tiny model's forward): a training check seeds twice a step.
-    """
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(seed)
-    elif device.type != "cpu":  # another accelerator: its own generator, through torch's own call
-        torch.manual_seed(seed)
 
 
 # ---------------------------------------------------------------------------

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.outputs import flatten_outputs
-from pytest_modelpatch.compare.running import forward, ieee_float32, model_device, seed_generators, unwrapped
+from pytest_modelpatch.compare.running import forward, ieee_float32, model_device, unwrapped
 from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.models.devices import seeded_generators
 
 LossFn = Callable[[Any], torch.Tensor]
 _ABSENT: Any = object()
@@ -412,8 +413,7 @@ def training_run(
     device = model_device(model)
     input_grads: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
-        stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
-        seed_generators(device, TRAINING_SEED)
+        stack.enter_context(seeded_generators(device, TRAINING_SEED))
         stack.enter_context(training_state(model, checkpointing))
         stack.enter_context(_input_embedding_gradients(model, input_grads))
         stack.enter_context(ieee_float32())  # the backward too

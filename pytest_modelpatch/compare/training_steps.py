@@ -31,7 +31,7 @@ from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.check_report import CheckReport
 from pytest_modelpatch.compare.divergence import Divergence, find_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_tensors, describe_tolerances
-from pytest_modelpatch.compare.running import default_inputs, describe_inputs, forward, ieee_float32, model_device, placement, seed_generators, unwrapped
+from pytest_modelpatch.compare.running import default_inputs, describe_inputs, forward, ieee_float32, model_device, placement, unwrapped
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.sharded import logical_tensors
 from pytest_modelpatch.compare.ties import tie_differences
@@ -40,6 +40,7 @@ from pytest_modelpatch.compare.tolerance import (
 )  # fmt: skip
 from pytest_modelpatch.compare.training import LossFn, data_parallel_inner, training_loss, training_state, with_labels
 from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.models.devices import seed_generators
 from pytest_modelpatch.isolation.pristine import running_pristine
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]

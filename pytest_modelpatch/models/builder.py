@@ -21,7 +21,7 @@ import torch
 
 from pytest_modelpatch.models.checkpoints import check_init, cached_checkpoint, checkpoint_model_class, load_pretrained
 from pytest_modelpatch.models.specs import ModelSpec, resolve_model_spec  # fmt: skip
-from pytest_modelpatch.models.devices import dtype_name
+from pytest_modelpatch.models.devices import dtype_name, first_parameter_device, seeded_generators
 from pytest_modelpatch.models.memory_cache import CacheBound, ModelCache
 from pytest_modelpatch.errors import PatchNotAppliedError, PatchUsageError
 from pytest_modelpatch.models.usage import track_patch_usage
@@ -119,13 +119,7 @@ class ModelRequest:
         """``model`` through :attr:`transforms`, from generators seeded with :attr:`seed` (the caller's put back)."""
         if not self.transforms:
             return model
-        first = next(model.parameters(), None)
-        device = first.device if first is not None else torch.device("cpu")
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.default_generator.manual_seed(self.seed)
-            if device.type == "cuda":
-                with torch.cuda.device(device):
-                    torch.cuda.manual_seed(self.seed)
+        with seeded_generators(first_parameter_device(model), self.seed):
             return apply_transforms(model, self.transforms)
 
 

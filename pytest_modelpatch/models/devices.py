@@ -2,14 +2,17 @@
 
 The selection logic is pure (it takes whether CUDA is there and how many GPUs
 as arguments) so every GPU path is testable on a machine without one; only
-``cuda_status()`` touches torch, and only when a test asks for a GPU.
+``cuda_status()`` touches torch, and only when a test asks for a GPU. Beside it, what a model on
+a device draws from: ``first_parameter_device``, ``seed_generators`` and ``seeded_generators``
+(torch imported when they run).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,3 +128,38 @@ def parallel_gpu_problem(world_size: int, cuda: CudaStatus) -> str | None:
     if cuda.device_count >= world_size:
         return None
     return f"needs a CUDA GPU for each of its {world_size} ranks (nccl), and this machine has {cuda.device_count}"
+
+
+def first_parameter_device(model: Any) -> Any:
+    """The ``torch.device`` of the model's first parameter (the CPU when it has none)."""
+    import torch
+
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def seed_generators(device: Any, seed: int) -> None:
+    """Seed the generators a model on ``device`` draws from: the CPU's, and its accelerator's.
+
+    Not ``torch.manual_seed``, which seeds every backend there is and costs ~90 us on a machine
+    without them (more than a tiny model's forward): a training check seeds twice a step.
+    """
+    import torch
+
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    elif device.type != "cpu":  # another accelerator: its own generator, through torch's own call
+        torch.manual_seed(seed)
+
+
+@contextmanager
+def seeded_generators(device: Any, seed: int) -> Iterator[None]:
+    """Those generators seeded with ``seed`` for the block, and put back as the caller had them after."""
+    import torch
+
+    accelerator = device.type != "cpu"
+    with torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type if accelerator else "cuda"):
+        seed_generators(device, seed)
+        yield
