@@ -322,8 +322,10 @@ def check_before_ranks(item: pytest.Item, spec: ParallelSpec) -> None:
     module of the patched model (built on the meta device with the marks' mapping). The ranks check
     the plan again against the model they load.
     """
+    if spec.kind != "tp":
+        return  # nothing to resolve: the process that sends the tests imports neither torch nor transformers
     model_request = item_model_request(item)
-    if spec.kind != "tp" or model_request is None:
+    if model_request is None:
         return
     from pytest_modelpatch.families.catalog import model_class_for
     from pytest_modelpatch.isolation.guard import PatchStateGuard
