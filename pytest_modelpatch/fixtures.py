@@ -318,9 +318,10 @@ def sharded_choices(
 def check_before_ranks(item: pytest.Item, spec: ParallelSpec) -> None:
     """What is wrong with how a ``parallel("tp")`` test shards, found here before any rank starts: a usage error.
 
-    A world size that does not divide the heads, and a plan entry of the patch marks that names no
-    module of the patched model (built on the meta device with the marks' mapping). The ranks check
-    the plan again against the model they load.
+    A world size that does not divide the heads; a plan entry of the patch marks that names no
+    module of the patched model (built on the meta device with the marks' mapping), or one of
+    transformers' that shards a module the patch replaced. The ranks check the plan again against
+    the model they load.
     """
     if spec.kind != "tp":
         return  # nothing to resolve: the process that sends the tests imports neither torch nor transformers
@@ -340,7 +341,7 @@ def check_before_ranks(item: pytest.Item, spec: ParallelSpec) -> None:
     if not (getattr(text, "base_model_tp_plan", None) or (marks is not None and marks.tp_plan)):
         return  # nothing to shard: the rank skips the test, saying so
     sharding.check_tp_heads(config, spec.world_size, model_class.__name__)
-    if marks is None or not marks.tp_plan:
+    if marks is None or not (marks.tp_plan or marks.mapping):
         return
     import torch
 

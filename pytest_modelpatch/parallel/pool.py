@@ -56,7 +56,8 @@ class RankOutcome:
 
     @property
     def failed(self) -> bool:
-        return bool(self.crashed or self.hung or self.error or self.group) or any(r.get("outcome") == "failed" for r in self.reports)
+        broken = self.crashed or self.hung or self.error or self.group
+        return bool(broken) or any(r.get("outcome") == "failed" for r in self.reports)
 
 
 class RankPool:

@@ -33,6 +33,9 @@ from fixtures.patches import llama_fused_qkv_tp as tp
 from pytest_modelpatch import assert_equivalent
 
 
+TYPO = {**tp.TP_PLAN, "layers.*.self_attn.qvk_proj": "colwise"}
+
+
 class LlamaOnePercentOffMLP(LlamaMLP):
     def forward(self, x):
         return super().forward(x) * 1.01
@@ -45,7 +48,7 @@ def test_1_tp_world_size_that_does_not_divide_the_heads(reference_model, patched
 
 
 @pytest.mark.model("llama")
-@pytest.mark.patch(tp.MAPPING, conversions=tp.CONVERSIONS, tp_plan={**tp.TP_PLAN, "layers.*.self_attn.qvk_proj": "colwise"})
+@pytest.mark.patch(tp.MAPPING, conversions=tp.CONVERSIONS, tp_plan=TYPO)
 @pytest.mark.parallel("tp")
 def test_2_tp_plan_typo(reference_model, patched_model):
     pass
@@ -118,7 +121,8 @@ def test_every_option_a_rank_judges_by_is_passed_to_it(pytester: pytest.Pytester
     pairs = list(zip(args, args[1:]))
     assert ("-o", "modelpatch_atol=0.5") in pairs and ("-o", "modelpatch_tolerance_policy=loose") in pairs
     assert ("-o", "addopts=") in pairs[pairs.index(("-o", "modelpatch_atol=0.5")) :]  # after the user's overrides
-    assert {"--modelpatch-device=cpu", "--modelpatch-timing", "--modelpatch-leaks=warn", "--modelpatch-seed=7"} <= set(args)
+    expected = {"--modelpatch-device=cpu", "--modelpatch-timing", "--modelpatch-leaks=warn", "--modelpatch-seed=7"}
+    assert expected <= set(args)
     assert ("-W", "error::UserWarning") in pairs
     # the session's outputs are written by the process that sends the tests, never by a rank
     assert not any(a.startswith("--modelpatch-report") for a in args)
@@ -157,8 +161,8 @@ def test_sleeps():
 
 def _controller(path: Path, started: Path) -> subprocess.Popen[bytes]:
     # hypothesis' own plugin imports hypothesis in its terminal summary (seconds on a loaded machine): not ours to time
-    command = [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:hypothesispytest", "-p", "no:cacheprovider",
-               "-q", "test_sleeps.py"]  # fmt: skip
+    plugins = ["-p", "no:randomly", "-p", "no:hypothesispytest", "-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", *plugins, "-q", "test_sleeps.py"]
     env = {**os.environ, "MODELPATCH_TEST_STARTED": str(started),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     return subprocess.Popen(command, cwd=path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -195,7 +199,9 @@ def _pool_folder(controller: int) -> Path:
     raise AssertionError(f"no pool folder of process {controller}")
 
 
-def test_ctrl_c_returns_at_once_and_a_killed_controllers_folder_goes_with_the_next_pool(pytester: pytest.Pytester) -> None:
+def test_ctrl_c_returns_at_once_and_a_killed_controllers_folder_goes_with_the_next_pool(
+    pytester: pytest.Pytester,
+) -> None:
     pytester.makepyfile(test_sleeps=SLEEPS)
     started = pytester.path / "started"
     killed = _controller(pytester.path, started)

@@ -60,7 +60,9 @@ def test_5_ddp_fed_different_batches(reference_model, patched_model):
 """
 
 
-def test_training_sharded_puts_weights_back_through_the_shards_and_reports_each_failure(pytester: pytest.Pytester) -> None:
+def test_training_sharded_puts_weights_back_through_the_shards_and_reports_each_failure(
+    pytester: pytest.Pytester,
+) -> None:
     pytester.makepyfile(test_train=SHARDED_TRAINING)
     result = pytester.runpytest("-p", "no:randomly", "--modelpatch-report=report.json")
     result.assert_outcomes(passed=3, failed=2)
