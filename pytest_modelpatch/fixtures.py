@@ -328,15 +328,15 @@ def check_before_ranks(item: pytest.Item, spec: ParallelSpec) -> None:
     model_request = item_model_request(item)
     if model_request is None:
         return
-    from pytest_modelpatch.families.catalog import model_class_for
     from pytest_modelpatch.isolation.guard import PatchStateGuard
     from pytest_modelpatch.isolation.per_test.patch_spec import collect_patch_spec
     from pytest_modelpatch.isolation.registration import register_patches
+    from pytest_modelpatch.models.checkpoints import config_model_class
     from pytest_modelpatch.parallel import sharding
 
     config = model_request.model_spec.config
     marks = collect_patch_spec(item) if "patch" in item.keywords else None
-    model_class = model_class_for(config)
+    model_class = config_model_class(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not (getattr(text, "base_model_tp_plan", None) or (marks is not None and marks.tp_plan)):
         return  # nothing to shard: the rank skips the test, saying so
