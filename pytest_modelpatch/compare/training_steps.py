@@ -38,7 +38,9 @@ from pytest_modelpatch.compare.ties import tie_differences
 from pytest_modelpatch.compare.tolerance import (
     DEFAULT_POLICY, DtypeTolerance, TolerancePolicy, ToleranceSpec, resolve_tolerance,
 )  # fmt: skip
-from pytest_modelpatch.compare.training import LossFn, data_parallel_inner, training_loss, training_state, with_labels
+from pytest_modelpatch.compare.training import (
+    LossFn, as_configured, data_parallel_inner, training_loss, training_state, with_labels,
+)  # fmt: skip
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.devices import seed_generators
 from pytest_modelpatch.isolation.pristine import running_pristine
@@ -541,7 +543,9 @@ def _compare_logprobs(
 ) -> TensorComparison | None:  # fmt: skip
     """The reference's top-k log-probabilities of an eval batch after training, and the patched model's for the same tokens."""
     batch = {k: v for k, v in batches[-1][0].items() if k != "labels"}
-    with torch.no_grad():
+    # in true eval mode: the dropout the training steps turned off is back, so a module that applies
+    # it whatever self.training says differs here
+    with torch.no_grad(), as_configured(reference, patched):
         reference.eval(), patched.eval()
         ref_logits, pat_logits = _logits(forward(reference, batch)), _logits(forward(patched, batch))
     if ref_logits is None:
