@@ -149,8 +149,9 @@ class Bias:
     def __str__(self) -> str:
         return (
             f"on shared weights the patched {self.what} is {self.offset:+.3g} off the reference's on average over "
-            f"{self.steps} steps, {self.ratio:.2g} times the reference's own low-precision error there ({self.spread:.3g}, "
-            f"against float32), and alike at every step (t = {self.t:.1f}); allowed: {BIAS_FACTOR:g} times, or |t| under {BIAS_T:g}"
+            f"{self.steps} steps, {self.ratio:.2g} times the reference's own low-precision error there "
+            f"({self.spread:.3g}, against float32), and alike at every step (t = {self.t:.1f}); "
+            f"allowed: {BIAS_FACTOR:g} times, or |t| under {BIAS_T:g}"
         )
 
 

@@ -177,7 +177,8 @@ class TrainingReport(CheckReport):
             return "a parameter the reference trains is never updated"
         leaning = [b.what for b in self.biases if not b.passed]
         if leaning:
-            return f"over the steps: the {' and the '.join(leaning)} lean{'s' * (len(leaning) == 1)} one way on shared weights"
+            verb = "leans" if len(leaning) == 1 else "lean"
+            return f"over the steps: the {' and the '.join(leaning)} {verb} one way on shared weights"
         if any(not c.passed for c in self.parameters):
             return f"after the last step: {sum(not c.passed for c in self.parameters)} of {len(self.parameters)} parameters differ"
         return "after the last step: the eval log-probabilities differ"
@@ -205,8 +206,9 @@ class TrainingReport(CheckReport):
         lines.append(f"tolerances grow by {GROWTH:g} of the first step's with each step")
         if self.drift is not None:
             lines.append(
-                f"each step also allows {DRIFT_FACTOR:g} x the largest drift so far of the reference trained in float32 "
-                f"against itself in {self.dtype} (the loss's: {self.drift.envelope(len(self.steps))[0]:.3g} at the last step)"
+                f"each step also allows {DRIFT_FACTOR:g} x the largest drift so far of the reference trained in "
+                f"float32 against itself in {self.dtype} (the loss's: {self.drift.envelope(len(self.steps))[0]:.3g} "
+                "at the last step)"
             )
         if self.divergence is not None:
             lines.append(f"at step {self.divergence_step}, {self.divergence}")
@@ -402,7 +404,7 @@ def assert_trains_equivalent(
     sign_steps = ADAM_SIGN_STEPS * lr if optimizer is None else 0.0
     last = 1 + (steps - 1) * GROWTH
     if low_precision(reference):  # its own drift first: the yardstick of every step (compare.training_drift)
-        report.drift = _float32_drift(reference, batches, make, loss, top_k)
+        report.drift = _float32_drift(reference, batches, make, loss)
     with kept_as_found(reference), kept_as_found(patched):
         _train(reference, patched, batches, make, loss, spec, report, sign_steps)
         report.parameters = _compare_parameters(reference, patched, _grown(spec, last, GRADIENT_POLICY, plus_atol=sign_steps * steps))
@@ -411,9 +413,9 @@ def assert_trains_equivalent(
         # models' weights differ everywhere, and their log-probabilities with them, whatever the patch
         shared = holding_weights_of(reference, patched) if report.drift is not None else nullcontext()
         with shared:
-            report.logprobs = _compare_logprobs(
-                reference, patched, batches, top_k, _grown(spec, last, TRAINING_POLICY, dtype), report.drift is not None,
-            )  # fmt: skip
+            logprob_spec = _grown(spec, last, TRAINING_POLICY, dtype)
+            own_error = report.drift is not None
+            report.logprobs = _compare_logprobs(reference, patched, batches, top_k, logprob_spec, own_error)
     if report.drift is not None:
         report.biases = biases([(s.losses[1], s.norms[1]) for s in report.steps], report.drift)
     if not report.passed:
@@ -494,13 +496,14 @@ def _train(
             norm_spec = _grown(spec, 1 + index * GROWTH, TRAINING_POLICY, dtype, plus_atol=DRIFT_FACTOR * drifted_norm)
         step = TrainingStep(
             index, scalar_comparison("loss", ref_loss, pat_loss, loss_spec),
-            scalar_comparison("gradient norm", ref_norm, pat_norm, norm_spec), (ref_loss, pat_loss), (ref_norm, pat_norm),
+            scalar_comparison("gradient norm", ref_norm, pat_norm, norm_spec),
+            (ref_loss, pat_loss), (ref_norm, pat_norm),
         )  # fmt: skip
         if not (step.loss.passed and step.grad_norm.passed) and not located and not watch_parameters:
             # once, at the first step whose figures differ, before its update
             located = True
             report.divergence_step = index
-            settled = _grown(spec, 1.0, GRADIENT_POLICY)  # weights that still agree: within one step's gradient tolerance
+            settled = _grown(spec, 1.0, GRADIENT_POLICY)  # weights that still agree: one step's gradient tolerance
             report.divergence, report.drifted = _locate(reference, patched, micro, loss_spec, settled, index)
         for opt in (ref_opt, pat_opt):
             opt.step()
@@ -545,8 +548,8 @@ def _replaced_modules(reference: torch.nn.Module, patched: torch.nn.Module) -> s
     """The modules whose class the patched model changed, e.g. ``model.layers.0.mlp (LlamaSwiGLUMLP) and 1 more``."""
     theirs = {name: type(module).__name__ for name, module in data_parallel_inner(reference).named_modules()}
     changed = [
-        f"{name or '<model>'} ({type(module).__name__})" for name, module in data_parallel_inner(patched).named_modules()
-        if theirs.get(name) != type(module).__name__
+        f"{name or '<model>'} ({type(module).__name__})"
+        for name, module in data_parallel_inner(patched).named_modules() if theirs.get(name) != type(module).__name__
     ]  # fmt: skip
     if not changed:
         return "no module's class (its difference lies in a forward, a loss or a transform)"
@@ -554,7 +557,7 @@ def _replaced_modules(reference: torch.nn.Module, patched: torch.nn.Module) -> s
 
 
 def _float32_drift(
-    reference: torch.nn.Module, batches: list[list[dict[str, Any]]], make: OptimizerFactory, loss: LossFn | None, top_k: int,
+    reference: torch.nn.Module, batches: list[list[dict[str, Any]]], make: OptimizerFactory, loss: LossFn | None,
 ) -> DriftFigures:  # fmt: skip
     """The reference trained in float32 from its own weights on the same batches: each step's loss and gradient norm."""
     figures = DriftFigures()
@@ -642,7 +645,7 @@ def _compare_logprobs(
     reference: torch.nn.Module, patched: torch.nn.Module, batches: list[list[dict[str, Any]]], top_k: int, spec: ToleranceSpec,
     own_error: bool = False,
 ) -> TensorComparison | None:  # fmt: skip
-    """The reference's top-k log-probabilities of an eval batch after training, and the patched model's for the same tokens.
+    """The reference's top-k log-probabilities of an eval batch after training, and the patched model's of those tokens.
 
     ``own_error``: the reference's own low-precision error, its log-probabilities' largest
     distance from its float32 run's on the same weights, times :data:`DRIFT_FACTOR`, is allowed
@@ -666,7 +669,8 @@ def _compare_logprobs(
         with torch.no_grad(), as_configured(reference), in_float32(reference):
             wide = _logits(forward(reference, batch))
         if wide is not None:
-            error = float((wide.float().log_softmax(-1).gather(-1, top.to(wide.device)).to(ref_top.device) - ref_top).abs().max())
+            wide_top = wide.float().log_softmax(-1).gather(-1, top.to(wide.device)).to(ref_top.device)
+            error = float((wide_top - ref_top).abs().max())
             spec = _grown(spec, 1.0, TRAINING_POLICY, plus_atol=DRIFT_FACTOR * error)
     # judged at the precision of the logits they come from, as the loss is: a bf16 model's weights
     # after a few steps differ by bf16 round-off, and its log-probabilities by a few bf16 ulps

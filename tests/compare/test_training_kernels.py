@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import Any
 
 import pytest
 import torch
 
 KERNELS = """
 import pytest
-from fixtures.patches import llama_always_dropout_attention as always_dropout, llama_partial_dropout_attention as partial
+from fixtures.patches import llama_always_dropout_attention as always_dropout
+from fixtures.patches import llama_partial_dropout_attention as partial
 from fixtures.patches import llama_swiglu_autograd as fused_mlp, training_transforms as transforms
 from pytest_modelpatch import assert_backward_equivalent, assert_equivalent, assert_trains_equivalent
 
@@ -70,8 +72,9 @@ def test_training_checks_tell_right_from_wrong_in_bf16_with_fused_losses_and_dro
     result = pytester.runpytest("-p", "no:randomly", "-s", "--modelpatch-report=report.json")
     result.assert_outcomes(passed=3, failed=4)
     result.stdout.fnmatch_lines_random([
-        # the bf16 cross-entropy: each step within the reference's own drift, its gradient norm off one way at every step
-        "*16 AdamW steps at lr 0.01, gradient accumulation 1): over the steps: the gradient norm leans one way on shared weights",
+        # the bf16 cross-entropy: each step within the reference's own drift, its gradient norm off one way every step
+        "*16 AdamW steps at lr 0.01, gradient accumulation 1): over the steps: the gradient norm leans one way on "
+        "shared weights",
         "*on shared weights the patched gradient norm is -* off the reference's on average over 16 steps, * times the "
         "reference's own low-precision error there (*, against float32), and alike at every step (t = -*)*",
         # the fused loss returns no logits in training: listed, not failed
@@ -104,6 +107,10 @@ def _tiny_llama(**overrides: object) -> torch.nn.Module:
     return seeded_model(tiny_config("llama", num_hidden_layers=1, **overrides))
 
 
+def _dropouts(model: torch.nn.Module, outer: Any, inner: Any) -> tuple[float, ...]:
+    return (model.config.attention_dropout, outer.hidden_dropout_prob, inner.resid_pdrop, inner.drop_path_rate)
+
+
 def test_training_state_zeroes_dropout_fields_of_nested_configs_and_as_configured_puts_them_back() -> None:
     from transformers import PretrainedConfig
 
@@ -117,11 +124,11 @@ def test_training_state_zeroes_dropout_fields_of_nested_configs_and_as_configure
     model.config.vision_config = outer  # a sub-config of a sub-config
     seen = []
     with training_state(model):
-        seen.append((model.config.attention_dropout, outer.hidden_dropout_prob, inner.resid_pdrop, inner.drop_path_rate))
+        seen.append(_dropouts(model, outer, inner))
         assert inner.layer_norm_eps == 0.5  # not a dropout
         probabilities = torch.nn.functional.dropout(torch.ones(1000), p=0.5, training=True)
         with as_configured(model):
-            seen.append((model.config.attention_dropout, outer.hidden_dropout_prob, inner.resid_pdrop, inner.drop_path_rate))
+            seen.append(_dropouts(model, outer, inner))
             dropped = torch.nn.functional.dropout(torch.ones(1000), p=0.5, training=True)
         seen.append((model.config.attention_dropout, inner.resid_pdrop))
     assert seen == [(0.0, 0.0, 0.0, 0.0), (0.25, 0.3, 0.1, 0.2), (0.0, 0.0)]
