@@ -55,7 +55,8 @@ def python_blocks(page: Path) -> list[tuple[int, str, str, str]]:
 
 def xfail_mark(text: str) -> str:
     """What a planted-bug block gets appended: it must fail (strict), with an AssertionError."""
-    return f"\n\npytestmark = pytest.mark.xfail(strict=True, raises=AssertionError, reason={('planted bug: ' + text)!r})\n"
+    reason = f"planted bug: {text}"
+    return f"\n\npytestmark = pytest.mark.xfail(strict=True, raises=AssertionError, reason={reason!r})\n"
 
 
 def write_project(page: Path, out: Path) -> dict[str, Any]:

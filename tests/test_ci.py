@@ -98,7 +98,8 @@ def test_the_consumer_project_is_the_quickstart_page_block_for_block(tmp_path: P
     project = consumer_project()
     # the lane reads every page as tests/test_docs.py does: the same blocks, lines and directives
     for page in DOC_FILES:
-        ours = [(b.line, b.code, b.directive, b.directive_arg) for b in code_blocks(page) if b.language in ("python", "py")]
+        blocks = [b for b in code_blocks(page) if b.language in ("python", "py")]
+        ours = [(b.line, b.code, b.directive, b.directive_arg) for b in blocks]
         assert project.python_blocks(page) == ours, page
     expected = project.write_project(QUICKSTART, tmp_path)
     written = {path.name: path.read_text() for path in tmp_path.iterdir() if path.name != "expected.json"}
@@ -109,8 +110,10 @@ def test_the_consumer_project_is_the_quickstart_page_block_for_block(tmp_path: P
             assert written[block.directive_arg] == block.code
         elif block.is_test_module:
             planted = block.directive == "expect-fail"
-            assert written[f"{block.module_name}.py"] == block.code + (project.xfail_mark(block.directive_arg) if planted else "")
-            assert expected["tests"][block.module_name] == {"outcome": "xfailed" if planted else "passed", "text": block.directive_arg}
+            mark = project.xfail_mark(block.directive_arg) if planted else ""
+            assert written[f"{block.module_name}.py"] == block.code + mark
+            outcome = "xfailed" if planted else "passed"
+            assert expected["tests"][block.module_name] == {"outcome": outcome, "text": block.directive_arg}
         else:
             assert written[f"script_quickstart_L{block.line}.py"] == block.code
     assert "xfailed" in [want["outcome"] for want in expected["tests"].values()] and expected["scripts"]

@@ -218,7 +218,7 @@ def test_python_block_runs_as_documented(
         assert block.directive_arg, f"{block}: <!-- doc: skip: REASON --> needs the reason it cannot run here"
         pytest.skip(f"{block.id}: {block.directive_arg}")
     if block.directive == "file":
-        assert re.fullmatch(r"\w+\.py", block.directive_arg), f"{block}: <!-- doc: file: NAME.py --> needs a module name"
+        assert re.fullmatch(r"\w+\.py", block.directive_arg), f"{block}: <!-- doc: file: NAME.py --> needs a module"
     monkeypatch.setenv("MODELPATCH_CACHE_DIR", os.environ.get("MODELPATCH_CACHE_DIR") or str(LINT_CACHE))
     run = run_test_modules(block.path, pytester) if block.is_test_module else run_snippets(block.path, tmp_path)
     check_outcomes(block, run)
@@ -247,6 +247,22 @@ def test_blocks_with_tests_or_marks_are_test_modules() -> None:
 def test_every_doc_file_has_its_python_blocks_collected() -> None:
     files = {b.path.name for b in python_blocks()}
     assert {"README.md", "quickstart.md", "troubleshooting.md", "reference.md"} <= files
+
+
+def test_readme_is_for_users_first_installing_then_a_test_that_needs_nothing_of_the_repository() -> None:
+    readme = REPO_ROOT / "README.md"
+    headings = re.findall(r"^## (.+)$", readme.read_text(), re.M)
+    users = ["What it catches", "Install", "A first test", "What each check adds", "Links"]
+    assert headings[: len(users)] == users, headings
+    install = next(b for b in code_blocks(readme) if b.language == "bash")
+    assert install.code.splitlines() == [
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu",  # the CPU build, not GBs of CUDA
+        "pip install pytest-modelpatch",
+    ]
+    first = next(b for b in python_blocks() if b.path == readme)
+    # the kernel it checks is defined in the test file itself: the test runs where the plugin is pip-installed
+    assert first.is_test_module and not first.directive and re.search(r"^class \w+\(nn\.Module\):", first.code, re.M)
+    assert not re.search(r"^\s*(from|import) (fixtures|tests|docs)\b", first.code, re.M)
 
 
 # ---------------------------------------------------------------------------

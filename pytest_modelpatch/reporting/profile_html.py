@@ -103,7 +103,9 @@ def profile_svg(profile: list[tuple[str, float]], first: str | None = None) -> s
         i = next(i for i, (name, _) in enumerate(profile) if name == first)
         x = (i + 0.5) * step
         anchor = "start" if x < _PLOT_W / 2 else "end"
-        parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="-6" y2="{_PLOT_H}" stroke="#c0392b" stroke-dasharray="3,2"/>')
+        parts.append(
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="-6" y2="{_PLOT_H}" stroke="#c0392b" stroke-dasharray="3,2"/>'
+        )
         parts.append(
             f'<text class="first-label" x="{x + (4 if anchor == "start" else -4):.1f}" y="-10" '
             f'text-anchor="{anchor}" style="fill:#c0392b;font-weight:bold">'
@@ -162,10 +164,11 @@ def render_profile_html(rows: list[dict[str, Any]]) -> str:
             f"{chart}<h3>The check's report</h3><pre>{html.escape(row.get('detail') or '')}</pre></section>"
         )
     body = "".join(sections) or "<p>No equivalence check failed.</p>"
+    title = f"{len(failing)} failing check{'s' if len(failing) != 1 else ''}"
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>modelpatch divergence profiles</title>"
         f"<style>{_STYLE}</style>"
-        f"</head><body><h1>modelpatch: divergence profiles ({len(failing)} failing check{'s' if len(failing) != 1 else ''})</h1>{body}</body></html>\n"
+        f"</head><body><h1>modelpatch: divergence profiles ({title})</h1>{body}</body></html>\n"
     )
 
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,6 +58,9 @@ def test_swapped(reference_model, patched_model):
 """
 
 
+Run = tuple[Path, dict[str, Any]]  # the page's path and the failing check's report row
+
+
 class PageText(HTMLParser):
     """What a reader sees: the text of each element by class, the table's rows (cells and class), the headings."""
 
@@ -104,7 +108,7 @@ def read_page(text: str) -> PageText:
 
 
 @pytest.fixture
-def failing_run(pytester: pytest.Pytester) -> tuple[Path, dict]:  # type: ignore[type-arg]
+def failing_run(pytester: pytest.Pytester) -> Run:
     pytester.makepyfile(test_kernels=KERNELS)
     page, report = pytester.path / "page.html", pytester.path / "report.json"
     result = pytester.runpytest("-p", "no:randomly", "--modelpatch-html", str(page), "--modelpatch-report", str(report))
@@ -114,13 +118,15 @@ def failing_run(pytester: pytest.Pytester) -> tuple[Path, dict]:  # type: ignore
     return page, row
 
 
-def assert_reads_well(page: PageText, row: dict) -> None:  # type: ignore[type-arg]
+def assert_reads_well(page: PageText, row: dict[str, Any]) -> None:
     __tracebackhide__ = True
     assert page.sections == 1  # the failing check only; the right kernel's check passed
     assert page.by_class.get("first") == ["first diverging module: model.layers.0.mlp"]
     assert page.by_class.get("first-label") == ["first diverging module: model.layers.0.mlp"]  # on the chart
     assert page.by_class.get("y-label") == ["max abs error (log scale)"]
-    assert page.by_class.get("x-label") == [f"module calls in forward order (1 to {len(row['profile'])}, as the table below lists them)"]
+    calls = len(row["profile"])
+    x_label = f"module calls in forward order (1 to {calls}, as the table below lists them)"
+    assert page.by_class.get("x-label") == [x_label]
     assert page.by_class.get("y-tick") and all(tick.startswith("1e") for tick in page.by_class.get("y-tick"))
     # the table: every call of the check's profile, in its order, with its error; the blamed call marked
     body = [(css, cells) for css, cells in page.rows if cells]
@@ -134,13 +140,13 @@ def assert_reads_well(page: PageText, row: dict) -> None:  # type: ignore[type-a
     assert "model.layers.0.mlp.act_fn" in [cells[1] for cells in before]  # inside the MLP: listed before it
 
 
-def test_the_page_of_a_failing_check_names_its_first_diverging_module_axes_and_every_call(failing_run) -> None:  # type: ignore[no-untyped-def]
+def test_the_page_names_the_first_diverging_module_labels_its_axes_and_lists_every_call(failing_run: Run) -> None:
     path, row = failing_run
     assert_reads_well(read_page(path.read_text()), row)
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium package (apt-get install chromium)")
-def test_headless_chromium_shows_the_labels_and_the_table(failing_run) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_headless_chromium_shows_the_labels_and_the_table(failing_run: Run) -> None:
     path, row = failing_run
     done = subprocess.run(
         ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", path.as_uri()],
@@ -154,7 +160,8 @@ def test_a_page_without_the_check_text_marks_the_first_call_that_differs(tmp_pat
     from pytest_modelpatch.reporting.profile_html import write_profile_html
 
     profile = [["embed", 0.0], ["layers.0.attn", 0.0], ["layers.0.mlp", 2.5e-3], ["lm_head", float("inf")]]
-    row = {"nodeid": "t.py::t", "check": "equivalence#1", "kind": "equivalence", "outcome": "failed", "profile": profile}
+    row = {"nodeid": "t.py::t", "check": "equivalence#1", "kind": "equivalence", "outcome": "failed",
+           "profile": profile}  # fmt: skip
     write_profile_html(tmp_path / "p.html", [row])
     page = read_page((tmp_path / "p.html").read_text())
     assert page.by_class.get("first") == ["first diverging module: layers.0.mlp"]
