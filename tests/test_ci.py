@@ -79,3 +79,124 @@ def test_the_committed_baseline_names_only_tests_that_still_exist() -> None:
     assert {path for path, _ in tests} == {"docs/examples/test_verify_examples.py", "tests/models/test_gpu.py"}
     assert not [(path, test) for path, test in tests if f"def {test}(" not in (REPO_ROOT / path).read_text()]
     assert {row["device_class"] for row in baseline["rows"]} == set(baseline["header"]["device_classes"])
+
+
+def consumer_project():  # type: ignore[no-untyped-def]
+    """.ci/consumer_project.py as a module (it lives beside the CI scripts, not in a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("consumer_project", REPO_ROOT / ".ci" / "consumer_project.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_consumer_project_is_the_quickstart_page_block_for_block(tmp_path: Path) -> None:
+    from test_docs import DOC_FILES, QUICKSTART, code_blocks
+
+    project = consumer_project()
+    # the lane reads every page as tests/test_docs.py does: the same blocks, lines and directives
+    for page in DOC_FILES:
+        blocks = [b for b in code_blocks(page) if b.language in ("python", "py")]
+        ours = [(b.line, b.code, b.directive, b.directive_arg) for b in blocks]
+        assert project.python_blocks(page) == ours, page
+    expected = project.write_project(QUICKSTART, tmp_path)
+    written = {path.name: path.read_text() for path in tmp_path.iterdir() if path.name != "expected.json"}
+    page = [b for b in code_blocks(QUICKSTART) if b.language == "python" and b.directive != "skip"]
+    assert len(written) == len(page) >= 6
+    for block in page:
+        if block.directive == "file":
+            assert written[block.directive_arg] == block.code
+        elif block.is_test_module:
+            planted = block.directive == "expect-fail"
+            mark = project.xfail_mark(block.directive_arg) if planted else ""
+            assert written[f"{block.module_name}.py"] == block.code + mark
+            outcome = "xfailed" if planted else "passed"
+            assert expected["tests"][block.module_name] == {"outcome": outcome, "text": block.directive_arg}
+        else:
+            assert written[f"script_quickstart_L{block.line}.py"] == block.code
+    assert "xfailed" in [want["outcome"] for want in expected["tests"].values()] and expected["scripts"]
+
+
+PAGE = '''
+<!-- doc: file: norm.py -->
+```python
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+```
+
+```python
+import pytest
+from norm import RMSNorm
+from pytest_modelpatch import assert_equivalent
+
+
+@pytest.mark.model("llama", num_hidden_layers=1)
+@pytest.mark.patch({"LlamaRMSNorm": RMSNorm})
+def test_norm(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+```
+
+<!-- doc: expect-fail: first diverging module: model.layers.0.input_layernorm -->
+```python
+import pytest
+from norm import RMSNorm
+from pytest_modelpatch import assert_equivalent
+
+
+class NoWeight(RMSNorm):
+    def forward(self, x):
+        return super().forward(x) / self.weight
+
+
+@pytest.mark.model("llama", num_hidden_layers=1)
+@pytest.mark.patch({"LlamaRMSNorm": NoWeight})
+def test_norm_without_its_weight(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+```
+
+<!-- doc: expect-fail: first diverging module -->
+```python
+import pytest
+from norm import RMSNorm
+from pytest_modelpatch import assert_equivalent
+
+
+@pytest.mark.model("llama", num_hidden_layers=1)
+@pytest.mark.patch({"LlamaRMSNorm": RMSNorm})
+def test_said_to_be_broken_but_right(reference_model, patched_model):
+    assert_equivalent(reference_model, patched_model)
+```
+'''
+
+
+def test_the_consumer_check_passes_a_caught_bug_and_fails_a_planted_bug_that_passes(tmp_path: Path) -> None:
+    project = consumer_project()
+    (tmp_path / "page.md").write_text(PAGE)
+    out = tmp_path / "project"
+    expected = project.write_project(tmp_path / "page.md", out)
+    assert sorted(want["outcome"] for want in expected["tests"].values()) == ["passed", "xfailed", "xfailed"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "--junitxml=junit.xml",
+         "--modelpatch-report", "report.json"],
+        cwd=out, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:]  # the right norm said to be broken: XPASS(strict)
+    assert "1 failed, 1 passed, 1 xfailed" in done.stdout, done.stdout[-3000:]
+    said_broken = max(expected["tests"], key=lambda module: int(module.rpartition("_L")[2]))
+    assert project.check_run(out) == [
+        f"{said_broken}: failure, where the page says xfailed",
+        f"{said_broken}: no check of it failed saying 'first diverging module', as the page says it does",
+    ]

@@ -10,7 +10,9 @@ changes that:
 
 - ``<!-- doc: expect-fail -->`` or ``<!-- doc: expect-fail: TEXT -->``: the block must fail
   (a test fails or errors, a snippet raises), with TEXT in the failure when given;
-- ``<!-- doc: skip: REASON -->``: not run (only for what cannot run here, e.g. needs a GPU).
+- ``<!-- doc: skip: REASON -->``: not run (only for what cannot run here, e.g. needs a GPU);
+- ``<!-- doc: file: NAME.py -->``: a module the page asks the reader to save as NAME.py; it runs as a
+  snippet, and is written as NAME.py beside the page's test modules and snippets, which import it.
 
 ``<!-- doc: pytest-args: -n 2 -->`` anywhere in a file adds arguments to its pytester run.
 Output blocks (```text, ```console, ```bash) are not run. A ```text block marked
@@ -43,7 +45,7 @@ _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
 _DIRECTIVE = re.compile(r"^\s*<!--\s*doc:\s*(?P<name>[\w-]+)\s*(?::\s*(?P<arg>.*?))?\s*-->\s*$")
 _PYTEST_ARGS = re.compile(r"<!--\s*doc:\s*pytest-args:\s*(?P<args>.*?)\s*-->")
 _TEST_MODULE = re.compile(r"^(\s*(async\s+)?def test_|class Test|\s*@pytest\.mark\.|pytestmark\s*=)", re.M)
-_DIRECTIVES = ("expect-fail", "skip")  # on python blocks; "output" marks a text block (a quoted failure)
+_DIRECTIVES = ("expect-fail", "skip", "file")  # on python blocks; "output" marks a text block (a quoted failure)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,13 @@ def python_blocks() -> list[CodeBlock]:
     return [b for path in DOC_FILES for b in code_blocks(path) if b.language in ("python", "py")]
 
 
+def write_page_files(path: Path, folder: Path) -> None:
+    """The modules ``path`` asks its reader to save (``<!-- doc: file: NAME.py -->``), written into ``folder``."""
+    for block in python_blocks():
+        if block.path == path and block.directive == "file":
+            (folder / block.directive_arg).write_text(block.code)
+
+
 # ---------------------------------------------------------------------------
 # running a file's blocks: once per file per process, shared by its blocks' tests
 # ---------------------------------------------------------------------------
@@ -124,6 +133,7 @@ def run_test_modules(path: Path, pytester: pytest.Pytester) -> FileRun:
     blocks = [b for b in python_blocks() if b.path == path and b.is_test_module and b.directive != "skip"]
     pytester.makeconftest((REPO_ROOT / "docs" / "conftest.py").read_text())
     pytester.makepyfile(**{b.module_name: b.code for b in blocks})
+    write_page_files(path, pytester.path)
     extra = _PYTEST_ARGS.search(path.read_text())
     args = extra["args"].split() if extra else []
     result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider", "--junitxml=junit.xml", "-rA", *args)
@@ -168,6 +178,7 @@ def run_snippets(path: Path, tmp_path: Path) -> FileRun:
         return _RUNS[key]
     blocks = [b for b in python_blocks() if b.path == path and not b.is_test_module and b.directive != "skip"]
     source, results = tmp_path / "snippets.json", tmp_path / "results.json"
+    write_page_files(path, tmp_path)  # snippets run with tmp_path as their cwd, first on sys.path
     source.write_text(json.dumps([{"id": b.id, "line": b.line, "code": b.code} for b in blocks]))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     env["OMP_NUM_THREADS"] = "1"
@@ -206,6 +217,8 @@ def test_python_block_runs_as_documented(
     if block.directive == "skip":
         assert block.directive_arg, f"{block}: <!-- doc: skip: REASON --> needs the reason it cannot run here"
         pytest.skip(f"{block.id}: {block.directive_arg}")
+    if block.directive == "file":
+        assert re.fullmatch(r"\w+\.py", block.directive_arg), f"{block}: <!-- doc: file: NAME.py --> needs a module"
     monkeypatch.setenv("MODELPATCH_CACHE_DIR", os.environ.get("MODELPATCH_CACHE_DIR") or str(LINT_CACHE))
     run = run_test_modules(block.path, pytester) if block.is_test_module else run_snippets(block.path, tmp_path)
     check_outcomes(block, run)
@@ -234,6 +247,22 @@ def test_blocks_with_tests_or_marks_are_test_modules() -> None:
 def test_every_doc_file_has_its_python_blocks_collected() -> None:
     files = {b.path.name for b in python_blocks()}
     assert {"README.md", "quickstart.md", "troubleshooting.md", "reference.md"} <= files
+
+
+def test_readme_is_for_users_first_installing_then_a_test_that_needs_nothing_of_the_repository() -> None:
+    readme = REPO_ROOT / "README.md"
+    headings = re.findall(r"^## (.+)$", readme.read_text(), re.M)
+    users = ["What it catches", "Install", "A first test", "What each check adds", "Links"]
+    assert headings[: len(users)] == users, headings
+    install = next(b for b in code_blocks(readme) if b.language == "bash")
+    assert install.code.splitlines() == [
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu",  # the CPU build, not GBs of CUDA
+        "pip install pytest-modelpatch",
+    ]
+    first = next(b for b in python_blocks() if b.path == readme)
+    # the kernel it checks is defined in the test file itself: the test runs where the plugin is pip-installed
+    assert first.is_test_module and not first.directive and re.search(r"^class \w+\(nn\.Module\):", first.code, re.M)
+    assert not re.search(r"^\s*(from|import) (fixtures|tests|docs)\b", first.code, re.M)
 
 
 # ---------------------------------------------------------------------------

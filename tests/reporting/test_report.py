@@ -172,5 +172,5 @@ def test_divergence_profile_is_zero_before_the_changed_layer_and_drawn_as_html(t
     write_profile_html(tmp_path / "p.html", [row])
     page = (tmp_path / "p.html").read_text()
     assert "<svg" in page and page.count("<rect") == len(profile)
-    assert "first module whose output differs: <code>model.layers.1.mlp.down_proj</code>" in page
+    assert "first diverging module: <code>model.layers.1.mlp.down_proj</code>" in page
     assert "logits: &lt;differs&gt;" in page
