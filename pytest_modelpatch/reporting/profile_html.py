@@ -46,11 +46,8 @@ def render_profile_html(rows: list[dict[str, Any]]) -> str:
     sections = []
     for row in failing:
         profile = row.get("profile") or []
-        first = next((name for name, error in profile if error > 0), None)
         chart = (
-            f"<p>first module whose output differs: <code>{html.escape(first or '-')}</code></p>{profile_svg(profile)}"
-            if profile
-            else "<p>(no per-module profile recorded for this check)</p>"
+            f"{_located(row)}{profile_svg(profile)}" if profile else "<p>(no per-module profile recorded for this check)</p>"
         )
         sections.append(
             f"<section><h2>{html.escape(row['nodeid'])} {html.escape(row['check'])}</h2>"
@@ -63,6 +60,16 @@ def render_profile_html(rows: list[dict[str, Any]]) -> str:
         "<style>body{font-family:sans-serif;margin:2em}pre{background:#f4f4f4;padding:1em;overflow:auto}</style>"
         f"</head><body><h1>modelpatch: divergence profiles ({len(failing)} failing checks)</h1>{body}</body></html>\n"
     )
+
+
+def _located(row: dict[str, Any]) -> str:
+    """The modules the check's text names, in its order: the blamed replacement first, then the first diverging one."""
+    # the first bar above zero is not it: a replacement's round-off shows first and may be within tolerance
+    blamed = row.get("blamed") or []
+    lines = [f"<p>replaced module whose own output differs: <code>{html.escape(', '.join(blamed))}</code></p>"] if blamed else []
+    first = row.get("first_diverging") or "-"
+    lines.append(f"<p>first module whose output crossed the tolerance: <code>{html.escape(first)}</code></p>")
+    return "".join(lines)
 
 
 def write_profile_html(path: Path, rows: list[dict[str, Any]]) -> None:
