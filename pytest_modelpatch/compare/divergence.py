@@ -248,7 +248,8 @@ def find_divergence(
         result.sharding = sharding_line(patched)
         replays = [ReplacedCall(c.name, c.index, c.module_class, *c.arguments, c.output)
                    for c in reference_calls if c.arguments is not None]  # fmt: skip
-        result.blame = blame_replacements(patched, replays, spec, train=train)
+        if not result.sharding:  # a sharded replacement holds this rank's slice: the whole arguments do not fit it
+            result.blame = blame_replacements(patched, replays, spec, train=train)
     return result
 
 
