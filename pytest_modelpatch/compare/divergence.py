@@ -136,11 +136,15 @@ class Divergence:
         return self.blame.first if self.blame is not None else self.name
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, where: str = "") -> str:
+        """The report, ``where`` (``"at step 1, "``) before the blamed replacement and the first diverging module."""
         call = f" (call {self.index + 1})" if self.index else ""
         classes = class_pair(self.reference_class, self.patched_class)
         seen = f"; {self.sharding}" if self.sharding else ""
-        lines = [str(self.blame)] if self.blame is not None else []
-        lines.append(f"first diverging module: {self.name}{call} ({classes}{seen})")
+        lines = [f"{where}{self.blame}"] if self.blame is not None else []
+        lines.append(f"{where}first diverging module: {self.name}{call} ({classes}{seen})")
         if self.mutated_inputs:
             lines.append(
                 f"  it changes its input {', '.join(self.mutated_inputs)} in place, which the original does not: "

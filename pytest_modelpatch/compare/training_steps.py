@@ -189,7 +189,7 @@ class TrainingReport(CheckReport):
         lines += describe_tolerances(judged[:1] + [c for c in judged[1:] if c.tolerance != judged[0].tolerance][:1])
         lines.append(f"tolerances grow by {GROWTH:g} of the first step's with each step")
         if self.divergence is not None:
-            lines.append(f"at step {self.divergence_step}, {self.divergence}")
+            lines.append(self.divergence.text(f"at step {self.divergence_step}, "))
         return "\n".join(lines)
 
     def judged_comparison(self) -> TensorComparison | None:
