@@ -353,8 +353,9 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
             from pytest_modelpatch.models.sweeps import keys_in_family
 
             keys = [key for key in keys if key in keys_in_family(mapping, swept)]
+        kept = {key: kinds for key, kinds in allow.items() if key in keys}
         lint_for_registration({key: mapping[key] for key in keys}, families=families, conversions=conversions,
-                              allow={key: kinds for key, kinds in allow.items() if key in keys}, structures=meta_structures)
+                              allow=kept, structures=meta_structures)
 
     return lint
 

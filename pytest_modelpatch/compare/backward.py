@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.blame import ReplacedCall, blame_backward, capturing_replaced_calls, replaced_module_names
+from pytest_modelpatch.compare.blame import (
+    ReplacedCall, blame_backward, capturing_replaced_calls, replaced_module_names,
+)
 from pytest_modelpatch.compare.backward_divergence import BackwardCall, BackwardDivergence, backward_calls, first_backward_divergence
 from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.sharded import logical_tensors

@@ -60,7 +60,8 @@ class Blame:
         return self.names[0].split("#")[0]
 
     def __str__(self) -> str:
-        shown = ", ".join(self.names[:_NAMED]) + (f" and {len(self.names) - _NAMED} more" if len(self.names) > _NAMED else "")
+        more = len(self.names) - _NAMED
+        shown = ", ".join(self.names[:_NAMED]) + (f" and {more} more" if more > 0 else "")
         classes = class_pair(self.reference_class, self.patched_class)
         if self.backward:
             lines = [f"replaced module whose own gradients differ: {shown} ({classes})",
@@ -97,8 +98,8 @@ def blame_replacements(
     Innermost first: a replaced module is not blamed for a replaced module inside it that is.
     """
     model = unwrapped(patched)
-    beyond: list[tuple[ReplacedCall, str, list[TensorComparison]]] = []
-    changed: list[tuple[ReplacedCall, str, list[TensorComparison]]] = []
+    beyond: Found = []
+    changed: Found = []
     not_replayed = []
     for call in calls:
         module = model.get_submodule(call.name)
@@ -128,10 +129,14 @@ def _replay(module: torch.nn.Module, call: ReplacedCall, train: bool) -> dict[st
     # as the models ran: eval, or train mode with dropout off
     with training_state(module) if train else evaluating(module), torch.no_grad():
         output = module(*call.args, **call.kwargs)
-    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in flatten_outputs(output, "output", caches=False)}
+    flat = flatten_outputs(output, "output", caches=False)
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in flat}
 
 
-def _innermost(found: list[tuple[ReplacedCall, str, list[TensorComparison]]]) -> list[tuple[ReplacedCall, str, list[TensorComparison]]]:
+Found = list[tuple[ReplacedCall, str, list[TensorComparison]]]  # (call, its label, its differing comparisons)
+
+
+def _innermost(found: Found) -> Found:
     names = {call.name for call, _, _ in found}
     return [entry for entry in found if not any(other.startswith(f"{entry[0].name}.") for other in names)]
 
@@ -163,7 +168,7 @@ def blame_backward(
 ) -> Blame | None:
     """Replay each call's backward through the original and the replacement; ``None`` when none differs."""
     originals, replacements = unwrapped(reference), unwrapped(patched)
-    found: list[tuple[ReplacedCall, str, list[TensorComparison]]] = []
+    found: Found = []
     not_replayed = []
     for call in calls:
         original, replacement = originals.get_submodule(call.name), replacements.get_submodule(call.name)

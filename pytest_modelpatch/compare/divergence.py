@@ -102,7 +102,8 @@ def record_module_calls(
                 if isinstance(value, torch.Tensor) and isinstance(seen.get(path), torch.Tensor)
                 and value.shape == seen[path].shape and not torch.equal(value, seen[path])
             ]  # fmt: skip
-            calls.append(ModuleCall(name, index, type(module).__name__, seen, _flat_clone(output, "output"), mutated, kept))
+            made = _flat_clone(output, "output")
+            calls.append(ModuleCall(name, index, type(module).__name__, seen, made, mutated, kept))
 
         return module, before, after
 

@@ -8,8 +8,9 @@ never timed: they include output capture and the comparison itself.
 - Seconds are the median of ``repeats`` calls, reference and patched alternating so that
   load drifting on a shared machine weighs on both. The spread of each model's repeats (their
   interquartile range) comes with it: when the two ranges overlap, the difference is within
-  the noise and is called "no measurable difference", whatever the ratio of the medians. On CUDA each call is timed with CUDA
-  events (the kernels' time, no host sync in between); elsewhere with ``time.perf_counter``.
+  the noise and is called "no measurable difference", whatever the ratio of the medians. On
+  CUDA each call is timed with CUDA events (the kernels' time, no host sync in between);
+  elsewhere with ``time.perf_counter``.
 - Both models are called as checks call them, ``model(**inputs)`` under ``no_grad``. A
   shared reference enters the test's pristine scope on every call (``models/reference.py``),
   so ``reference_s`` includes that (tens of microseconds); at the default tiny size it
@@ -124,7 +125,8 @@ class ModelTiming:
         return row
 
     def __str__(self) -> str:
-        times = f"reference {_ms(self.reference_s, self.reference_spread_s)}, patched {_ms(self.patched_s, self.patched_spread_s)}"
+        reference, patched = _ms(self.reference_s, self.reference_spread_s), _ms(self.patched_s, self.patched_spread_s)
+        times = f"reference {reference}, patched {patched}"
         if not self.measurable:
             return f"no measurable difference: {times}, within the spread of the repeats (speedup {self.speedup:.2f}x)"
         return f"{times}, speedup {self.speedup:.2f}x"

@@ -46,9 +46,8 @@ def render_profile_html(rows: list[dict[str, Any]]) -> str:
     sections = []
     for row in failing:
         profile = row.get("profile") or []
-        chart = (
-            f"{_located(row)}{profile_svg(profile)}" if profile else "<p>(no per-module profile recorded for this check)</p>"
-        )
+        none = "<p>(no per-module profile recorded for this check)</p>"
+        chart = f"{_located(row)}{profile_svg(profile)}" if profile else none
         sections.append(
             f"<section><h2>{html.escape(row['nodeid'])} {html.escape(row['check'])}</h2>"
             f"<p>max abs error {row.get('max_abs_error') or 0:.4g} on {html.escape(str(row.get('model') or '-'))}</p>"
@@ -66,7 +65,8 @@ def _located(row: dict[str, Any]) -> str:
     """The modules the check's text names, in its order: the blamed replacement first, then the first diverging one."""
     # the first bar above zero is not it: a replacement's round-off shows first and may be within tolerance
     blamed = row.get("blamed") or []
-    lines = [f"<p>replaced module whose own output differs: <code>{html.escape(', '.join(blamed))}</code></p>"] if blamed else []
+    named = html.escape(", ".join(blamed))
+    lines = [f"<p>replaced module whose own output differs: <code>{named}</code></p>"] if blamed else []
     first = row.get("first_diverging") or "-"
     lines.append(f"<p>first module whose output crossed the tolerance: <code>{html.escape(first)}</code></p>")
     return "".join(lines)
