@@ -200,8 +200,8 @@ def _sweep_families(metafunc: pytest.Metafunc) -> None:
         from pytest_modelpatch.models.sweeps import sweep_families
 
         try:
-            keys, allow = _patched_class_names(metafunc.definition)
-            swept = sweep_families(mark.kwargs["families"], keys, may_match_nothing=no_match_allowed(allow))
+            keys, optional = _patched_class_names(metafunc.definition)
+            swept = sweep_families(mark.kwargs["families"], keys, may_match_nothing=optional)
         except PatchUsageError as exc:  # collection errors name the file only: name the test
             raise PatchUsageError(f"{where}: {exc}") from None
         params = [pytest.param(f.model_type, id=f.model_type, marks=[pytest.mark.skip(reason=f.skip)] if f.skip else [])
@@ -220,13 +220,16 @@ def _sweep_families(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize(FAMILY_PARAM, params)
 
 
-def _patched_class_names(node: pytest.Item) -> tuple[list[str], dict[str, list[str]]]:
-    """The class mapping's keys and the classes method patches patch (what families="patched" follows), and allow."""
+def _patched_class_names(node: pytest.Item) -> tuple[list[str], set[str]]:
+    """The class mapping's keys and the classes method patches patch (what families="patched" follows), and of
+    those the ones a sweep may find replacing nothing: keys whose NO_MATCH is allowed, and the method patches'
+    classes (no allow= can name them)."""
     spec = collect_patch_spec(node)
     if spec is None:
-        return [], {}
+        return [], set()
     named = [getattr(getattr(m, "_PATCHED_CLASS_", None), "__name__", None) for m in spec.methods]
-    return [*spec.mapping, *(re.escape(name) for name in named if name)], spec.allow
+    methods = [re.escape(name) for name in named if name]
+    return [*spec.mapping, *methods], no_match_allowed(spec.allow) | set(methods)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
