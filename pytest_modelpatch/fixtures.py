@@ -9,7 +9,7 @@ Nothing here imports torch or transformers at module level; each fixture imports
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -58,6 +58,33 @@ def _swept_marker_args(item: pytest.Item, mark: pytest.Mark) -> tuple[tuple[Any,
     if "families" in mark.kwargs:
         return (family,), {k: v for k, v in mark.kwargs.items() if k != "families"}
     return (family, *mark.args[1:]), mark.kwargs
+
+
+def patched_sweep_family(item: pytest.Item) -> str | None:
+    """The model type a ``families="patched"`` sweep gave this test, else ``None`` (a named family is held strictly)."""
+    family = swept_family(item)
+    mark = item.get_closest_marker("model") if family is not None else None
+    return family if mark is not None and mark.kwargs.get("families") == "patched" else None
+
+
+def no_match_allowed(allow: Mapping[str, Iterable[str]]) -> set[str]:
+    """The keys whose ``allow=`` accepts ``NO_MATCH``: the test says they may replace nothing."""
+    return {key for key, kinds in allow.items() if "NO_MATCH" in {str(kind).upper() for kind in kinds}}
+
+
+def keys_that_may_match_nothing(item: pytest.Item) -> set[str]:
+    """The test's mapping keys its load may find replacing nothing: those whose ``NO_MATCH`` it allows, and in a
+    ``families="patched"`` sweep those that replace no class of this family (they are there for the others)."""
+    spec = patch_spec(item)
+    if spec is None:
+        return set()
+    optional = no_match_allowed(spec.allow)
+    family = patched_sweep_family(item)
+    if family is not None:
+        from pytest_modelpatch.models.sweeps import keys_in_family
+
+        optional |= set(spec.mapping) - keys_in_family(spec.mapping, family)
+    return optional
 
 
 _MODEL_REQUEST = pytest.StashKey["ModelRequest | None"]()
@@ -271,7 +298,8 @@ def patched_model(
         refuse_early(request.node, model_request, load_choices(request))
         with refusals_not_applicable(request.node):
             choices, kind = sharded_choices(request, model_builder, model_request, dtype, device)
-            model = model_builder.patched(model_request, dtype=dtype, device=device, choices=choices)
+            model = model_builder.patched(model_request, dtype=dtype, device=device, choices=choices,
+                                          may_match_nothing=keys_that_may_match_nothing(request.node))
         note_implementations(request.node, "patched", model)
         if kind == "tp":  # its activations and caches hold this rank's slice: gathered for each comparison
             from pytest_modelpatch.compare.sharded import gathering_shards

@@ -18,7 +18,7 @@ from pytest_modelpatch import fixtures
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.fixtures import (
     CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, check_before_ranks, checkpoint_root, item_device,
-    item_model_request, resolve_device, swept_family,
+    item_model_request, no_match_allowed, patched_sweep_family, resolve_device, swept_family,
 )
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.per_test.leaks import LeakTally
@@ -201,7 +201,8 @@ def _sweep_families(metafunc: pytest.Metafunc) -> None:
         from pytest_modelpatch.models.sweeps import sweep_families
 
         try:
-            swept = sweep_families(mark.kwargs["families"], _patched_class_names(metafunc.definition))
+            keys, optional = _patched_class_names(metafunc.definition)
+            swept = sweep_families(mark.kwargs["families"], keys, may_match_nothing=optional)
         except PatchUsageError as exc:  # collection errors name the file only: name the test
             raise PatchUsageError(f"{where}: {exc}") from None
         params = [pytest.param(f.model_type, id=f.model_type, marks=[pytest.mark.skip(reason=f.skip)] if f.skip else [])
@@ -220,13 +221,16 @@ def _sweep_families(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize(FAMILY_PARAM, params)
 
 
-def _patched_class_names(node: pytest.Item) -> list[str]:
-    """The class mapping's keys and the classes method patches patch: what families="patched" follows."""
+def _patched_class_names(node: pytest.Item) -> tuple[list[str], set[str]]:
+    """The class mapping's keys and the classes method patches patch (what families="patched" follows), and of
+    those the ones a sweep may find replacing nothing: keys whose NO_MATCH is allowed, and the method patches'
+    classes (no allow= can name them)."""
     spec = collect_patch_spec(node)
     if spec is None:
-        return []
+        return [], set()
     named = [getattr(getattr(m, "_PATCHED_CLASS_", None), "__name__", None) for m in spec.methods]
-    return [*spec.mapping, *(re.escape(name) for name in named if name)]
+    methods = [re.escape(name) for name in named if name]
+    return [*spec.mapping, *methods], no_match_allowed(spec.allow) | set(methods)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -347,9 +351,17 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
     # a family in scope: the contract checks run too, on tiny meta-device models
     from pytest_modelpatch.models.structure import meta_structures
 
-    return lambda mapping, conversions: lint_for_registration(
-        mapping, families=families, allow=allow, conversions=conversions, structures=meta_structures
-    )
+    def lint(mapping: dict[str, type], conversions: dict[str, list[Any]]) -> None:
+        keys, swept = list(mapping), patched_sweep_family(item)
+        if swept is not None:  # a sweep's key aimed at other families is linted there, not here
+            from pytest_modelpatch.models.sweeps import keys_in_family
+
+            keys = [key for key in keys if key in keys_in_family(mapping, swept)]
+        kept = {key: kinds for key, kinds in allow.items() if key in keys}
+        lint_for_registration({key: mapping[key] for key in keys}, families=families, conversions=conversions,
+                              allow=kept, structures=meta_structures)
+
+    return lint
 
 
 _TOLERANCE_INI = ("modelpatch_atol", "modelpatch_rtol", "modelpatch_tolerance_policy")

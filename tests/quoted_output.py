@@ -37,7 +37,7 @@ MAX_REL_RTOL = 5e-2
 NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 _FIGURE = re.compile(r"^(?:[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?|nan|inf|-inf)$")
 _ROW = re.compile(r"^(failed|xfailed|xpassed|passed) {2,}\S")
-_SPEEDUP = re.compile(r"^(?:\d+\.\d+x|-)$")
+_SPEEDUP = re.compile(r"^(?:~?\d+\.\d+x|-)$")
 
 
 def table_cells(line: str) -> list[str] | None:

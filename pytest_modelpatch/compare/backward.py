@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare.blame import (
+    ReplacedCall, blame_backward, capturing_replaced_calls, replaced_module_names,
+)
 from pytest_modelpatch.compare.backward_divergence import BackwardCall, BackwardDivergence, backward_calls, first_backward_divergence
 from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.sharded import logical_tensors
@@ -260,8 +263,11 @@ def _locate(
     if not all(c.passed for c in [*report.outputs, *([report.loss] if report.loss else [])]):
         return find_divergence(reference, patched, inputs, report.tolerance, train=True)
     calls: tuple[list[BackwardCall], list[BackwardCall]] = ([], [])
+    replaced: list[ReplacedCall] = []
     try:
-        with backward_calls(reference, calls[0]):
+        with backward_calls(reference, calls[0]), capturing_replaced_calls(
+            reference, replaced_module_names(reference, patched), replaced
+        ):
             training_run(reference, inputs, loss=loss, around_backward=running_pristine)
         with backward_calls(patched, calls[1]):
             training_run(patched, inputs, loss=loss)
@@ -269,7 +275,10 @@ def _locate(
         report.conversions = "\n".join(filter(None, [report.conversions, f"first diverging module not located: {error}"]))
         return None
     failing = {c.path: c for c in report.gradients if not c.passed}
-    return first_backward_divergence(calls[0], calls[1], failing, spec)
+    found = first_backward_divergence(calls[0], calls[1], failing, spec)
+    if found is not None:
+        found.blame = blame_backward(reference, patched, replaced, spec)
+    return found
 
 
 def assert_backward_equivalent(

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare.blame import Blame
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, describe_tolerances, flatten_outputs
 from pytest_modelpatch.compare.running import class_pair
 from pytest_modelpatch.compare.tolerance import ToleranceSpec
@@ -80,11 +81,13 @@ class BackwardDivergence:
     differences: list[TensorComparison]
     incoming_differences: list[TensorComparison] = field(default_factory=list)
     profile: list[tuple[str, float]] = field(default_factory=list, repr=False)
+    blame: Blame | None = None  # replaced modules whose own gradients differ, replayed on the reference's arguments
 
     def __str__(self) -> str:
         call = f" (reached {self.index + 1} times)" if self.index else ""
         classes = class_pair(self.reference_class, self.patched_class)
-        lines = [f"first module in backward order whose gradient diverges: {self.name}{call} ({classes})"]
+        lines = [str(self.blame)] if self.blame is not None else []
+        lines.append(f"first module in backward order whose gradient diverges: {self.name}{call} ({classes})")
         if self.incoming_agrees:
             lines.append("  the gradient flowing into its output agrees; the gradients it computes differ:")
         else:

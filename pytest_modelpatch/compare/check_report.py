@@ -94,6 +94,9 @@ class CheckReport(ComparedTensors):
             "detail": detail or (self.passing_detail() if self.passed else str(self)),
             "output": self.worst_output(),
             "profile": self.divergence.profile if self.divergence is not None else [],
+            # the divergence's own names (forward or backward), so that the row and the page say what the text does
+            "blamed": list(getattr(getattr(self.divergence, "blame", None), "names", [])),
+            "first_diverging": getattr(self.divergence, "name", ""),
         }  # fmt: skip
         return CheckRecord(**{**row, **self.row_fields()})
 

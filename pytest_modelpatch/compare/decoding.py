@@ -293,7 +293,7 @@ class DecodingReport(CheckReport):
         if ties:
             lines.append(f"near-ties so far (tokens taken from the reference): {self.near_ties}")
         if self.divergence is not None:
-            lines.append(f"at {failed.name}, {self.divergence}")
+            lines.append(self.divergence.text(f"at {failed.name}, "))
         so_far = [list(row) for row in zip(*(s.reference_tokens for s in self.steps[:-1]))]
         lines.append(f"tokens before it, per row (the reference's, fed to both): {so_far}")
         return "\n".join(lines)

@@ -17,12 +17,13 @@ import copy
 import difflib
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare.blame import Blame, ReplacedCall, blame_replacements, replaced_module_names
 from pytest_modelpatch.compare.check_report import CheckReport
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, describe_tolerances, flatten_outputs
 from pytest_modelpatch.compare.sharded import sharding_line
@@ -51,6 +52,7 @@ class ModuleCall:
     inputs: dict[str, Any]
     output: dict[str, Any]
     mutated: list[str] = field(default_factory=list)  # inputs the call changed in place
+    arguments: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # kept for a replay (args, kwargs)
 
 
 Hook = Callable[..., None]
@@ -75,26 +77,33 @@ def run_with_hooks(
             handle.remove()
 
 
-def record_module_calls(model: torch.nn.Module, inputs: Mapping[str, Any], *, train: bool = False) -> list[ModuleCall]:
-    """Run ``model`` on ``inputs`` and return every submodule call in the order the calls finished."""
+def record_module_calls(
+    model: torch.nn.Module, inputs: Mapping[str, Any], *, train: bool = False, keep: Collection[str] = ()
+) -> list[ModuleCall]:
+    """Run ``model`` on ``inputs`` and return every submodule call in the order the calls finished.
+
+    The calls of the modules named in ``keep`` also keep a copy of their arguments, to replay them.
+    """
     calls: list[ModuleCall] = []
-    open_calls: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
+    open_calls: dict[str, list[tuple[int, dict[str, Any], Any]]] = defaultdict(list)
     counts: dict[str, int] = defaultdict(int)
 
     def hooks(name: str, module: torch.nn.Module) -> tuple[torch.nn.Module, Hook, Hook]:
         def before(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            open_calls[name].append((counts[name], {**_flat_clone(args, "args"), **_flat_clone(kwargs)}))
+            kept = (_snapshot(args), _snapshot(kwargs)) if name in keep else None
+            open_calls[name].append((counts[name], {**_flat_clone(args, "args"), **_flat_clone(kwargs)}, kept))
             counts[name] += 1
 
         def after(_: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            index, seen = open_calls[name].pop()
+            index, seen, kept = open_calls[name].pop()
             live = {**dict(flatten_outputs(args, "args", caches=False)), **dict(flatten_outputs(kwargs, caches=False))}
             mutated = [
                 path for path, value in live.items()
                 if isinstance(value, torch.Tensor) and isinstance(seen.get(path), torch.Tensor)
                 and value.shape == seen[path].shape and not torch.equal(value, seen[path])
             ]  # fmt: skip
-            calls.append(ModuleCall(name, index, type(module).__name__, seen, _flat_clone(output, "output"), mutated))
+            made = _flat_clone(output, "output")
+            calls.append(ModuleCall(name, index, type(module).__name__, seen, made, mutated, kept))
 
         return module, before, after
 
@@ -120,12 +129,23 @@ class Divergence:
     mutated_inputs: list[str] = field(default_factory=list)  # changed in place by the patched module only
     sharding: str = ""  # a sharded patched model: how, and the rank that saw it (compare.sharded.sharding_line)
     other_form: list[TensorComparison] = field(default_factory=list)  # its inputs and outputs one side lacks or holds otherwise
+    blame: Blame | None = None  # replaced modules whose own output differs, replayed on the reference's arguments
+
+    @property
+    def blamed(self) -> str:
+        """The module a reader should look at first: the blamed replacement, else the first diverging module."""
+        return self.blame.first if self.blame is not None else self.name
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, where: str = "") -> str:
+        """The report, ``where`` (``"at step 1, "``) before the blamed replacement and the first diverging module."""
         call = f" (call {self.index + 1})" if self.index else ""
         classes = class_pair(self.reference_class, self.patched_class)
         seen = f"; {self.sharding}" if self.sharding else ""
-        lines = [f"first diverging module: {self.name}{call} ({classes}{seen})"]
+        lines = [f"{where}{self.blame}"] if self.blame is not None else []
+        lines.append(f"{where}first diverging module: {self.name}{call} ({classes}{seen})")
         if self.mutated_inputs:
             lines.append(
                 f"  it changes its input {', '.join(self.mutated_inputs)} in place, which the original does not: "
@@ -202,7 +222,9 @@ def find_divergence(
     patched_calls = {(c.name, c.index): c for c in record_module_calls(patched, own, train=train)}
     found = fallback = None
     profile: list[tuple[str, float]] = []
-    for call in record_module_calls(reference, inputs, train=train):
+    replaced = replaced_module_names(reference, patched)
+    reference_calls = record_module_calls(reference, inputs, train=train, keep=replaced)
+    for call in reference_calls:
         other = patched_calls.get((call.name, call.index))
         if other is None:
             continue
@@ -229,6 +251,10 @@ def find_divergence(
     if result is not None:
         result.profile = profile
         result.sharding = sharding_line(patched)
+        replays = [ReplacedCall(c.name, c.index, c.module_class, *c.arguments, c.output)
+                   for c in reference_calls if c.arguments is not None]  # fmt: skip
+        if not result.sharding:  # a sharded replacement holds this rank's slice: the whole arguments do not fit it
+            result.blame = blame_replacements(patched, replays, spec, train=train)
     return result
 
 

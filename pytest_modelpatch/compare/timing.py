@@ -6,8 +6,11 @@ warm-up first, and its report row gets ``"timing"``. The comparison's own forwar
 never timed: they include output capture and the comparison itself.
 
 - Seconds are the median of ``repeats`` calls, reference and patched alternating so that
-  load drifting on a shared machine weighs on both. On CUDA each call is timed with CUDA
-  events (the kernels' time, no host sync in between); elsewhere with ``time.perf_counter``.
+  load drifting on a shared machine weighs on both. The spread of each model's repeats (their
+  interquartile range) comes with it: when the two ranges overlap, the difference is within
+  the noise and is called "no measurable difference", whatever the ratio of the medians. On
+  CUDA each call is timed with CUDA events (the kernels' time, no host sync in between);
+  elsewhere with ``time.perf_counter``.
 - Both models are called as checks call them, ``model(**inputs)`` under ``no_grad``. A
   shared reference enters the test's pristine scope on every call (``models/reference.py``),
   so ``reference_s`` includes that (tens of microseconds); at the default tiny size it
@@ -93,21 +96,53 @@ class ModelTiming:
     patched_s: float
     reference_peak_bytes: int | None = None
     patched_peak_bytes: int | None = None
+    # the interquartile range of each model's repeats, seconds; None where only a median is known
+    reference_spread_s: tuple[float, float] | None = None
+    patched_spread_s: tuple[float, float] | None = None
 
     @property
     def speedup(self) -> float:
         """``reference_s / patched_s``: above 1 the patch is faster."""
         return self.reference_s / self.patched_s if self.patched_s > 0 else float("inf")
 
+    @property
+    def measurable(self) -> bool:
+        """The two models' spreads do not overlap: the difference is more than the noise of the repeats."""
+        if self.reference_spread_s is None or self.patched_spread_s is None:
+            return True
+        (ref_low, ref_high), (pat_low, pat_high) = self.reference_spread_s, self.patched_spread_s
+        return ref_high < pat_low or pat_high < ref_low
+
     def to_dict(self) -> dict[str, Any]:
         """The report row's ``"timing"`` object."""
-        return {
+        row = {
             "reference_s": self.reference_s, "patched_s": self.patched_s, "speedup": self.speedup,
             "reference_peak_bytes": self.reference_peak_bytes, "patched_peak_bytes": self.patched_peak_bytes,
         }  # fmt: skip
+        if self.reference_spread_s is not None and self.patched_spread_s is not None:
+            row.update(reference_spread_s=list(self.reference_spread_s), patched_spread_s=list(self.patched_spread_s),
+                       measurable=self.measurable)  # fmt: skip
+        return row
 
     def __str__(self) -> str:
-        return f"reference {self.reference_s * 1e3:.3g} ms, patched {self.patched_s * 1e3:.3g} ms, speedup {self.speedup:.2f}x"
+        reference, patched = _ms(self.reference_s, self.reference_spread_s), _ms(self.patched_s, self.patched_spread_s)
+        times = f"reference {reference}, patched {patched}"
+        if not self.measurable:
+            return f"no measurable difference: {times}, within the spread of the repeats (speedup {self.speedup:.2f}x)"
+        return f"{times}, speedup {self.speedup:.2f}x"
+
+
+def _ms(median: float, spread: tuple[float, float] | None) -> str:
+    shown = f"{median * 1e3:.3g} ms"
+    return shown if spread is None else f"{shown} ({spread[0] * 1e3:.3g}-{spread[1] * 1e3:.3g})"
+
+
+def spread(seconds: list[float]) -> tuple[float, float]:
+    """The interquartile range of ``seconds``: where the middle half of the repeats fell."""
+    if len(seconds) < 2:
+        return seconds[0], seconds[0]
+    low, _, high = statistics.quantiles(seconds, n=4, method="inclusive")
+    return low, high
 
 
 def time_models(
@@ -146,6 +181,7 @@ def time_models(
     return ModelTiming(
         reference_s=statistics.median(seconds["reference"]), patched_s=statistics.median(seconds["patched"]),
         reference_peak_bytes=peaks["reference"], patched_peak_bytes=peaks["patched"],
+        reference_spread_s=spread(seconds["reference"]), patched_spread_s=spread(seconds["patched"]),
     )  # fmt: skip
 
 

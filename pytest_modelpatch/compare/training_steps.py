@@ -214,7 +214,7 @@ class TrainingReport(CheckReport):
                 "at the last step)"
             )
         if self.divergence is not None:
-            lines.append(f"at step {self.divergence_step}, {self.divergence}")
+            lines.append(self.divergence.text(f"at step {self.divergence_step}, "))
         if self.drifted:
             lines.append(self.drifted)
         return "\n".join(lines)

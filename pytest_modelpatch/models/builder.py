@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -278,19 +278,24 @@ class ModelBuilder:
         return model
 
     def patched(
-        self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu", choices: LoadChoices | None = None
+        self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu", choices: LoadChoices | None = None,
+        may_match_nothing: Iterable[str] = (),
     ) -> torch.nn.Module:
         """The model loaded with whatever patches and conversions are registered now, and the test's load choices.
 
         ``choices`` (the patch marks' ``attn_implementation``, ``experts_implementation``,
         ``load_kwargs`` and ``transform``) reach this load only; transforms run last, in order.
+        A registered key that replaces no class of the model is an error (a typo, a stale name),
+        except those in ``may_match_nothing``: keys whose ``NO_MATCH`` the test allows, and a
+        sweep's keys aimed at other families.
         """
         from transformers import monkey_patching
 
         if choices is not None:
             choices.check()
         path = self.checkpoint(request, dtype=dtype)
-        keys = list(monkey_patching.get_patch_mapping())
+        optional = set(may_match_nothing)
+        keys = [key for key in monkey_patching.get_patch_mapping() if key not in optional]
         extra = {"fusion_config": dict(request.fusion_config)} if request.fusion_config else {}
         extra.update(choices.patched_kwargs(request) if choices is not None else request.load_kwargs())
         model = load_pretrained(path, dtype=dtype, device=device, **extra)

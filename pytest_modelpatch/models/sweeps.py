@@ -2,11 +2,14 @@
 
 ``@pytest.mark.model(families="patched")`` runs a test once per family whose tiny model holds a
 class the test's patches replace, counting composite models through their towers (LLaVA through
-its Llama text model, PaliGemma through Gemma). Resolved without building a model: the lint's scan
-index says which modeling modules bind each class a key matches, as ``apply_patches`` would find
-them, and a table of each family's towers (the model types its tiny config is built from) says
-which families run those modules. The table costs one ``tiny_config`` per family, so it is cached
-on disk beside the scan index, keyed by the transformers version and the catalog's sources.
+its Llama text model, PaliGemma through Gemma). The lint's scan index says which modeling modules
+bind each class a key matches, as ``apply_patches`` would find them, and a table of each family's
+towers (the model types its tiny config is built from) says which families run those modules. The
+table costs one ``tiny_config`` per family, so it is cached on disk beside the scan index, keyed by
+the transformers version and the catalog's sources. A modeling module may define a class it never
+builds (Qwen2.5-VL's vision tower copies ``Qwen2MLP``), so each family so found is then built on
+the meta device (milliseconds) and kept only when its model holds a class a key replaces; the keys
+it holds are the ones that apply to it, which the sweep's registration lint and load check follow.
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ class SweepFamily:
     skip: str = ""
 
 
-def sweep_families(sweep: str, keys: Iterable[str] = ()) -> list[SweepFamily]:
+def sweep_families(sweep: str, keys: Iterable[str] = (), *, may_match_nothing: Iterable[str] = ()) -> list[SweepFamily]:
     """The families ``families=sweep`` runs: ``"all"``, or ``"patched"`` for the classes ``keys`` match.
+
+    A key that replaces a class in none of the swept families is a usage error, unless it is in
+    ``may_match_nothing`` (the test allows its ``NO_MATCH``).
 
     Example: ``[f.model_type for f in sweep_families("patched", ["^(Llama|Gemma)RMSNorm$"])]``
     holds ``llama``, ``gemma``, ``llava`` and ``paligemma``.
@@ -56,13 +62,67 @@ def sweep_families(sweep: str, keys: Iterable[str] = ()) -> list[SweepFamily]:
                 "or method patch: add @pytest.mark.patch({...}), or name the families: @pytest.mark.model(['llama', ...])."
             )
         reached = patched_model_types(keys)
-        chosen = [family for family, built_from in towers.items() if reached.intersection(built_from or [family])]
+        found = [family for family, built_from in towers.items() if reached.intersection(built_from or [family])]
+        # a family that cannot be built here stays, to be skipped with its reason
+        applying = {family: keys_in_family(keys, family) if towers[family] is not None else set(keys)
+                    for family in found}  # fmt: skip
+        chosen = [family for family in found if applying[family]]
         if not chosen:
             raise PatchUsageError(
                 f'families="patched": the keys {keys} replace no class of any family in transformers '
                 f"{metadata.version('transformers')}; run `modelpatch lint` on them to see why."
             )
+        _refuse_keys_reaching_nothing(keys, [applying[family] for family in chosen], set(may_match_nothing))
     return [SweepFamily(family, skip_reason(family, towers[family])) for family in chosen]
+
+
+def _refuse_keys_reaching_nothing(keys: list[str], applying: list[set[str]], allowed: set[str]) -> None:
+    """A key that replaces nothing in any swept family is a typo or a stale name, as it is alone."""
+    reached = set().union(*applying)
+    idle = [key for key in keys if key not in reached and key not in allowed]
+    if idle:
+        example = f"allow={{{idle[0]!r}: ['NO_MATCH']}}"
+        raise PatchUsageError(
+            f'families="patched": {", ".join(map(repr, idle))} replace(s) no class of any family this sweep runs '
+            f"(the tiny models as built on the meta device), while the other keys do. Fix the key, drop it, or accept "
+            f"that it replaces nothing: @pytest.mark.patch(..., {example})."
+        )
+
+
+def keys_in_family(keys: Iterable[str], model_type: str) -> set[str]:
+    """Which of ``keys`` replace a class of ``model_type``'s tiny model as built on the meta device.
+
+    Every key when the model cannot be built: the load then checks them as it would alone.
+
+    Example: ``keys_in_family(["^Qwen2RMSNorm$", "^Qwen2MLP$"], "qwen2_vl")`` is ``{"^Qwen2MLP$"}``.
+    """
+    from pytest_modelpatch.models.builder import keys_used
+
+    keys = list(keys)
+    names = built_class_names(model_type)
+    return set(keys) if names is None else keys_used(keys, set(names))
+
+
+@functools.lru_cache(maxsize=None)  # one meta build per family a process: every swept item asks again at setup
+def built_class_names(model_type: str) -> frozenset[str] | None:
+    """The module class names of ``model_type``'s tiny base model built on the meta device; None if it cannot be."""
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    from pytest_modelpatch.models.structure import meta_structures
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # tiny configs warn about rope keys and token ids
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, built = meta_structures(model_type, {}, original=False)  # no swaps: the original classes
+    except Exception:  # noqa: BLE001 - the test's own load shows why, with the family's error
+        return None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    return frozenset(built.modules.values())
 
 
 def patched_model_types(keys: Iterable[str]) -> set[str]:

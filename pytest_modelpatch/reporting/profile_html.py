@@ -152,6 +152,7 @@ def render_profile_html(rows: list[dict[str, Any]]) -> str:
         first = _first_diverging(row, profile)
         if profile:
             chart = (
+                f"{_blamed(row)}"
                 f'<p class="first">first diverging module: <code>{html.escape(first or "none found")}</code></p>'
                 f"{profile_svg(profile, first)}<p class='legend'>{_LEGEND}</p>"
                 f"<h3>Every module call, in forward order</h3>{profile_table(profile, first)}"
@@ -170,6 +171,15 @@ def render_profile_html(rows: list[dict[str, Any]]) -> str:
         f"<style>{_STYLE}</style>"
         f"</head><body><h1>modelpatch: divergence profiles ({title})</h1>{body}</body></html>\n"
     )
+
+
+def _blamed(row: dict[str, Any]) -> str:
+    """The replaced modules the check's text blames, named before the first diverging module as the text names them."""
+    # the first bar above zero is not it: a replacement's round-off shows first and may be within tolerance
+    blamed = row.get("blamed") or []
+    if not blamed:
+        return ""
+    return f'<p class="first">replaced module whose own output differs: <code>{html.escape(", ".join(blamed))}</code></p>'
 
 
 def write_profile_html(path: Path, rows: list[dict[str, Any]]) -> None:

@@ -44,6 +44,10 @@ class CheckRecord:
     nodeid: str = ""
     output: str = ""  # the output that erred most, e.g. "logits"
     profile: list[tuple[str, float]] = field(default_factory=list)  # per-module max abs error, forward order
+    # a failed check's located modules: the replaced ones whose own output differs (to look at first), then
+    # the first whose output crossed the tolerance, as its text names them
+    blamed: list[str] = field(default_factory=list)
+    first_diverging: str = ""
     coverage: list[str] = field(default_factory=list)  # replacements that ran only partly, idle experts
     # the test's intent, stamped after it ran: an xfail test's checks, or a failing check whose
     # AssertionError the test caught (pytest.raises) and went on, were meant to fail

@@ -197,9 +197,16 @@ def speedup(row: dict[str, Any]) -> float | None:
 
 
 def speedup_cell(row: dict[str, Any]) -> str:
-    """``1.8x`` for a table, ``-`` for a check that was not timed."""
+    """``1.8x`` for a table, ``~1.03x`` for no measurable difference, ``-`` for a check that was not timed."""
     value = speedup(row)
-    return "-" if value is None else f"{value:.2f}x"
+    if value is None:
+        return "-"
+    return f"{'' if row['timing'].get('measurable', True) else '~'}{value:.2f}x"
+
+
+NO_MEASURABLE_DIFFERENCE = (
+    "~ no measurable difference: the two models' times overlap within the spread of their repeats (interquartile range)"
+)
 
 
 def parallel_cell(row: dict[str, Any]) -> str:
@@ -223,6 +230,8 @@ def summary_lines(rows: list[dict[str, Any]], limit: int = 20) -> list[str]:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in table]
     if len(ordered) > limit:
         lines.append(f"... and {len(ordered) - limit} more (see --modelpatch-report)")
+    if any(speedup_cell(r).startswith("~") for r in ordered[:limit]):
+        lines.append(NO_MEASURABLE_DIFFERENCE)
     return lines
 
 

@@ -37,6 +37,7 @@ ROW_PROPERTY = "modelpatch_check"
 # key figures as their own JUnit properties, so CI UIs show them without parsing the row
 FIGURE_PROPERTIES = ("max_abs_error", "max_rel_error", "outcome")
 SWEEP_PROPERTY = "modelpatch_family"  # on each report of a test a family sweep made: its model type
+_LOCATED = r"(?:replaced module whose own output differs[^:\n]*|first diverging module): [^\n]*"
 # on the skip of a swept test whose family transformers refuses what it asks: transformers' reason
 NOT_APPLICABLE_PROPERTY = "modelpatch_not_applicable"
 # side ("reference"/"patched") -> axis ("attention"/"experts") -> the implementation the fixture's model loaded with
@@ -313,7 +314,8 @@ class ReportSession:
         else:
             return
         if families.get(family, ("passed", ""))[0] in ("passed", "xpassed") or outcome == "failed":
-            found = re.search(r"first diverging module: [^\n]*", report.longreprtext) if outcome == "failed" else None
+            # the blamed replacement when the check found one (it comes first), else the first diverging module
+            found = re.search(_LOCATED, report.longreprtext) if outcome == "failed" else None
             families[family] = (outcome, found.group(0) if found else "")
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:

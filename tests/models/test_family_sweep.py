@@ -106,7 +106,8 @@ def test_families_patched_runs_every_family_the_mapping_reaches_towers_included(
     result.stdout.fnmatch_lines([
         "*modelpatch sweeps*",
         "test_patched.py::test_gemma_norm: passes on 3 families*",
-        "test_patched.py::test_llama_norm: fails on 3 families: gemma, paligemma, pi0 (first diverging module: *RMSNorm*",
+        "test_patched.py::test_llama_norm: fails on 3 families: gemma, paligemma, pi0 (replaced module whose own output "
+        "differs: *GemmaRMSNorm in the reference, LlamaStyleNorm*",
     ], consecutive=False)  # fmt: skip
     sweeps = json.loads((pytester.path / "report.json").read_text())["sweeps"]
     assert {family: o["outcome"] for family, o in sweeps["test_patched.py::test_llama_norm"].items()} == dict.fromkeys(

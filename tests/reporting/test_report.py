@@ -152,7 +152,7 @@ def test_divergence_profile_is_zero_before_the_changed_layer_and_drawn_as_html(t
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pytest_modelpatch.compare.divergence import divergence_profile
+    from pytest_modelpatch.compare.divergence import divergence_profile, first_divergence
     from pytest_modelpatch.reporting.profile_html import write_profile_html
 
     torch.manual_seed(0)
@@ -162,13 +162,17 @@ def test_divergence_profile_is_zero_before_the_changed_layer_and_drawn_as_html(t
     patched = copy.deepcopy(reference)
     with torch.no_grad():
         patched.model.layers[1].mlp.down_proj.weight.add_(1e-3)
-    profile = divergence_profile(reference, patched, {"input_ids": torch.tensor([[1, 5, 9, 2]])})
+    inputs = {"input_ids": torch.tensor([[1, 5, 9, 2]])}
+    profile = divergence_profile(reference, patched, inputs)
     names = [name for name, _ in profile]
     first = next(name for name, error in profile if error > 0)
     assert first == "model.layers.1.mlp.down_proj"
     assert all(error == 0 for name, error in profile[: names.index(first)])
+    found = first_divergence(reference, patched, inputs)
+    assert found is not None and found.blame is None  # no module was replaced: nothing to replay
     row = {"nodeid": "t.py::test_a", "check": "equivalence#1", "kind": "equivalence", "outcome": "failed",
-           "max_abs_error": 0.01, "model": "LlamaForCausalLM", "detail": "logits: <differs>", "profile": profile}  # fmt: skip
+           "max_abs_error": 0.01, "model": "LlamaForCausalLM", "detail": "logits: <differs>", "profile": profile,
+           "first_diverging": found.name}  # fmt: skip
     write_profile_html(tmp_path / "p.html", [row])
     page = (tmp_path / "p.html").read_text()
     assert "<svg" in page and page.count("<rect") == len(profile)

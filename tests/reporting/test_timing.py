@@ -19,7 +19,7 @@ from pytest_modelpatch.compare.timing import (
     wall_seconds,
 )
 from pytest_modelpatch.reporting.gate import Thresholds, evaluate
-from pytest_modelpatch.reporting.report import write_report
+from pytest_modelpatch.reporting.report import speedup_cell, summary_lines, write_report
 
 from tests.reporting.test_cli_gate import modelpatch
 from tests.reporting.test_schema import assert_valid_report
@@ -98,6 +98,30 @@ def test_time_models_tells_the_slower_model(tiny_pair: Any) -> None:
     slow.register_forward_pre_hook(lambda module, args: time.sleep(0.005))
     timing = time_models(reference, patched, {"input_ids": torch.tensor([[1, 2, 3]])}, warmup=1, repeats=3)
     assert timing.patched_s >= 0.005 and timing.speedup < 1
+    assert timing.measurable and "no measurable difference" not in str(timing)
+
+
+def test_one_model_timed_against_itself_shows_no_measurable_difference(tiny_pair: Any) -> None:
+    # the same code on both sides: whatever the ratio of the medians, it is the noise of the repeats
+    model, _ = tiny_pair
+    timing = time_models(model, model, {"input_ids": torch.tensor([[1, 2, 3]])}, warmup=1, repeats=9)
+    assert not timing.measurable, timing
+    assert str(timing).startswith("no measurable difference: reference ") and "within the spread" in str(timing)
+    row = timing.to_dict()
+    low, high = row["reference_spread_s"]
+    assert low <= row["reference_s"] <= high and row["measurable"] is False
+    assert speedup_cell({"timing": row}).startswith("~")
+
+
+def test_a_difference_within_the_spread_is_no_measurable_difference_outside_it_a_speedup() -> None:
+    noise = ModelTiming(0.0030, 0.0011, reference_spread_s=(0.0010, 0.0031), patched_spread_s=(0.0010, 0.0030))
+    assert not noise.measurable and speedup_cell({"timing": noise.to_dict()}) == "~2.73x"
+    lines = summary_lines([{"nodeid": "t.py::t", "check": "equivalence#1", "outcome": "passed", "max_abs_error": 0.0,
+                            "timing": noise.to_dict()}])  # fmt: skip
+    assert "~2.73x" in lines[1] and lines[-1].startswith("~ no measurable difference")
+    real = ModelTiming(0.0020, 0.0010, reference_spread_s=(0.0019, 0.0021), patched_spread_s=(0.0009, 0.0011))
+    assert real.measurable and speedup_cell({"timing": real.to_dict()}) == "2.00x"
+    assert str(real) == "reference 2 ms (1.9-2.1), patched 1 ms (0.9-1.1), speedup 2.00x"
 
 
 @pytest.fixture
@@ -131,7 +155,9 @@ def test_a_slowed_patch_reports_speedup_below_one_and_fails_a_min_speedup_gate(p
     rows = _rows(pytester.path / "report.json")
     assert len(report["rows"]) == 3
     slow = rows["test_slow", "equivalence#1"]["timing"]
-    assert set(slow) == {"reference_s", "patched_s", "speedup", "reference_peak_bytes", "patched_peak_bytes"}
+    assert set(slow) == {"reference_s", "patched_s", "speedup", "reference_peak_bytes", "patched_peak_bytes",
+                         "reference_spread_s", "patched_spread_s", "measurable"}
+    assert slow["measurable"] is True  # 100 ms of sleep is far outside the spread of the repeats
     # two sleeping MLPs per forward: at least 100 ms, against a tiny reference far below that even on a loaded machine
     # (the gate's bar is 0.25x: far above the slow patch's ~0.1x, far below what load does to the neutral one)
     assert slow["patched_s"] >= 0.1 and slow["speedup"] < 0.25
