@@ -38,6 +38,7 @@ _STYLE = (
     "h2{font-size:1.1em;word-break:break-all}"
     "pre{background:#f4f4f4;padding:1em;overflow:auto;font-size:.85em}"
     ".first{font-size:1.05em;background:#fdecea;border-left:4px solid #c0392b;padding:.5em .8em}"
+    ".blamed{font-size:1.05em;background:#fff4e0;border-left:4px solid #d68910;padding:.5em .8em}"
     "table{border-collapse:collapse;font-size:.9em}"
     "th,td{padding:2px 10px;text-align:left;border-bottom:1px solid #eee}"
     "td.num{text-align:right;font-variant-numeric:tabular-nums}"
@@ -179,7 +180,7 @@ def _blamed(row: dict[str, Any]) -> str:
     blamed = row.get("blamed") or []
     if not blamed:
         return ""
-    return f'<p class="first">replaced module whose own output differs: <code>{html.escape(", ".join(blamed))}</code></p>'
+    return f'<p class="blamed">replaced module whose own output differs: <code>{html.escape(", ".join(blamed))}</code></p>'
 
 
 def write_profile_html(path: Path, rows: list[dict[str, Any]]) -> None:

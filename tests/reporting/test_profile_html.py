@@ -122,6 +122,9 @@ def assert_reads_well(page: PageText, row: dict[str, Any]) -> None:
     __tracebackhide__ = True
     assert page.sections == 1  # the failing check only; the right kernel's check passed
     assert page.by_class.get("first") == ["first diverging module: model.layers.0.mlp"]
+    # the replacement the check's text blames comes first, as the text names it
+    blamed = "replaced module whose own output differs: model.layers.0.mlp, model.layers.1.mlp"
+    assert page.by_class.get("blamed") == [blamed]
     assert page.by_class.get("first-label") == ["first diverging module: model.layers.0.mlp"]  # on the chart
     assert page.by_class.get("y-label") == ["max abs error (log scale)"]
     calls = len(row["profile"])
