@@ -17,8 +17,8 @@ import pytest
 from pytest_modelpatch import fixtures
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.fixtures import (
-    CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, checkpoint_root, item_device, item_model_request, resolve_device,
-    swept_family,
+    CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, checkpoint_root, defer_usage_error, item_device, item_model_request,
+    raise_usage_error, resolve_device, swept_family,
 )
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.per_test.leaks import LeakTally
@@ -231,8 +231,8 @@ def _patched_class_names(node: pytest.Item) -> list[str]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     try:
         _parametrize(metafunc)
-    except PatchUsageError as exc:  # the message says what to fix: no traceback through pluggy and the plugin
-        raise pytest.Collector.CollectError(f"PatchUsageError: {exc}") from None
+    except PatchUsageError as exc:  # this test's items fail at setup with it; every other test runs
+        defer_usage_error(metafunc, exc)
 
 
 def _parametrize(metafunc: pytest.Metafunc) -> None:
@@ -264,6 +264,7 @@ def _parametrize(metafunc: pytest.Metafunc) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    raise_usage_error(item, tuple(MARKERS))
     if "gpu" in item.keywords and item.get_closest_marker("gpu") is not None:
         if item.get_closest_marker("cpu") is not None and "device" not in getattr(item, "callspec", NoCallspec).params:
             raise PatchUsageError(f"{item.nodeid} is marked both cpu and gpu: keep one.")
