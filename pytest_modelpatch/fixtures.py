@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -271,7 +272,7 @@ def patched_model(
         refuse_early(request.node, model_request, load_choices(request))
         with refusals_not_applicable(request.node):
             choices, kind = sharded_choices(request, model_builder, model_request, dtype, device)
-            model = model_builder.patched(model_request, dtype=dtype, device=device, choices=choices)
+            model = _load_patched(request, model_builder, model_request, dtype, device, choices)
         note_implementations(request.node, "patched", model)
         if kind == "tp":  # its activations and caches hold this rank's slice: gathered for each comparison
             from pytest_modelpatch.compare.sharded import gathering_shards
@@ -282,6 +283,21 @@ def patched_model(
             yield model
     finally:
         guard.restore()
+
+
+def _load_patched(
+    request: pytest.FixtureRequest, model_builder: ModelBuilder, model_request: ModelRequest, dtype: Any, device: str,
+    choices: LoadChoices | None,
+) -> Any:
+    """The builder's patched load; a usage error (nothing patched, without the marks' ``unpatched=True``) fails the test."""
+    marks = patch_spec(request.node)
+    try:
+        return model_builder.patched(
+            model_request, dtype=dtype, device=device, choices=choices, unpatched=marks is not None and marks.unpatched
+        )
+    except PatchUsageError as exc:  # what to fix is in the message: no traceback through the plugin
+        problem = f"PatchUsageError: {request.node.nodeid}: patched_model: {exc}"
+    pytest.fail(problem, pytrace=False)
 
 
 def sharded_choices(
@@ -398,6 +414,22 @@ def misspelled_marker(item: pytest.Item, ours: Sequence[str]) -> str | None:
                 "your own, register it under markers in your ini file.)"
             )
     return None
+
+
+_STRICT_UNKNOWN = re.compile(r"'(\w+)' not found in `markers` configuration option")
+
+
+def name_misspelled_marker(report: pytest.CollectReport, ours: Sequence[str]) -> None:
+    """Under ``--strict-markers`` pytest refuses a file with an unknown mark: add the did-you-mean to its error."""
+    found = _STRICT_UNKNOWN.search(report.longreprtext)
+    if found is None:
+        return
+    close = difflib.get_close_matches(found.group(1), ours, n=1, cutoff=0.75)
+    if close:
+        report.longrepr = (
+            f"{report.longreprtext.rstrip()}\nPatchUsageError: @pytest.mark.{found.group(1)} is not a marker "
+            f"pytest-modelpatch knows. Did you mean @pytest.mark.{close[0]}?"
+        )
 
 
 def raise_usage_error(item: pytest.Item, ours: Sequence[str]) -> None:

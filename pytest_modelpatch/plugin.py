@@ -18,7 +18,7 @@ from pytest_modelpatch import fixtures
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.fixtures import (
     CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, checkpoint_root, defer_usage_error, item_device, item_model_request,
-    raise_usage_error, resolve_device, swept_family,
+    name_misspelled_marker, raise_usage_error, resolve_device, swept_family,
 )
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.per_test.leaks import LeakTally
@@ -111,8 +111,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--modelpatch-seed", dest="modelpatch_seed", type=_seed_option, default=None, metavar="N",
                     help="session seed for property checks, sent to every xdist worker (default: ini modelpatch_seed, else 0)")
     group.addoption("--modelpatch-report", dest="modelpatch_report", default=None, metavar="PATH",
-                    help="write every check's row (errors, tolerance, device and its class, patches), a header and "
-                    "the tests selected to PATH as JSON")
+                    help="write every check's row (errors, tolerance, device and its class, patches), a header, "
+                    "the tests selected and each test's outcome to PATH as JSON")
     group.addoption("--modelpatch-baseline", dest="modelpatch_baseline", default=None, metavar="PATH",
                     help="fail the session when a check's max error grew beyond this earlier report's row of its device "
                     "class, or a check of a test it selected vanished")
@@ -260,6 +260,14 @@ def _parametrize(metafunc: pytest.Metafunc) -> None:
             for name in names
         ]
         metafunc.parametrize(argname, params, ids=names, indirect=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    report = yield
+    if report.failed:
+        name_misspelled_marker(report, tuple(MARKERS))
+    return report
 
 
 @pytest.hookimpl(wrapper=True)

@@ -76,3 +76,12 @@ def test_a_registered_or_unrelated_mark_is_left_alone(pytester: pytest.Pytester)
     )
     result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-W", "ignore::pytest.PytestUnknownMarkWarning")
     result.assert_outcomes(passed=1)
+
+
+def test_under_strict_markers_pytest_refuses_the_file_and_the_error_says_did_you_mean(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("import pytest\n\n\n@pytest.mark.patches({})\ndef test_marked():\n    pass\n")
+    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "--strict-markers")
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*'patches' not found in `markers` configuration option*",
+                                 "PatchUsageError: @pytest.mark.patches is not a marker pytest-modelpatch knows. "
+                                 "Did you mean @pytest.mark.patch?"])  # fmt: skip

@@ -93,6 +93,7 @@ def test_nan(reference_model, patched_model):
 
 
 @pytest.mark.model("llama")
+@pytest.mark.patch(unpatched=True)
 def test_property(reference_model, patched_model):
     check_equivalent(reference_model, patched_model, max_examples=3)
 """
