@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -244,8 +245,6 @@ def patch_sources(keys: Sequence[str], request: ModelRequest, choices: LoadChoic
     """What makes a patched load differ from the reference's: registered keys and conversions, method or context
     patches (a pristine scope is open), the patched load's choices (implementations, load keywords,
     transforms, sharding) and a fusion_config. Empty: the load would be the reference's."""
-    import sys
-
     found = ["mapping"] if keys else []
     conversions = getattr(sys.modules.get("transformers.conversion_mapping"), "USER_REGISTERED_MAPPINGS", None)
     found += ["conversions"] if conversions else []

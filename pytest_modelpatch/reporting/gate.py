@@ -8,6 +8,8 @@ threshold, when its max abs error grew beyond ``factor`` times the baseline's (a
 more than ``floor``, so 0 -> 1e-9 noise passes), or when a baseline check the run was expected to
 run did not (one of a test it selected, on a device it ran on: ``reporting.shards``). A device
 with no rows in the baseline is new: its checks face the thresholds, not another device's figures.
+Tests are judged too, from the reports' outcomes: one that failed or errored outside xfail fails
+the gate whether or not it wrote a row, as do a failed sweep entry and a selected test with no outcome.
 
 Example::
 
