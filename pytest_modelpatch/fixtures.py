@@ -289,7 +289,7 @@ def _load_patched(
     request: pytest.FixtureRequest, model_builder: ModelBuilder, model_request: ModelRequest, dtype: Any, device: str,
     choices: LoadChoices | None,
 ) -> Any:
-    """The builder's patched load; a usage error (nothing patched, without the marks' ``unpatched=True``) fails the test."""
+    """The builder's patched load; a usage error (nothing patched, without ``unpatched=True``) fails the test."""
     marks = patch_spec(request.node)
     try:
         return model_builder.patched(

@@ -17,8 +17,8 @@ import pytest
 from pytest_modelpatch import fixtures
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.fixtures import (
-    CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, checkpoint_root, defer_usage_error, item_device, item_model_request,
-    name_misspelled_marker, raise_usage_error, resolve_device, swept_family,
+    CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, checkpoint_root, defer_usage_error, item_device,
+    item_model_request, name_misspelled_marker, raise_usage_error, resolve_device, swept_family,
 )
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.per_test.leaks import LeakTally

@@ -50,7 +50,8 @@ def test_a_bad_marker_on_a_parametrized_test_fails_each_of_its_items(pytester: p
     result = pytester.runpytest("-p", "no:randomly", "-n", "2")
     result.assert_outcomes(passed=1, errors=3)
     for n in (1, 2, 3):
-        result.stdout.fnmatch_lines([f"*ERROR at setup of test_each[[]{n}[]]*", "PatchUsageError: @pytest.mark.dtypes('bfloat61',)*"])
+        result.stdout.fnmatch_lines([f"*ERROR at setup of test_each[[]{n}[]]*",
+                                     "PatchUsageError: @pytest.mark.dtypes('bfloat61',)*"])
 
 
 @pytest.mark.parametrize("name", ["patches", "modell", "paralel", "dtype", "toleranse"])
@@ -78,7 +79,7 @@ def test_a_registered_or_unrelated_mark_is_left_alone(pytester: pytest.Pytester)
     result.assert_outcomes(passed=1)
 
 
-def test_under_strict_markers_pytest_refuses_the_file_and_the_error_says_did_you_mean(pytester: pytest.Pytester) -> None:
+def test_under_strict_markers_pytest_refuses_the_file_and_says_did_you_mean(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("import pytest\n\n\n@pytest.mark.patches({})\ndef test_marked():\n    pass\n")
     result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "--strict-markers")
     assert result.ret != 0
