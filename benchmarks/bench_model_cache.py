@@ -31,6 +31,7 @@ ORDER = [i % SPECS for i in range({tests})] if {interleave} else sorted(i % SPEC
 
 def make(seed):
     @pytest.mark.model("llama", seed=seed, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN)
+    @pytest.mark.patch(unpatched=True)  # the stock model against itself: the cache's cost is measured
     def test(reference_model, patched_model):
         assert_equivalent(reference_model, patched_model)
     return test

@@ -140,7 +140,8 @@ def _add_gate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="Merge the reports of shards and jobs into one run and print the verdict and a markdown "
         "summary with a section per device (for $GITHUB_STEP_SUMMARY). Each check is compared with the "
         "baseline's row of its device class. Exit 1 when a check failed, passed a threshold, grew beyond the "
-        "baseline or is missing from every report; 2 on wrong use, e.g. two reports from one device holding "
+        "baseline or is missing from every report, or a test failed, errored or has no outcome; "
+        "2 on wrong use, e.g. two reports from one device holding "
         "the same check.",
     )
     gate.add_argument("reports", nargs="+", metavar="REPORT.json",

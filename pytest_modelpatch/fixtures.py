@@ -8,8 +8,10 @@ Nothing here imports torch or transformers at module level; each fixture imports
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Iterable, Iterator, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -298,8 +300,7 @@ def patched_model(
         refuse_early(request.node, model_request, load_choices(request))
         with refusals_not_applicable(request.node):
             choices, kind = sharded_choices(request, model_builder, model_request, dtype, device)
-            model = model_builder.patched(model_request, dtype=dtype, device=device, choices=choices,
-                                          may_match_nothing=keys_that_may_match_nothing(request.node))
+            model = _load_patched(request, model_builder, model_request, dtype, device, choices)
         note_implementations(request.node, "patched", model)
         if kind == "tp":  # its activations and caches hold this rank's slice: gathered for each comparison
             from pytest_modelpatch.compare.sharded import gathering_shards
@@ -310,6 +311,22 @@ def patched_model(
             yield model
     finally:
         guard.restore()
+
+
+def _load_patched(
+    request: pytest.FixtureRequest, model_builder: ModelBuilder, model_request: ModelRequest, dtype: Any, device: str,
+    choices: LoadChoices | None,
+) -> Any:
+    """The builder's patched load; a usage error (nothing patched, without ``unpatched=True``) fails the test."""
+    marks = patch_spec(request.node)
+    try:
+        return model_builder.patched(
+            model_request, dtype=dtype, device=device, choices=choices, unpatched=marks is not None and marks.unpatched,
+            may_match_nothing=keys_that_may_match_nothing(request.node),
+        )
+    except PatchUsageError as exc:  # what to fix is in the message: no traceback through the plugin
+        problem = f"PatchUsageError: {request.node.nodeid}: patched_model: {exc}"
+    pytest.fail(problem, pytrace=False)
 
 
 def sharded_choices(
@@ -413,3 +430,80 @@ def patch_registry() -> Iterator[PatchRegistry]:
         yield registry
     finally:
         registry.close()
+
+
+# ---------------------------------------------------------------------------
+# usage errors that belong to one test: found at collection, raised at its setup
+# ---------------------------------------------------------------------------
+
+
+_DEFERRED = pytest.StashKey[dict[str, str]]()  # a test function's node id (no parameters) -> its marker's error
+_REGISTERED_MARKS = pytest.StashKey[frozenset[str]]()
+
+
+def defer_usage_error(metafunc: pytest.Metafunc, error: PatchUsageError) -> None:
+    """Keep a marker error found while parametrizing, to fail this test's items at setup.
+
+    Raised from ``pytest_generate_tests`` it would be a collection error, which stops the whole
+    session before any test runs: one test's wrong marker must cost that test only.
+    """
+    metafunc.config.stash.setdefault(_DEFERRED, {})[metafunc.definition.nodeid] = f"PatchUsageError: {error}"
+
+
+def _deferred_error(item: pytest.Item) -> str | None:
+    deferred = item.config.stash.get(_DEFERRED, None)
+    if not deferred or not isinstance(item, pytest.Function):
+        return None
+    return deferred.get(f"{item.parent.nodeid}::{item.originalname}" if item.parent else item.originalname)
+
+
+def _registered_marks(config: pytest.Config) -> frozenset[str]:
+    """Every marker name the session registered (pytest's, plugins', the ini's), as pytest reads them."""
+    names = config.stash.get(_REGISTERED_MARKS, None)
+    if names is None:
+        lines = config.getini("markers")
+        names = config.stash[_REGISTERED_MARKS] = frozenset(line.split(":")[0].split("(")[0].strip() for line in lines)
+    return names
+
+
+def misspelled_marker(item: pytest.Item, ours: Sequence[str]) -> str | None:
+    """A mark on ``item`` that is registered nowhere and close to one of ``ours``: the error naming the fix.
+
+    pytest only warns of an unknown mark (``PytestUnknownMarkWarning``), so ``@pytest.mark.patches({...})``
+    would run the test unpatched and pass.
+    """
+    registered = _registered_marks(item.config)
+    for mark in item.iter_markers():
+        if mark.name in registered:
+            continue
+        close = difflib.get_close_matches(mark.name, ours, n=1, cutoff=0.75)
+        if close:
+            return (
+                f"PatchUsageError: {item.nodeid}: @pytest.mark.{mark.name} is not a marker pytest-modelpatch knows, "
+                f"so it would do nothing. Did you mean @pytest.mark.{close[0]}? (If {mark.name!r} is a marker of "
+                "your own, register it under markers in your ini file.)"
+            )
+    return None
+
+
+_STRICT_UNKNOWN = re.compile(r"'(\w+)' not found in `markers` configuration option")
+
+
+def name_misspelled_marker(report: pytest.CollectReport, ours: Sequence[str]) -> None:
+    """Under ``--strict-markers`` pytest refuses a file with an unknown mark: add the did-you-mean to its error."""
+    found = _STRICT_UNKNOWN.search(report.longreprtext)
+    if found is None:
+        return
+    close = difflib.get_close_matches(found.group(1), ours, n=1, cutoff=0.75)
+    if close:
+        report.longrepr = (
+            f"{report.longreprtext.rstrip()}\nPatchUsageError: @pytest.mark.{found.group(1)} is not a marker "
+            f"pytest-modelpatch knows. Did you mean @pytest.mark.{close[0]}?"
+        )
+
+
+def raise_usage_error(item: pytest.Item, ours: Sequence[str]) -> None:
+    """Fail the test, at setup and without a traceback, on a marker error kept from collection or a misspelled mark."""
+    problem = _deferred_error(item) or misspelled_marker(item, ours)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)

@@ -17,8 +17,9 @@ import pytest
 from pytest_modelpatch import fixtures
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.fixtures import (
-    CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, check_before_ranks, checkpoint_root, item_device,
-    item_model_request, no_match_allowed, patched_sweep_family, resolve_device, swept_family,
+    CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, check_before_ranks, checkpoint_root, defer_usage_error,
+    item_device, item_model_request, name_misspelled_marker, no_match_allowed, patched_sweep_family,
+    raise_usage_error, resolve_device, swept_family,
 )
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.per_test.leaks import LeakTally
@@ -111,8 +112,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--modelpatch-seed", dest="modelpatch_seed", type=_seed_option, default=None, metavar="N",
                     help="session seed for property checks, sent to every xdist worker (default: ini modelpatch_seed, else 0)")
     group.addoption("--modelpatch-report", dest="modelpatch_report", default=None, metavar="PATH",
-                    help="write every check's row (errors, tolerance, device and its class, patches), a header and "
-                    "the tests selected to PATH as JSON")
+                    help="write every check's row (errors, tolerance, device and its class, patches), a header, "
+                    "the tests selected and each test's outcome to PATH as JSON")
     group.addoption("--modelpatch-baseline", dest="modelpatch_baseline", default=None, metavar="PATH",
                     help="fail the session when a check's max error grew beyond this earlier report's row of its device "
                     "class, or a check of a test it selected vanished")
@@ -236,8 +237,8 @@ def _patched_class_names(node: pytest.Item) -> tuple[list[str], set[str]]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     try:
         _parametrize(metafunc)
-    except PatchUsageError as exc:  # the message says what to fix: no traceback through pluggy and the plugin
-        raise pytest.Collector.CollectError(f"PatchUsageError: {exc}") from None
+    except PatchUsageError as exc:  # this test's items fail at setup with it; every other test runs
+        defer_usage_error(metafunc, exc)
 
 
 def _parametrize(metafunc: pytest.Metafunc) -> None:
@@ -268,7 +269,16 @@ def _parametrize(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    report = yield
+    if report.failed:
+        name_misspelled_marker(report, tuple(MARKERS))
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    raise_usage_error(item, tuple(MARKERS))
     if "gpu" in item.keywords and item.get_closest_marker("gpu") is not None:
         if item.get_closest_marker("cpu") is not None and "device" not in getattr(item, "callspec", NoCallspec).params:
             raise PatchUsageError(f"{item.nodeid} is marked both cpu and gpu: keep one.")

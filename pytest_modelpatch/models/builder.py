@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,6 +229,32 @@ def _did_you_mean(name: str, valid: list[str]) -> str:
     return f".{hint} Valid: {', '.join(valid)}."
 
 
+NOTHING_PATCHED = (
+    "nothing patches this model: no class mapping or conversions are registered, no method or context patch is "
+    "active, and no attn_implementation, experts_implementation, load_kwargs, transform, fusion_config or sharding "
+    "is given. It would be the reference model compared with itself, and pass whatever the patch under test does. "
+    "Give the patch: @pytest.mark.patch({'LlamaMLP': MyMLP}) (or methods=, context=, attn_implementation=, "
+    "load_kwargs=, transform=), or patch_registry.register({...}) before the model is built. A patch made outside "
+    "these (a fixture calling a kernel library's apply function) reaches the reference model too: pass it as "
+    "@pytest.mark.patch(context=...). To compare the stock model with itself on purpose (a baseline), mark the "
+    "test @pytest.mark.patch(unpatched=True), or call model_builder.patched(..., unpatched=True)."
+)
+
+
+def patch_sources(keys: Sequence[str], request: ModelRequest, choices: LoadChoices | None) -> list[str]:
+    """What makes a patched load differ from the reference's: registered keys and conversions, method or context
+    patches (a pristine scope is open), the patched load's choices (implementations, load keywords,
+    transforms, sharding) and a fusion_config. Empty: the load would be the reference's."""
+    found = ["mapping"] if keys else []
+    conversions = getattr(sys.modules.get("transformers.conversion_mapping"), "USER_REGISTERED_MAPPINGS", None)
+    found += ["conversions"] if conversions else []
+    # a scope is open while the test's marks hold method or context patches (whatever they rebind, or where)
+    found += ["method or context patches"] if current_scope() is not None else []
+    found += ["load choices"] if choices is not None and (choices.kwargs or choices.transforms) else []
+    found += ["fusion_config"] if request.fusion_config else []
+    return found
+
+
 class ModelBuilder:
     """Session-wide source of checkpoints and models; the ``model_builder`` fixture.
 
@@ -280,6 +307,7 @@ class ModelBuilder:
     def patched(
         self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu", choices: LoadChoices | None = None,
         may_match_nothing: Iterable[str] = (),
+        unpatched: bool = False,
     ) -> torch.nn.Module:
         """The model loaded with whatever patches and conversions are registered now, and the test's load choices.
 
@@ -287,15 +315,20 @@ class ModelBuilder:
         ``load_kwargs`` and ``transform``) reach this load only; transforms run last, in order.
         A registered key that replaces no class of the model is an error (a typo, a stale name),
         except those in ``may_match_nothing``: keys whose ``NO_MATCH`` the test allows, and a
-        sweep's keys aimed at other families.
+        sweep's keys aimed at other families. With nothing to patch it is a usage error, since it
+        would be the reference compared with itself; ``unpatched=True`` asks for the stock model on
+        purpose (a baseline).
         """
         from transformers import monkey_patching
 
         if choices is not None:
             choices.check()
+        every_key = list(monkey_patching.get_patch_mapping())
+        if not unpatched and not patch_sources(every_key, request, choices):
+            raise PatchUsageError(NOTHING_PATCHED)
         path = self.checkpoint(request, dtype=dtype)
         optional = set(may_match_nothing)
-        keys = [key for key in monkey_patching.get_patch_mapping() if key not in optional]
+        keys = [key for key in every_key if key not in optional]
         extra = {"fusion_config": dict(request.fusion_config)} if request.fusion_config else {}
         extra.update(choices.patched_kwargs(request) if choices is not None else request.load_kwargs())
         model = load_pretrained(path, dtype=dtype, device=device, **extra)
@@ -311,7 +344,6 @@ class ModelBuilder:
         if scope is not None and (request.transforms or (choices is not None and choices.transforms)):
             scope.settle()  # an instance patcher may rebind class or module attributes
         return model
-
 
     def patched_structure(self, request: ModelRequest, *, dtype: Any = "float32") -> torch.nn.Module:
         """The patched model's modules on the meta device: what a load with the patches registered now builds.

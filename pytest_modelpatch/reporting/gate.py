@@ -8,6 +8,8 @@ threshold, when its max abs error grew beyond ``factor`` times the baseline's (a
 more than ``floor``, so 0 -> 1e-9 noise passes), or when a baseline check the run was expected to
 run did not (one of a test it selected, on a device it ran on: ``reporting.shards``). A device
 with no rows in the baseline is new: its checks face the thresholds, not another device's figures.
+Tests are judged too, from the reports' outcomes: one that failed or errored outside xfail fails
+the gate whether or not it wrote a row, as do a failed sweep entry and a selected test with no outcome.
 
 Example::
 
@@ -23,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_modelpatch.reporting.records import shown_outcome
-from pytest_modelpatch.reporting.report import class_of, device_order, figure, speedup, speedup_cell, worst_first
+from pytest_modelpatch.reporting.report import (
+    FAILING_OUTCOMES, TEST_OUTCOMES, class_of, device_order, figure, speedup, speedup_cell, worst_first,
+)
 from pytest_modelpatch.reporting.shards import Run, check_key, merge_reports
 
 DEFAULT_FACTOR = 2.0
@@ -202,10 +206,42 @@ def evaluate(
                 verdict.fail(
                     f"{name(row)}: {field_name.replace('_', ' ')} {value:.4g} exceeds modelpatch_{field_name} = {limit:g}", row
                 )
+    _judge_tests(rows, run, verdict)
     _judge_speed(rows, thresholds, baseline, verdict, name)
     if baseline is not None:
         _judge_against_baseline(rows, baseline, run, thresholds, verdict, name)
     return verdict
+
+
+UNFINISHED_NAMED = 10  # tests with no outcome named one by one; a session that stopped early may leave thousands
+
+
+def _judge_tests(rows: list[dict[str, Any]], run: Run, verdict: GateVerdict) -> None:
+    """Every test the reports ran: one that failed or errored fails the gate, row or none; so does a failed sweep
+    entry and a selected test with no outcome. A test already named by a failed check is not named twice."""
+    named = {r["nodeid"] for r in rows if r["outcome"] != "passed" and not r.get("expected_failure")}
+    for nodeid, entry in sorted(run.tests.items()):
+        if entry.get("outcome") in FAILING_OUTCOMES and nodeid not in named:
+            what = "failed" if entry["outcome"] == "failed" else f"errored in {entry.get('when') or 'setup'}"
+            detail = f": {entry['detail']}" if entry.get("detail") else ""
+            verdict.fail(f"{nodeid}: the test {what}{detail}")
+            named.add(nodeid)
+    for test, family, entry in run.sweeps:
+        if entry.get("outcome") == "failed" and not any(n.startswith(f"{test}[") and family in n for n in named):
+            where = f" ({entry['divergence']})" if entry.get("divergence") else ""
+            verdict.fail(f"{test}: the sweep failed on family {family}{where}")
+    if run.unfinished:
+        listed = ", ".join(f"{nodeid} ({report})" if len(run.scopes) > 1 else nodeid
+                           for report, nodeid in run.unfinished[:UNFINISHED_NAMED])  # fmt: skip
+        more = f" and {len(run.unfinished) - UNFINISHED_NAMED} more" if len(run.unfinished) > UNFINISHED_NAMED else ""
+        verdict.fail(
+            f"{len(run.unfinished)} selected tests have no outcome: {listed}{more}; the session stopped before they "
+            "ran (-x, --maxfail, a crash or an interrupt): run them again"
+        )
+    if run.tests:
+        counts = Counter(entry.get("outcome", "?") for entry in run.tests.values())
+        order = [o for o in TEST_OUTCOMES if counts[o]] + sorted(set(counts) - set(TEST_OUTCOMES))
+        verdict.notes.append(f"{len(run.tests)} tests: " + ", ".join(f"{counts[o]} {o}" for o in order))
 
 
 def _judge_against_baseline(

@@ -20,7 +20,11 @@ from pytest_modelpatch.reporting.records import CheckRecord, shown_outcome
 
 # 2: strict JSON (non-finite numbers as "nan"/"inf"/"-inf"), expected_failure and intent on rows
 # 3: each row's device_class, the header's default device and device classes, the report's selection
-SCHEMA_VERSION = 3
+# 4: each selected test's outcome (``tests``), so a test that failed or errored without writing a row is seen
+SCHEMA_VERSION = 4
+# what a test came to, as pytest counts it; the gate fails on the first two (an xfail test that failed is xfailed)
+FAILING_OUTCOMES = ("failed", "error")
+TEST_OUTCOMES = (*FAILING_OUTCOMES, "passed", "skipped", "xfailed", "xpassed")
 REPORT_FORMAT = SCHEMA_VERSION  # the header's "format", kept for readers of version 1
 SCHEMA_FILE = Path(__file__).with_name("report.schema.json")
 NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -112,24 +116,37 @@ def sort_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["nodeid"], r["kind"], int(str(r.get("check", "#0")).rpartition("#")[2] or 0)))
 
 
-def write_report(
-    path: Path, header: dict[str, Any], rows: list[dict[str, Any]],
-    sweeps: dict[str, dict[str, tuple[str, str]]] | None = None, selection: dict[str, Any] | None = None,
-) -> None:
-    """Write the report as strict JSON (no NaN/Infinity tokens), valid against ``report.schema.json``.
-
-    ``sweeps``: each swept test -> family -> (outcome, detail), as ``sweep_lines`` reads them.
-    ``selection``: the session's test paths and the tests it selected and deselected (none for a
-    baseline, which holds every test it was given).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
+def report_data(
+    header: dict[str, Any], rows: list[dict[str, Any]], sweeps: dict[str, dict[str, tuple[str, str]]] | None = None,
+    selection: dict[str, Any] | None = None, tests: Mapping[str, Mapping[str, str]] | None = None,
+) -> dict[str, Any]:
+    """The report as written and as ``load_report`` reads it back (see :func:`write_report`)."""
     data: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "header": header}
     if selection is not None:
         data["selection"] = selection
+    if tests is not None:
+        data["tests"] = {nodeid: dict(entry) for nodeid, entry in sorted(tests.items())}
     data["rows"] = sort_rows(rows)
     if sweeps:
         data["sweeps"] = {test: {family: sweep_entry(outcome, detail) for family, (outcome, detail) in sorted(families.items())}
                           for test, families in sorted(sweeps.items())}  # fmt: skip
+    return data
+
+
+def write_report(
+    path: Path, header: dict[str, Any], rows: list[dict[str, Any]],
+    sweeps: dict[str, dict[str, tuple[str, str]]] | None = None, selection: dict[str, Any] | None = None,
+    tests: Mapping[str, Mapping[str, str]] | None = None,
+) -> None:
+    """Write the report as strict JSON (no NaN/Infinity tokens), valid against ``report.schema.json``.
+
+    ``sweeps``: each swept test -> family -> (outcome, detail), as ``sweep_lines`` reads them.
+    ``selection``: the session's test paths and the tests it selected and deselected; ``tests``: each
+    test that ran -> its ``outcome`` (one of ``TEST_OUTCOMES``), the phase it ended in and, when it did
+    not pass, why (neither for a baseline, which holds every test it was given).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = report_data(header, rows, sweeps, selection, tests)
     path.write_text(json.dumps(strict_json_value(data), indent=2, allow_nan=False) + "\n", encoding="utf-8")
 
 

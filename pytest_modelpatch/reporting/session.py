@@ -27,8 +27,8 @@ from pytest_modelpatch.errors import PatchUsageError, ReportFileError
 from pytest_modelpatch.reporting.gate import DEFAULT_FACTOR, DEFAULT_FLOOR, GateVerdict, Thresholds, evaluate
 from pytest_modelpatch.reporting.records import CheckRecord, implementations_of, set_record_sink
 from pytest_modelpatch.reporting.report import (
-    REPORT_FORMAT, class_of, device_class, device_order, load_report, row_from_record, summary_lines, sweep_lines,
-    write_report,
+    FAILING_OUTCOMES, REPORT_FORMAT, class_of, device_class, device_order, load_report, report_data, row_from_record,
+    summary_lines, sweep_lines, write_report,
 )
 from pytest_modelpatch.reporting.selection import SelectionRecorder, XdistSelection
 from pytest_modelpatch.reporting.shards import Run, merge_reports, rewrite_baseline
@@ -274,6 +274,38 @@ def session_verdict(config: pytest.Config, run: Run, header: dict[str, Any] | No
     return evaluate(run.rows, thresholds_from_ini(config), baseline, str(path or ""), run)
 
 
+def phase_outcome(report: pytest.TestReport) -> str | None:
+    """What one phase's report says of its test (``TEST_OUTCOMES``); ``None`` for a setup or teardown that passed."""
+    if hasattr(report, "wasxfail"):
+        return "xfailed" if report.skipped else "xpassed"
+    if report.failed:
+        return "failed" if report.when == "call" else "error"
+    if report.skipped:
+        return "skipped"
+    return "passed" if report.when == "call" else None
+
+
+def tally_outcome(tests: dict[str, dict[str, str]], report: pytest.TestReport) -> None:
+    """Fold one phase into its test's entry: the first failure or error stands, else the latest outcome."""
+    outcome = phase_outcome(report)
+    if outcome is None:  # a test whose call never reported (a crash, an interrupt) has no outcome: the gate sees it
+        return
+    entry = tests.get(report.nodeid)
+    if entry is not None and entry["outcome"] in FAILING_OUTCOMES:
+        return
+    tests[report.nodeid] = {"outcome": outcome, "when": report.when}
+    if outcome in FAILING_OUTCOMES:
+        tests[report.nodeid]["detail"] = failure_line(report)
+
+
+def failure_line(report: pytest.TestReport) -> str:
+    """The one line that says why a test failed: pytest's crash message, else the report's last line."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = str(getattr(crash, "message", "") or "") or report.longreprtext.strip().rpartition("\n")[2]
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
 class ReportSession:
     """Controller-side hooks: collect rows from test reports, write the report, print the table, gate."""
 
@@ -286,6 +318,7 @@ class ReportSession:
         self.verdict: Any = None
         # swept test -> family -> (outcome, the first diverging module of a failure or the refusal of a family not applicable)
         self.sweeps: dict[str, dict[str, tuple[str, str]]] = {}
+        self.tests: dict[str, dict[str, str]] = {}  # node id -> its outcome, the phase it ended in, why it did not pass
 
     def pytest_report_header(self, config: pytest.Config) -> str:
         return f"modelpatch: seed {self.seed} (--modelpatch-seed)"
@@ -294,6 +327,7 @@ class ReportSession:
         # the teardown report carries every property the test gathered (setup, call, teardown)
         if report.when == "teardown":
             self.rows += [value for name, value in report.user_properties if name == ROW_PROPERTY]
+        tally_outcome(self.tests, report)
         family = next((value for name, value in report.user_properties if name == SWEEP_PROPERTY), None)
         if family is not None:
             self._tally_sweep(report, family)
@@ -325,9 +359,10 @@ class ReportSession:
         if report or config.getoption("modelpatch_baseline"):
             header = report_header(config, self.seed, self.rows, self.default_device)
         selection = self.recorder.selection()
+        data = report_data(header or {}, self.rows, self.sweeps, selection, self.tests)
         if report:
-            write_report(Path(report), header or {}, self.rows, self.sweeps, selection)
-        run = merge_reports([("this run", {"header": header or {}, "rows": self.rows, "selection": selection})])
+            write_report(Path(report), header or {}, self.rows, self.sweeps, selection, self.tests)
+        run = merge_reports([("this run", data)])
         self.verdict = session_verdict(config, run, header)
         if self.verdict is not None and not self.verdict.passed and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_modelpatch.errors import ReportMergeError
-from pytest_modelpatch.reporting.report import class_of, device_order, load_report, write_report
+from pytest_modelpatch.reporting.report import FAILING_OUTCOMES, class_of, device_order, load_report, write_report
 
 CheckKey = tuple[str, str, str]  # node id, check ("equivalence#1"), device class
 
@@ -112,6 +112,10 @@ class Run:
     origins: list[str] = field(default_factory=list)  # per row: the device class of the report it came from
     notes: list[str] = field(default_factory=list)  # versions that differ between reports of different devices
     warnings: list[str] = field(default_factory=list)  # versions that differ between reports of one device
+    # node id -> its outcome entry (outcome, when, detail) and the report it came from; a failure wins over a pass
+    tests: dict[str, dict[str, str]] = field(default_factory=dict)
+    unfinished: list[tuple[str, str]] = field(default_factory=list)  # (report, node id): selected, with no outcome
+    sweeps: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)  # (swept test, family, its entry)
 
     @property
     def device_classes(self) -> set[str]:
@@ -170,8 +174,27 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]) -> Run:
                 raise ReportMergeError(_overlap(key, scope.device, earlier, name))
             run.rows.append(row)
             run.origins.append(scope.device)
+        _merge_outcomes(run, name, data)
     run.notes, run.warnings = compare_versions(run.scopes)
     return run
+
+
+def _merge_outcomes(run: Run, name: str, data: Mapping[str, Any]) -> None:
+    """The report's test outcomes and sweep entries into ``run``; its selected tests with no outcome as unfinished.
+
+    A report before version 4 has no outcomes: nothing is said of its tests beyond their rows.
+    """
+    for test, families in sorted((data.get("sweeps") or {}).items()):
+        run.sweeps += [(test, family, dict(entry)) for family, entry in sorted(families.items())]
+    tests = data.get("tests")
+    if tests is None:
+        return
+    for nodeid, entry in tests.items():
+        known = run.tests.get(nodeid)
+        if known is None or (entry.get("outcome") in FAILING_OUTCOMES and known["outcome"] not in FAILING_OUTCOMES):
+            run.tests[nodeid] = {**entry, "report": name}
+    selection = data.get("selection") or {}
+    run.unfinished += [(name, nodeid) for nodeid in selection.get("selected", ()) if nodeid not in tests]
 
 
 def _overlap(key: CheckKey, device: str, earlier: str, later: str) -> str:

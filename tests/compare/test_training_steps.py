@@ -62,6 +62,7 @@ def test_a_norm_whose_weight_gets_no_gradient(reference_model, patched_model):
 
 
 @pytest.mark.model("llama")
+@pytest.mark.patch(unpatched=True)
 def test_the_reference_is_left_as_found(reference_model, patched_model):
     inputs = {"input_ids": torch.arange(12).reshape(2, 6) % 100}
     with torch.no_grad():

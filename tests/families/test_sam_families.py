@@ -122,7 +122,7 @@ def test_a_reference_with_a_prebuilt_backbone_captures_each_layer_once(tmp_path:
     reference = builder.reference(ModelRequest("lw_detr"))
     layer = reference.backbone.backbone.encoder.layer[0]
     assert len(layer._forward_hooks) == 1
-    assert_equivalent(reference, builder.patched(ModelRequest("lw_detr")))
+    assert_equivalent(reference, builder.patched(ModelRequest("lw_detr"), unpatched=True))
 
 
 @pytest.mark.parametrize("model_type", ["sam", "sam_hq", "sam2", "sam3_tracker"])

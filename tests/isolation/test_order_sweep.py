@@ -129,6 +129,7 @@ def test_pass_plain_reference_keeps_hidden_states(reference_model):
 
 
 @pytest.mark.model("llama")
+@pytest.mark.patch(unpatched=True)
 def test_pass_plain_models_agree(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
     assert len(hidden_states(patched_model)) == len(hidden_states(reference_model))

@@ -253,12 +253,14 @@ from pytest_modelpatch import assert_equivalent
 
 
 @pytest.mark.model("llama")
+@pytest.mark.patch(unpatched=True)  # patched behind the plugin's back, in the body
 def test_body_patch(reference_model, patched_model, monkeypatch):
     monkeypatch.setattr(LlamaMLP, "forward", lambda self, x: x)
     assert_equivalent(reference_model, patched_model)
 
 
 @pytest.mark.model("llama")
+@pytest.mark.patch(unpatched=True)
 def test_after(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
 """

@@ -77,6 +77,7 @@ from pytest_modelpatch import assert_equivalent
 
 
 @pytest.mark.model("llama")
+@pytest.mark.patch(unpatched=True)
 def test_stock(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
 """

@@ -57,6 +57,7 @@ def test_reference_on_the_model_markers_choice(reference_model, patched_model):
 
 
 @pytest.mark.model("llama", attn_implementation="wrong_scale_attn")
+@pytest.mark.patch(unpatched=True)
 def test_shared_on_the_model_marker_warns(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)  # vacuous: both run it
 
@@ -114,6 +115,7 @@ def test_wrong_router(reference_model, patched_model):
 
 
 @pytest.mark.model("qwen3_moe", experts_implementation="batched_mm")
+@pytest.mark.patch(unpatched=True)  # the model marker's choice reaches both models
 def test_model_marker_takes_experts_implementation(reference_model, patched_model):
     assert reference_model.config._experts_implementation == patched_model.config._experts_implementation == "batched_mm"
 """
@@ -253,6 +255,7 @@ def test_random_lora(reference_model, patched_model):
 
 
 @pytest.mark.model("bert")
+@pytest.mark.patch(unpatched=True)
 def test_another_model_is_still_refused(patched_model):
     from pytest_modelpatch.errors import ModelMismatchError
     from transformers import LlamaConfig, LlamaForCausalLM

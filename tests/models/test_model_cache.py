@@ -69,7 +69,7 @@ from pytest_modelpatch import assert_equivalent
 def test_seeds(model_builder, seed, request):
     from pytest_modelpatch.models.builder import ModelRequest
     reference = model_builder.reference(ModelRequest("llama", seed=seed))
-    patched = model_builder.patched(ModelRequest("llama", seed=seed))
+    patched = model_builder.patched(ModelRequest("llama", seed=seed), unpatched=True)
     assert_equivalent(reference, patched)
     assert len(model_builder._references) <= 1
 """

@@ -102,7 +102,7 @@ def test_a_fingerprint_does_not_keep_a_released_model_alive(tmp_path: Path) -> N
 @pytest.fixture(scope="module")
 def big_bird(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, torch.nn.Module]:
     builder = ModelBuilder(tmp_path_factory.mktemp("big_bird"))
-    return builder.reference(ModelRequest("big_bird")), builder.patched(ModelRequest("big_bird"))
+    return builder.reference(ModelRequest("big_bird")), builder.patched(ModelRequest("big_bird"), unpatched=True)
 
 
 def test_a_reference_that_rewires_itself_stays_callable_and_unpatched(big_bird: Any) -> None:

@@ -102,7 +102,7 @@ def test_a_version_2_baseline_is_judged_as_the_devices_its_rows_name(tmp_path: P
 def test_a_report_of_a_newer_schema_is_refused_naming_the_upgrade(tmp_path: Path) -> None:
     path = tmp_path / "future.json"
     path.write_text(json.dumps({"schema_version": 99, "header": {}, "rows": []}))
-    with pytest.raises(ReportFileError, match=r"future.json: schema_version 99 is newer than this pytest-modelpatch reads \(3\)"):
+    with pytest.raises(ReportFileError, match=r"future.json: schema_version 99 is newer than this pytest-modelpatch reads \(4\)"):
         load_report(path)
     path.write_text(json.dumps({"schema_version": "3", "header": {}, "rows": []}))
     with pytest.raises(ReportFileError, match="not a modelpatch JSON report"):

@@ -40,6 +40,7 @@ def test_caught(reference_model, patched_model):
 
 
 @pytest.mark.model("llama")
+@pytest.mark.patch(unpatched=True)
 def test_good(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
 """

@@ -39,6 +39,7 @@ from pytest_modelpatch import check_equivalent
 
 
 @pytest.mark.model("llama")
+@pytest.mark.patch(unpatched=True)
 def test_property(reference_model, patched_model):
     check_equivalent(reference_model, patched_model, max_examples=3)
 """

@@ -93,6 +93,7 @@ def test_nan(reference_model, patched_model):
 
 
 @pytest.mark.model("llama")
+@pytest.mark.patch(unpatched=True)
 def test_property(reference_model, patched_model):
     check_equivalent(reference_model, patched_model, max_examples=3)
 """
@@ -103,7 +104,7 @@ def test_a_nan_producing_patch_writes_a_strict_report_valid_against_the_schema(p
     result = pytester.runpytest("-p", "no:randomly", "--modelpatch-report", "r.json")
     result.assert_outcomes(passed=1, failed=1)
     data = assert_valid_report(pytester.path / "r.json")
-    assert data["schema_version"] == 3
+    assert data["schema_version"] == 4
     nan, prop = data["rows"]
     assert (nan["max_abs_error"], nan["max_rel_error"]) == ("inf", "inf")
     assert any(error == "inf" for _, error in nan["profile"])
@@ -131,7 +132,7 @@ def test_non_finite_figures_round_trip_and_print_as_inf_and_nan(tmp_path: Path) 
 def test_the_validator_rejects_what_the_schema_forbids(tmp_path: Path) -> None:
     schema = json.loads(SCHEMA_FILE.read_text())
     row = row_from_record(CheckRecord(kind="equivalence", outcome="passed", max_abs_error=0.0), "t.py::test_a", 1)
-    good = {"schema_version": 3, "header": {"seed": 0}, "rows": [row]}
+    good = {"schema_version": 4, "header": {"seed": 0}, "rows": [row]}
     assert schema_errors(good, schema, schema) == []
     for broken in ({**row, "max_abs_error": "Infinity"}, {**row, "outcome": "xfailed"}, {**row, "expected_failure": "yes"}):
         assert schema_errors({**good, "rows": [broken]}, schema, schema), broken

@@ -221,4 +221,4 @@ def test_updating_the_baseline_from_a_cpu_run_keeps_the_gpu_rows(suite: pytest.P
     after = load_report(suite.path / "base.json")
     assert after["header"]["device_classes"] == ["cpu", H100]
     assert [r for r in after["rows"] if r["device_class"] == H100] == gpu_rows
-    assert json.loads((suite.path / "base.json").read_text())["schema_version"] == 3
+    assert json.loads((suite.path / "base.json").read_text())["schema_version"] == 4

@@ -21,13 +21,14 @@ IMPLEMENTATIONS = IMPLEMENTATION_KEYWORDS
 _IMPLEMENTATION_ARGS = "".join(f"{axis}=None, " for axis in IMPLEMENTATIONS)
 PATCH_MARKER_HELP = (
     "patch(mapping=None, *, conversions=None, overwrite=False, methods=None, allow=None, context=None, "
-    f"{_IMPLEMENTATION_ARGS}load_kwargs=None, transform=None, tp_plan=None, "
+    f"{_IMPLEMENTATION_ARGS}load_kwargs=None, transform=None, tp_plan=None, unpatched=False, "
     "**context_kwargs): register transformers patches for this test and restore all global patch state afterwards; "
-    "the load choices, transforms and tensor-parallel plan entries reach the patched model only"
+    "the load choices, transforms and tensor-parallel plan entries reach the patched model only; a patched model "
+    "with nothing patched is a usage error unless unpatched=True says it is the stock model on purpose (a baseline)"
 )
 _KEYWORDS = (
     "mapping", "conversions", "overwrite", "methods", "allow", "context",
-    *IMPLEMENTATIONS, "load_kwargs", "transform", "tp_plan",
+    *IMPLEMENTATIONS, "load_kwargs", "transform", "tp_plan", "unpatched",
 )  # fmt: skip
 
 
@@ -50,6 +51,8 @@ class PatchSpec:
     transforms: list[Callable[[Any], Any]] = field(default_factory=list)  # fn(model) -> model or None, in order
     # entries merged into the patched model's tensor-parallel plan under @pytest.mark.parallel("tp"); None removes one
     tp_plan: dict[str, str | None] = field(default_factory=dict)
+    # the patched model may be the stock one: a deliberate baseline, not a patch that was forgotten
+    unpatched: bool = False
     _origin: dict[tuple[str, str], str] = field(default_factory=dict)
 
     @property
@@ -118,6 +121,13 @@ def _merge_mark(spec: PatchSpec, mark: pytest.Mark, where: str) -> None:
     if not isinstance(overwrite, bool):
         raise PatchUsageError(f"@pytest.mark.patch on {where}: overwrite must be True or False, got {overwrite!r}.")
     spec.overwrite = spec.overwrite or overwrite
+    unpatched = kwargs.get("unpatched", False)
+    if not isinstance(unpatched, bool):
+        raise PatchUsageError(
+            f"@pytest.mark.patch on {where}: unpatched must be True (the patched model is the stock one on purpose) "
+            f"or False, got {unpatched!r}."
+        )
+    spec.unpatched = spec.unpatched or unpatched
     methods = kwargs.get("methods") or []
     if not isinstance(methods, (list, tuple)):
         methods = [methods]
