@@ -4,6 +4,7 @@ the GPU lane stops at once where there is no GPU."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -79,3 +80,22 @@ def test_the_committed_baseline_names_only_tests_that_still_exist() -> None:
     assert {path for path, _ in tests} == {"docs/examples/test_verify_examples.py", "tests/models/test_gpu.py"}
     assert not [(path, test) for path, test in tests if f"def {test}(" not in (REPO_ROOT / path).read_text()]
     assert {row["device_class"] for row in baseline["rows"]} == set(baseline["header"]["device_classes"])
+
+
+def test_the_lowest_lane_installs_the_floors_pyproject_declares() -> None:
+    # a floor raised in pyproject.toml and not in .ci/floors.txt (or the other way) would leave the claim untested
+    # tomllib is Python 3.11: the dependencies are read as the one list of quoted strings they are
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.M | re.S)
+    assert dependencies is not None
+    declared = dict(re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9.]+)[^"]*"', dependencies.group(1)))
+    assert len(declared) == 5, declared
+    pins = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", (REPO_ROOT / ".ci" / "floors.txt").read_text(), re.M)
+    tested = {name.lower(): version for name, version in pins}
+    assert set(tested) == set(declared), "every requirement of the package has its floor in .ci/floors.txt"
+    for name, floor in declared.items():
+        assert tested[name].split(".")[: len(floor.split("."))] == floor.split("."), (name, floor, tested[name])
+    assert 'requires-python = ">=3.10"' in pyproject
+    run = (REPO_ROOT / ".ci" / "run").read_text()
+    assert 'claims_lane .venv-lowest 3.10 "" lowest' in run and "claims_lane .venv-py310 3.10" in run
+    assert "claims_lane .venv-py313 3.13" in run and 'lane "lint: ruff check and format' in run
