@@ -97,5 +97,5 @@ def test_the_lowest_lane_installs_the_floors_pyproject_declares() -> None:
         assert tested[name].split(".")[: len(floor.split("."))] == floor.split("."), (name, floor, tested[name])
     assert 'requires-python = ">=3.10"' in pyproject
     run = (REPO_ROOT / ".ci" / "run").read_text()
-    assert 'claims_lane .venv-lowest 3.10 "" lowest' in run and "claims_lane .venv-py310 3.10" in run
-    assert "claims_lane .venv-py313 3.13" in run and 'lane "lint: ruff check and format' in run
+    assert 'claims_venv .venv-lowest 3.10 "" lowest' in run and "claims_venv .venv-py310 3.10" in run
+    assert "claims_venv .venv-py313 3.13" in run and 'lane "lint: ruff check and format' in run
