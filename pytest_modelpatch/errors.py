@@ -18,7 +18,8 @@ class ModelPatchError(Exception):
 if TYPE_CHECKING:
     import pytest
 
-    class PatchUsageError(ModelPatchError, pytest.UsageError):
+    # pytest's stubs mark UsageError final; pytest prints a UsageError as a usage error, so ours is one
+    class PatchUsageError(ModelPatchError, pytest.UsageError):  # type: ignore[misc]
         """A patch, marker or option was used wrongly; the message says how to fix it."""
 
 
@@ -27,7 +28,7 @@ def __getattr__(name: str) -> type:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import pytest
 
-    class PatchUsageError(ModelPatchError, pytest.UsageError):
+    class PatchUsageError(ModelPatchError, pytest.UsageError):  # type: ignore[misc]
         """A patch, marker or option was used wrongly; the message says how to fix it."""
 
     PatchUsageError.__module__, PatchUsageError.__qualname__ = __name__, name  # picklable by name

@@ -4,6 +4,7 @@ the GPU lane stops at once where there is no GPU."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -200,3 +201,22 @@ def test_the_consumer_check_passes_a_caught_bug_and_fails_a_planted_bug_that_pas
         f"{said_broken}: failure, where the page says xfailed",
         f"{said_broken}: no check of it failed saying 'first diverging module', as the page says it does",
     ]
+
+
+def test_the_lowest_lane_installs_the_floors_pyproject_declares() -> None:
+    # a floor raised in pyproject.toml and not in .ci/floors.txt (or the other way) would leave the claim untested
+    # tomllib is Python 3.11: the dependencies are read as the one list of quoted strings they are
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.M | re.S)
+    assert dependencies is not None
+    declared = dict(re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9.]+)[^"]*"', dependencies.group(1)))
+    assert len(declared) == 5, declared
+    pins = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", (REPO_ROOT / ".ci" / "floors.txt").read_text(), re.M)
+    tested = {name.lower(): version for name, version in pins}
+    assert set(tested) == set(declared), "every requirement of the package has its floor in .ci/floors.txt"
+    for name, floor in declared.items():
+        assert tested[name].split(".")[: len(floor.split("."))] == floor.split("."), (name, floor, tested[name])
+    assert 'requires-python = ">=3.10"' in pyproject
+    run = (REPO_ROOT / ".ci" / "run").read_text()
+    assert 'claims_venv .venv-lowest 3.10 "" lowest' in run and "claims_venv .venv-py310 3.10" in run
+    assert "claims_venv .venv-py313 3.13" in run and 'lane "lint: ruff check and format' in run

@@ -12,7 +12,7 @@ otherwise and end through :func:`conclude` too.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, Self, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -28,6 +28,8 @@ class Judged(Protocol):
 
 
 R = TypeVar("R", bound=Judged)
+# typing.Self is Python 3.11; a TypeVar bound to the class says the same on 3.10
+_Report = TypeVar("_Report", bound="CheckReport")
 
 
 def conclude(report: R, record: CheckRecord, cause: BaseException | None = None) -> R:
@@ -104,7 +106,7 @@ class CheckReport(ComparedTensors):
         """Hand this outcome to the running test's report rows."""
         record_check(self.to_record(kind, examples, detail))
 
-    def conclude(self) -> Self:
+    def conclude(self: _Report) -> _Report:
         """Record this report's row, then raise ``AssertionError`` with it when the check failed; returns the report."""
         __tracebackhide__ = True
         return conclude(self, self.to_record())

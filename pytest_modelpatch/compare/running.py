@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -109,7 +110,7 @@ def ieee_float32() -> Iterator[None]:
 
 
 # id(model) -> its device, for the models of the evaluating() block being run (they stay put in it)
-_DEVICES: ContextVar[dict[int, torch.device]] = ContextVar("modelpatch_model_devices", default={})
+_DEVICES: ContextVar[Mapping[int, torch.device]] = ContextVar("modelpatch_model_devices", default=MappingProxyType({}))
 
 
 @contextmanager

@@ -166,7 +166,7 @@ def time_models(
     clocks = {"reference": clock_for(model_device(reference)), "patched": clock_for(model_device(patched))}
     seconds: dict[str, list[float]] = {"reference": [], "patched": []}
     with evaluating(reference, patched):
-        for name, call in calls.items():
+        for call in calls.values():
             for _ in range(warmup):
                 call()
         for index in range(max(1, repeats)):

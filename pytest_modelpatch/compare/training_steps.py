@@ -287,7 +287,7 @@ def _items(model: torch.nn.Module, batches: Sequence[Mapping[str, Any]]) -> torc
         return None
     inner = unwrapped(model)
     shifts = type(inner).__name__.endswith("ForCausalLM") and not getattr(inner.config, "is_encoder_decoder", False)
-    return sum((b["labels"][..., 1:] if shifts else b["labels"]).ne(-100).sum() for b in batches)  # type: ignore[return-value]
+    return sum((b["labels"][..., 1:] if shifts else b["labels"]).ne(-100).sum() for b in batches)
 
 
 NOTHING_TRAINS = (

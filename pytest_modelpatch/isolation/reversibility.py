@@ -85,7 +85,7 @@ def _transform_problems(key: str, index: int, transform: Any) -> list[Reversibil
         return problems
     try:
         reverse = transform.reverse_transform()
-    except Exception as exc:  # transformers raises ValueError, custom ops anything
+    except Exception as exc:  # noqa: BLE001 - transformers raises ValueError, custom ops anything
         return [ReversibilityProblem(key, index, described, "", f"reverse_transform() raised {_exception(exc)}")]
     # The reverse must itself reverse (save -> load of a patched-layout checkpoint goes both ways).
     for op in getattr(reverse, "operations", None) or []:
@@ -103,7 +103,7 @@ def _operation_problem(op: Any, label: str = "") -> str | None:
         reverse = op.reverse_op
     except NotImplementedError:
         return f"{prefix}has no reverse_op (ConversionOps.reverse_op raises NotImplementedError)"
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a custom op may raise anything: it is reported
         return f"{prefix}reverse_op raised {_exception(exc)}"
     if not isinstance(reverse, ConversionOps):
         return f"{prefix}reverse_op returned {type(reverse).__name__}, not a ConversionOps"

@@ -270,7 +270,7 @@ class _Lint:
         swaps = {r.name: (r.replacement, r.bound_in) for r in replaced}
         try:
             _, patched = structures(model_type, swaps, original=False)  # built each run: the original is cached
-        except Exception as error:  # the replacement cannot even be built: say so, with the cause
+        except Exception as error:  # noqa: BLE001 - the replacement cannot even be built: say so, with the cause
             first = replaced[0]
             return [Finding(Kind.WEIGHT_NAMES, first.key, first.name, first.family, first.module,
                             f"building the tiny {model_type} model with {', '.join(sorted(swaps))} replaced failed: "

@@ -105,7 +105,7 @@ def _build(model_type: str, swaps: tuple[tuple[str, type, tuple[str, ...]], ...]
         try:
             with torch.device("meta"):
                 model = model_class(config)
-        except Exception:  # some kernels compute at __init__ and need real tensors
+        except Exception:  # noqa: BLE001 - some kernels compute at __init__ and need real tensors
             model = model_class(config)
     tensors = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
     modules = {n: type(m).__name__ for n, m in model.named_modules()}

@@ -101,7 +101,7 @@ def stamp_intent(item: pytest.Item, report: pytest.TestReport) -> None:
     row; a passing test marks its failed rows, because every check raises AssertionError right
     after recording a failure: the test went on only because it caught that error.
     """
-    rows = [value for name, value in item.user_properties if name == ROW_PROPERTY]
+    rows = _property_values(item.user_properties, ROW_PROPERTY)
     if hasattr(report, "wasxfail"):
         reason = f"xfail: {report.wasxfail}" if report.wasxfail else "xfail"
         marked = [r for r in rows if not r.get("expected_failure")]
@@ -122,6 +122,11 @@ def stamp_intent(item: pytest.Item, report: pytest.TestReport) -> None:
 def is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
+
+
+def _property_values(properties: list[tuple[str, object]], name: str) -> list[Any]:
+    """The values of the user properties called ``name``: this plugin wrote them, so their type is known."""
+    return [value for key, value in properties if key == name]
 
 def session_seed(config: pytest.Config) -> int:
     """``--modelpatch-seed``, else ini ``modelpatch_seed``, else 0; on an xdist worker, the controller's."""
@@ -173,7 +178,7 @@ def configure(config: pytest.Config, default_device: str = "cpu") -> None:
 
 def report_header(config: pytest.Config, seed: int, rows: list[dict[str, Any]], default_device: str = "cpu") -> dict[str, Any]:
     """Everything needed to reproduce the run: versions, devices and their names, seed, command line, time."""
-    versions = {}
+    versions: dict[str, str | None] = {}
     for dist in ("torch", "transformers", "hypothesis", "pytest", "pytest-xdist", "pytest-modelpatch", "safetensors"):
         try:
             versions[dist] = metadata.version(dist)
@@ -326,16 +331,16 @@ class ReportSession:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         # the teardown report carries every property the test gathered (setup, call, teardown)
         if report.when == "teardown":
-            self.rows += [value for name, value in report.user_properties if name == ROW_PROPERTY]
+            self.rows += _property_values(report.user_properties, ROW_PROPERTY)
         tally_outcome(self.tests, report)
-        family = next((value for name, value in report.user_properties if name == SWEEP_PROPERTY), None)
+        family = next(iter(_property_values(report.user_properties, SWEEP_PROPERTY)), None)
         if family is not None:
             self._tally_sweep(report, family)
 
     def _tally_sweep(self, report: pytest.TestReport, family: str) -> None:
         test = report.nodeid.rpartition("[")[0] or report.nodeid
         families = self.sweeps.setdefault(test, {})
-        refused = next((value for name, value in report.user_properties if name == NOT_APPLICABLE_PROPERTY), None)
+        refused = next(iter(_property_values(report.user_properties, NOT_APPLICABLE_PROPERTY)), None)
         if report.skipped and refused is not None:
             families[family] = ("not applicable", refused)
             return

@@ -293,7 +293,7 @@ def test_a_reference_call_runs_unpatched_while_the_tests_registries_stay_in_plac
     def scaled_norm(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         return original(self, hidden_states) * 2
 
-    class scaled_LlamaRMSNorm:
+    class scaled_LlamaRMSNorm:  # noqa: N801 - named like the class it patches, as the fixtures do
         _PATCHED_CLASS_ = modeling_llama.LlamaRMSNorm
         _PATCHES_ = ["forward"]
         forward = scaled_norm

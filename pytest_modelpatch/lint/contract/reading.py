@@ -18,7 +18,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from pytest_modelpatch.lint.contract.cache import facts_cache
 from pytest_modelpatch.lint.scan_index import transformers_location
@@ -229,7 +229,7 @@ def _module_calls(module: str, classes: dict[str, ast.ClassDef], tables: dict[st
             names = _stored(assign.value, tables)
             for target in assign.targets:
                 if _self_attr(target):
-                    bound.setdefault(target.attr, set()).update(names)  # type: ignore[union-attr]
+                    bound.setdefault(target.attr, set()).update(names)
         for function in (n for n in node.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"):
             loops = {
                 loop.target.id: attr
@@ -238,7 +238,7 @@ def _module_calls(module: str, classes: dict[str, ast.ClassDef], tables: dict[st
                 for attr in [a.attr for a in ast.walk(loop.iter) if _self_attr(a)][:1]
             }
             for call in (n for n in ast.walk(function) if isinstance(n, ast.Call)):
-                attr = call.func.attr if _self_attr(call.func) else None  # type: ignore[union-attr]
+                attr = call.func.attr if _self_attr(call.func) else None
                 if attr is None and isinstance(call.func, ast.Name):
                     attr = loops.get(call.func.id)
                 for name in sorted(bound.get(attr or "", ())):
@@ -274,11 +274,11 @@ def _lookup_tables(tree: ast.Module | None) -> dict[str, set[str]]:
         if isinstance(value, ast.Dict) and value.values and all(isinstance(v, ast.Name) for v in value.values):
             for target in targets:
                 if isinstance(target, ast.Name):
-                    tables[target.id] = {v.id for v in value.values}  # type: ignore[union-attr]
+                    tables[target.id] = {v.id for v in value.values if isinstance(v, ast.Name)}
     return tables
 
 
-def _self_attr(node: ast.AST) -> bool:
+def _self_attr(node: ast.AST) -> TypeGuard[ast.Attribute]:
     return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
 
 

@@ -66,7 +66,7 @@ def original_model(model_type: str, structures: StructureBuilder) -> OriginalMod
     if original is None:
         try:
             built, _ = structures(model_type, {}, original=True)
-        except Exception:  # a family without a tiny config or a base class here (docs/families.md)
+        except Exception:  # noqa: BLE001 - a family without a tiny config or a base class here (docs/families.md)
             return None
         assert built is not None
         original = OriginalModel.of(model_type, built)
@@ -190,8 +190,8 @@ def _renamed(name: str, transforms: list[Any]) -> list[str]:
 
 def suggest_conversion(unexpected: list[str], missing: list[str]) -> str:
     """A ``WeightConverter``/``WeightRenaming`` that turns the unexpected leaf names into the missing ones."""
-    old = sorted({_leaf(n) for n in unexpected} - {None})  # type: ignore[arg-type]
-    new = sorted({_leaf(n) for n in missing} - {None})  # type: ignore[arg-type]
+    old = sorted({leaf for n in unexpected if (leaf := _leaf(n)) is not None})
+    new = sorted({leaf for n in missing if (leaf := _leaf(n)) is not None})
     if not old or not new:
         return ""
     if len(old) == len(new) == 1:

@@ -76,7 +76,7 @@ MNV5_OUTPUT_SIDE = TINY_TIMM_IMAGE // 16
 TINY_TIMM_BACKBONE = "test_resnet"
 
 
-class _StagesCopiedOnIteration(list):  # type: ignore[type-arg]
+class _StagesCopiedOnIteration(list):
     """Decoded block arguments that hand out copies when iterated.
 
     timm's EfficientNetBuilder builds each block by editing its argument dict in place (pops
