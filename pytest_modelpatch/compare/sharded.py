@@ -150,7 +150,7 @@ def resharded(model: torch.nn.Module) -> None:
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank holds (a ``DTensor``'s local shard), sharing its storage."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor
+    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
 def nonzero_anywhere(tensors: list[torch.Tensor]) -> list[bool]:

@@ -115,7 +115,7 @@ class ModelTiming:
 
     def to_dict(self) -> dict[str, Any]:
         """The report row's ``"timing"`` object."""
-        row = {
+        row: dict[str, Any] = {
             "reference_s": self.reference_s, "patched_s": self.patched_s, "speedup": self.speedup,
             "reference_peak_bytes": self.reference_peak_bytes, "patched_peak_bytes": self.patched_peak_bytes,
         }  # fmt: skip
