@@ -328,10 +328,11 @@ def test_every_cell_of_the_grid_gives_the_right_verdict_or_a_refusal(pytester: p
     write_out(cells, seconds, out, pytester.path / "reports.jsonl")
     missing = [c for c in cells if c.outcome == "missing"]
     assert not missing, f"cells that never ran: {[(c.where, c.what, c.dtype, c.check) for c in missing]}"
+    # one session, one pool of ranks: it starts again only after a rank crashed or hung
+    crashes = sum(c.verdict == "crash" for c in cells)
+    assert len(set(pids)) <= 1 + crashes, f"the parallel cells ran in {len(set(pids))} pools, after {crashes} crashes"
     wrong = [c for c in cells if not c.right]
     assert not wrong, f"{len(wrong)} of {len(cells)} cells wrong ({seconds:.0f} s):\n" + "\n".join(map(str, wrong))
-    # one session, one pool: it restarts only after a crash (there was none, or the cells above failed)
-    assert len(set(pids)) <= 1, f"the parallel cells ran in {len(set(pids))} pools of ranks, not one"
     for doc, block in tables(cells).items():
         quoted = documented_rows(doc)
         for line in block.splitlines()[2:]:
