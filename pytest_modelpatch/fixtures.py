@@ -24,6 +24,7 @@ from pytest_modelpatch.parallel.session import in_rank, parallel_spec
 from pytest_modelpatch.reporting.session import NOT_APPLICABLE_PROPERTY, note_implementations
 
 if TYPE_CHECKING:
+    from pytest_modelpatch.parallel.marker import ParallelSpec
     from pytest_modelpatch.isolation.registration import PatchRegistry
     from pytest_modelpatch.models.builder import LoadChoices, ModelBuilder, ModelRequest
 
@@ -312,6 +313,44 @@ def sharded_choices(
     else:
         transforms += (sharding.data_parallel,)
     return LoadChoices(kwargs, transforms), spec.kind
+
+
+def check_before_ranks(item: pytest.Item, spec: ParallelSpec) -> None:
+    """What is wrong with how a ``parallel("tp")`` test shards, found here before any rank starts: a usage error.
+
+    A world size that does not divide the heads, and a plan entry of the patch marks that names no
+    module of the patched model (built on the meta device with the marks' mapping). The ranks check
+    the plan again against the model they load.
+    """
+    model_request = item_model_request(item)
+    if spec.kind != "tp" or model_request is None:
+        return
+    from pytest_modelpatch.families.catalog import model_class_for
+    from pytest_modelpatch.isolation.guard import PatchStateGuard
+    from pytest_modelpatch.isolation.per_test.patch_spec import collect_patch_spec
+    from pytest_modelpatch.isolation.registration import register_patches
+    from pytest_modelpatch.parallel import sharding
+
+    config = model_request.model_spec.config
+    marks = collect_patch_spec(item) if "patch" in item.keywords else None
+    model_class = model_class_for(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not (getattr(text, "base_model_tp_plan", None) or (marks is not None and marks.tp_plan)):
+        return  # nothing to shard: the rank skips the test, saying so
+    sharding.check_tp_heads(config, spec.world_size, model_class.__name__)
+    if marks is None or not marks.tp_plan:
+        return
+    import torch
+
+    with torch.device("meta"):
+        reference = model_class._from_config(config)
+        guard = PatchStateGuard()
+        try:
+            register_patches(marks.mapping, overwrite=True)
+            patched = model_class._from_config(config)
+        finally:
+            guard.restore(report=False)
+    sharding.resolve_tp_plan(marks.tp_plan, patched, reference)
 
 
 @pytest.fixture

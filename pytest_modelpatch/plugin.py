@@ -17,8 +17,8 @@ import pytest
 from pytest_modelpatch import fixtures
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.fixtures import (
-    CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, checkpoint_root, item_device, item_model_request, resolve_device,
-    swept_family,
+    CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, check_before_ranks, checkpoint_root, item_device,
+    item_model_request, resolve_device, swept_family,
 )
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.per_test.leaks import LeakTally
@@ -159,7 +159,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if not in_rank():  # a rank runs the tests it is sent; the process that sent them runs them in ranks
         rank_env = lambda: {CHECKPOINTS_ENV: str(checkpoint_root(config._tmp_path_factory))}  # noqa: E731
         config.pluginmanager.register(
-            ParallelSession(config, session.session_seed(config), _parallel_backend, rank_env), "modelpatch-parallel"
+            ParallelSession(config, session.session_seed(config), _parallel_backend, rank_env, check_before_ranks),
+            "modelpatch-parallel",
         )
     hold_for_session(True)
     _configure_settings(config)

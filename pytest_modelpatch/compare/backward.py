@@ -89,6 +89,9 @@ class BackwardReport(CheckReport):
     divergence: BackwardDivergence | Divergence | None = None  # Divergence: the train-mode forward differs
     duration_s: float = 0.0
     unused: str = ""
+    # outputs one side returns and the other leaves None or out: a fused loss kernel's logits=None in
+    # training (Liger-Kernel's linear-cross-entropy); the loss and every gradient are what it must match
+    one_sided: list[TensorComparison] = dataclasses.field(default_factory=list)
 
     @property
     def comparisons(self) -> list[TensorComparison]:
@@ -112,6 +115,12 @@ class BackwardReport(CheckReport):
         verdict = "ok" if c.passed else f"over tolerance, {c.tolerance}" if c.problem is None else c.problem
         return f"loss ({self.loss_source}): reference {ref:.6g}, patched {pat:.6g}, difference {abs(pat - ref):.3g} ({verdict})"
 
+    @property
+    def _one_sided_line(self) -> list[str]:
+        if not self.one_sided:
+            return []
+        return [f"held by one side only, not compared: {'; '.join(str(c) for c in self.one_sided)}"]
+
     def __str__(self) -> str:
         where = f" ({self.dtype} on {self.device}, gradient checkpointing {self.checkpointing})" if self.device else ""
         count = f"{len(self.gradients)} gradients, {len(self.outputs)} outputs and the loss"
@@ -120,6 +129,7 @@ class BackwardReport(CheckReport):
                 f"patched {self.patched} trains like reference {self.reference}{where}: {count}, "
                 f"max abs {self.max_abs_error:.3g}, max rel {self.max_rel_error:.3g}",
                 f"tolerance: outputs {self.tolerance}; gradients {self.gradient_tolerance}",
+                *self._one_sided_line,
                 *([self.conversions] if self.conversions else []),
             ])  # fmt: skip
         worst = self.worst_gradient
@@ -130,6 +140,7 @@ class BackwardReport(CheckReport):
             *([self.unused] if self.unused else []),
             self._loss_line(),
             f"worst parameter gradient: {worst}" if worst is not None else "no parameter gradients compared",
+            *self._one_sided_line,
             *([self.conversions] if self.conversions else []),
             f"inputs: {self.inputs}",
             *describe_tolerances(failures),
@@ -221,6 +232,8 @@ def _report(
         {"loss": pat.loss, **dict(flatten_outputs(pat.outputs, "outputs"))},
         spec,
     )
+    one_sided = [c for c in outputs if c.one_sided]
+    outputs = [c for c in outputs if not c.one_sided]
     ref_grads, ref_note = checkpoint_gradients(reference, ref.gradients)
     pat_grads, pat_note = checkpoint_gradients(patched, pat.gradients)
     # parameters' and input embeddings' gradients in one batched pass (their names cannot clash)
@@ -229,7 +242,7 @@ def _report(
         reference=type(reference).__name__, patched=type(patched).__name__,
         loss=loss, loss_source=ref.loss_source,
         loss_values=(float(ref.loss), float(pat.loss)),
-        outputs=outputs, gradients=gradients, tolerance=spec, gradient_tolerance=grad_spec,
+        outputs=outputs, gradients=gradients, tolerance=spec, gradient_tolerance=grad_spec, one_sided=one_sided,
         inputs=describe_inputs(inputs), checkpointing=checkpointing, conversions=pat_note or ref_note,
         **placement(reference),
     )  # fmt: skip

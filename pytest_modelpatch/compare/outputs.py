@@ -162,6 +162,7 @@ class TensorComparison:
     # mask one implementation builds and another leaves to the kernel), or in another form (a mask of booleans
     # against an additive float one): first_divergence does not count it as a computed difference
     other_form: bool = False
+    one_sided: bool = False  # of those, held by one side only: None or absent on the other
 
     @property
     def passed(self) -> bool:
@@ -317,7 +318,7 @@ def compare_leaves(
         return None
     one_sided = any(side is None or side is _MISSING for side in (reference, patched))
     return TensorComparison(path, problem=f"reference is {_describe_leaf(reference)}, patched is {_describe_leaf(patched)}",
-                            other_form=one_sided)  # fmt: skip
+                            other_form=one_sided, one_sided=one_sided)  # fmt: skip
 
 
 def compare_flat(
@@ -350,7 +351,7 @@ def compare_flat(
                 covered.update(inside)
                 text = _describe_leaf(other[inside[0]]) if len(inside) == 1 else f"{len(inside)} tensors"
                 side = f"reference is None, patched is {text}" if ref is None else f"reference is {text}, patched is None"
-                results.append(TensorComparison(path, problem=f"{side} (at {inside[0]})", other_form=True))
+                results.append(TensorComparison(path, problem=f"{side} (at {inside[0]})", other_form=True, one_sided=True))
                 continue
         result = compare_leaves(path, ref, pat, spec, (oracle or {}).get(path))
         if result is not None:

@@ -131,6 +131,65 @@ def sharding_kind(model: torch.nn.Module) -> str | None:
     return None
 
 
+def resharded(model: torch.nn.Module) -> None:
+    """Every FSDP2 unit of ``model`` resharded: its parameters are again the sharded ``DTensor``s its optimizer steps.
+
+    A forward outside autograd leaves FSDP2's root unit unsharded (it expects a backward next): its
+    module attributes are then plain tensors in an all-gather buffer that the next backward frees,
+    and a copy that an optimizer step on the sharded parameters does not update. Whatever saves,
+    restores or steps the parameters reshards first.
+    """
+    if _distributed() is None:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds (its storage, so writing to it writes the tensor): a ``DTensor``'s local shard."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def nonzero_anywhere(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor has a nonzero element on any rank: one collective for all (none outside a process group).
+
+    A rank's shard of a gradient may be all zero where another rank's is not (embedding rows no
+    token of its batch used), so deciding from the local shard alone would make the ranks disagree.
+    Every rank must call this with the same tensors, in the same order.
+    """
+    if not tensors:
+        return []
+    largest = torch.stack([n.float().cpu() for n in torch._foreach_norm([local_part(t).detach() for t in tensors], float("inf"))])
+    dist = _distributed()
+    if dist is not None and any(_is_dtensor(t) for t in tensors):
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        largest = largest.to(device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return [bool(v > 0) for v in largest.cpu()]
+
+
+def ranks_disagree(tensors: Mapping[str, Any]) -> list[int]:
+    """The ranks whose ``tensors`` (a check's inputs) differ from rank 0's; ``[]`` outside a process group.
+
+    One collective of a few numbers per tensor: every rank must call it, with the same names.
+    """
+    dist = _distributed()
+    if dist is None or dist.get_world_size() < 2:
+        return []
+    mine = []
+    for name, value in tensors.items():
+        if isinstance(value, torch.Tensor):
+            flat = local_part(value).detach().reshape(-1).double().cpu()
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+            mine.append((name, tuple(value.shape), float(flat.sum()), float((flat * weights).sum())))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [rank for rank, theirs in enumerate(every) if theirs != every[0]]
+
+
 def logical_tensors(model: torch.nn.Module, tensors: Mapping[str, Any]) -> dict[str, Any]:
     """A sharded model's parameters or gradients made whole, each in the layout its checkpoint names describe.
 

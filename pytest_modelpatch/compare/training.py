@@ -9,15 +9,19 @@ so a session-shared reference model is left exactly as it was found.
 from __future__ import annotations
 
 import operator
+import re
 import sys
 import weakref
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 from pytest_modelpatch.compare.outputs import flatten_outputs
 from pytest_modelpatch.compare.running import forward, ieee_float32, model_device, unwrapped
@@ -127,22 +131,106 @@ def training_loss(outputs: Any, loss: LossFn | None) -> tuple[torch.Tensor, str]
 # ---------------------------------------------------------------------------
 
 
+# Names of the probabilities of training-only randomness in transformers' configs and modules:
+# attention_dropout, hidden_dropout_prob, classifier_dropout, dropout_rate, GPT-2's resid_pdrop,
+# Wav2Vec2's layerdrop, the vision backbones' drop_path_rate, attn_drop_rate, proj_drop_rate.
+_DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop|drop_path|(?:^|_)drop(?:_|$)")
+
+
 def _is_dropout_attr(name: str, value: Any) -> bool:
-    return "dropout" in name and isinstance(value, float) and not isinstance(value, bool)
+    return isinstance(value, float) and _DROPOUT_NAME.search(name) is not None
 
 
 def _configs(holders: list[torch.nn.Module]) -> list[Any]:
-    """The configs the scanned modules hold now, with their sub-configs (read fresh at each use)."""
+    """The configs the scanned modules hold now, with their sub-configs at any depth (read fresh at each use)."""
     found: dict[int, Any] = {}
-    for module in holders:
-        config = getattr(module, "config", None)
+    pending = [getattr(module, "config", None) for module in holders]
+    while pending:
+        config = pending.pop()
         if config is None or id(config) in found or not hasattr(config, "to_dict"):
             continue  # most modules share the model's config: its attributes are read once
         found[id(config)] = config
-        for value in vars(config).values():  # text_config, vision_config, ...
-            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-                found[id(value)] = value
+        # text_config, vision_config, and theirs: a composite's towers read their own
+        pending += [v for v in vars(config).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")]
     return list(found.values())
+
+
+# ---------------------------------------------------------------------------
+# Dropout off by what runs, not by where its probability is kept
+# ---------------------------------------------------------------------------
+
+# torch's dropout functions with where each takes its probability: (position, keyword). A module
+# may keep its probability anywhere (a functools.partial bound at __init__, a closure, a constant),
+# but the draw goes through one of these.
+_DROPOUT_FUNCTIONS: dict[Any, tuple[int, str]] = {
+    **{fn: (1, "p") for fn in (
+        F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+        torch.dropout, torch.dropout_, torch.alpha_dropout, torch.alpha_dropout_, torch.feature_dropout,
+        torch.feature_dropout_, torch.feature_alpha_dropout, torch.feature_alpha_dropout_, torch.native_dropout,
+    )},
+    F.scaled_dot_product_attention: (4, "dropout_p"),
+    F.multi_head_attention_forward: (10, "dropout_p"),
+}  # fmt: skip
+_DROPOUT_OFF: ContextVar[bool] = ContextVar("modelpatch_dropout_off", default=False)
+
+
+class _DropoutOff(TorchFunctionMode):
+    """Every torch dropout function called with probability 0 while :data:`_DROPOUT_OFF` is set."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        where = _DROPOUT_FUNCTIONS.get(func) if _DROPOUT_OFF.get() else None
+        if where is not None:
+            index, name = where
+            if len(args) > index:
+                args = (*args[:index], 0.0, *args[index + 1 :])
+            else:
+                kwargs = {**kwargs, name: 0.0}
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _dropout_functions_off() -> Iterator[None]:
+    """Run torch's dropout functions at probability 0 for the block (nested blocks share one mode)."""
+    outermost = not any(isinstance(mode, _DropoutOff) for mode in _torch_function_modes())
+    token = _DROPOUT_OFF.set(True)
+    try:
+        if outermost:
+            with _DropoutOff():
+                yield
+        else:
+            yield
+    finally:
+        _DROPOUT_OFF.reset(token)
+
+
+def _torch_function_modes() -> list[Any]:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return list(_get_current_function_mode_stack())
+
+
+# what each model's training_state set to 0, so that as_configured can put it back for a block
+_ZEROED: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[Any, str, Any]]] = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def as_configured(*models: torch.nn.Module) -> Iterator[None]:
+    """Inside :func:`training_state`: every dropout value as the user had it, torch's dropout functions as they are.
+
+    For what must be judged in true eval mode (the eval log-probabilities after training): a module
+    that applies dropout whatever ``self.training`` says shows it here.
+    """
+    held = [entry for model in models for entry in _ZEROED.get(model, [])]
+    for owner, name, value in held:
+        _set_attr(owner, name, value)
+    token = _DROPOUT_OFF.set(False)
+    try:
+        yield
+    finally:
+        _DROPOUT_OFF.reset(token)
+        for owner, name, _ in held:
+            owner.__dict__[name] = 0.0
 
 
 def _set_attr(owner: Any, name: str, value: Any) -> None:
@@ -186,7 +274,7 @@ class _Scan:
             # nn.Dropout's p, and float attributes copied from the config (LlamaAttention.attention_dropout)
             is_dropout = isinstance(module, torch.nn.modules.dropout._DropoutNd)
             # by name only: the values, and so which are floats, are read at each use
-            locations += [(module, k) for k in vars(module) if (k == "p" and is_dropout) or "dropout" in k]
+            locations += [(module, k) for k in vars(module) if (k == "p" and is_dropout) or _DROPOUT_NAME.search(k)]
         seen: set[int] = set()
         parameters: list[tuple[str, torch.nn.Parameter]] = []
         for prefix, module in named:
@@ -281,6 +369,14 @@ def data_parallel_inner(model: torch.nn.Module) -> torch.nn.Module:
 def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | None = None) -> Iterator[None]:
     """Train mode with every dropout at 0, ``.grad`` cleared, checkpointing as asked; all restored after.
 
+    Dropout is turned off twice over: every dropout-like value of the modules and of their configs
+    at any depth (``attention_dropout``, ``hidden_dropout_prob``, ``resid_pdrop``, ``drop_path_rate``,
+    an ``nn.Dropout``'s ``p``) is set to 0, and when any of them was not 0, torch's dropout functions
+    (``F.dropout`` and its kin, the ``dropout_p`` of ``scaled_dot_product_attention``) run at
+    probability 0 whatever they are passed, for a module that keeps its probability elsewhere (a
+    ``functools.partial`` bound from the config at ``__init__``). :func:`as_configured` undoes both
+    for a block.
+
     ``checkpointing``: ``None`` leaves it off, else the kwargs for ``torch.utils.checkpoint``
     (``{"use_reentrant": False}``), enabled through transformers' API.
 
@@ -299,6 +395,9 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
         dropouts += [(config, k, v) for k, v in vars(config).items() if _is_dropout_attr(k, v)]
     saved += dropouts
     grads = [(p, p.grad) for _, p in scan.parameters]
+    # the dropout functions' mode costs ~0.2 ms a tiny Llama's forward and backward: only where a dropout is on
+    off = _dropout_functions_off() if any(v not in (0.0, _ABSENT) for _, _, v in dropouts) else nullcontext()
+    outer = _ZEROED.get(model)  # a nested block (a divergence search inside a training run) keeps the outer's
     try:
         _train(model, modules)
         for owner, name, _ in dropouts:
@@ -307,8 +406,12 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
             param.grad = None
         if checkpointing is not None:
             enable_checkpointing(model, checkpointing)
-        yield
+        _ZEROED[model] = dropouts if outer is None else outer
+        with off:
+            yield
     finally:
+        if outer is None:
+            _ZEROED.pop(model, None)
         for owner, name, value in reversed(saved):
             _set_attr(owner, name, value)
         for module, training in flags:  # a plain attribute: skip nn.Module.__setattr__'s parameter checks

@@ -33,12 +33,16 @@ from pytest_modelpatch.compare.divergence import Divergence, find_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_tensors, describe_tolerances
 from pytest_modelpatch.compare.running import default_inputs, describe_inputs, forward, ieee_float32, model_device, placement, unwrapped
 from pytest_modelpatch.compare.same_model import check_same_model
-from pytest_modelpatch.compare.sharded import logical_tensors
+from pytest_modelpatch.compare.sharded import (
+    local_part, logical_tensors, nonzero_anywhere, ranks_disagree, resharded, sharding_kind,
+)  # fmt: skip
 from pytest_modelpatch.compare.ties import tie_differences
 from pytest_modelpatch.compare.tolerance import (
     DEFAULT_POLICY, DtypeTolerance, TolerancePolicy, ToleranceSpec, resolve_tolerance,
 )  # fmt: skip
-from pytest_modelpatch.compare.training import LossFn, data_parallel_inner, training_loss, training_state, with_labels
+from pytest_modelpatch.compare.training import (
+    LossFn, as_configured, data_parallel_inner, training_loss, training_state, with_labels,
+)  # fmt: skip
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.devices import seed_generators
 from pytest_modelpatch.isolation.pristine import running_pristine
@@ -316,7 +320,10 @@ def accumulate(
 def kept_as_found(model: torch.nn.Module) -> Iterator[None]:
     """Train mode with dropout off for the block; weights, buffers, gradients, modes and RNG put back after."""
     inner = data_parallel_inner(model)
-    saved = [(t, t.detach().clone()) for t in [*inner.parameters(), *inner.buffers()]]
+    # saved and restored through the tensors each sharding keeps (FSDP2's and TP's DTensors, their
+    # local shards), never through an FSDP2 unit's all-gather buffer, which its next backward frees
+    resharded(inner)
+    saved = [(t, local_part(t).detach().clone()) for t in [*inner.parameters(), *inner.buffers()]]
     with ExitStack() as stack:
         device = model_device(model)  # its accelerator's generator too: each step seeds it
         stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
@@ -324,9 +331,10 @@ def kept_as_found(model: torch.nn.Module) -> Iterator[None]:
         try:
             yield
         finally:
+            resharded(inner)
             with torch.no_grad():
                 for tensor, value in saved:
-                    tensor.copy_(value)
+                    local_part(tensor).copy_(value)
 
 
 # ---------------------------------------------------------------------------
@@ -378,6 +386,7 @@ def assert_trains_equivalent(
         tolerance=spec, ties=tie_differences(reference, patched), inputs=describe_inputs(batches[0][0]), **placement(reference),
     )  # fmt: skip
     sign_steps = ADAM_SIGN_STEPS * lr if optimizer is None else 0.0
+    spread = _ranks_hint(patched, batches)  # a collective: asked on every rank, pass or fail
     last = 1 + (steps - 1) * GROWTH
     with kept_as_found(reference), kept_as_found(patched):
         _train(reference, patched, batches, make, loss, spec, report, sign_steps)
@@ -392,6 +401,8 @@ def assert_trains_equivalent(
             _train(reference, patched, batches, make, loss, spec, again, sign_steps, watch_parameters=True)
         for step, watched in zip(report.steps, again.steps):
             step.parameter = watched.parameter
+    if spread and not report.passed:
+        report.note = "\n".join(filter(None, [report.note, spread]))
     report.duration_s = time.perf_counter() - start
     return report.conclude()
 
@@ -452,7 +463,8 @@ def _train(
             inputs = {k: v for k, v in micro[0].items() if k != "labels"}
             report.divergence = find_divergence(reference, patched, inputs, step_spec, train=True)
             report.divergence_step = index
-        for opt in (ref_opt, pat_opt):
+        for model, opt in ((reference, ref_opt), (patched, pat_opt)):
+            resharded(model)  # a forward without backward (locating the divergence) must not leave a stale unsharded copy
             opt.step()
             opt.zero_grad(set_to_none=True)
         if watch_parameters:
@@ -490,11 +502,32 @@ def _items_hint(reference: torch.nn.Module, patched: torch.nn.Module, micro: lis
     )
 
 
+def _ranks_hint(patched: torch.nn.Module, batches: list[list[dict[str, Any]]]) -> str:
+    """A hint when the ranks of a sharded patched model were given different batches, else ``""``."""
+    kind = sharding_kind(patched)
+    if kind is None:
+        return ""
+    flat = {f"{s}.{m}.{k}": v for s, micro in enumerate(batches) for m, b in enumerate(micro) for k, v in b.items()}
+    differing = ranks_disagree(flat)
+    if not differing:
+        return ""
+    if kind == "tensor parallel":
+        why = "Under tensor parallelism every rank computes its share of one batch, so different batches are mixed."
+    else:
+        why = (f"{kind} averages the gradients over the ranks, so the patched model trains on every rank's batches "
+               "while the whole reference on each rank trains on its own.")  # fmt: skip
+    return (
+        f"hint: the ranks were given different batches (rank {differing[0]}'s differ from rank 0's). {why} Give every "
+        "rank the same inputs (the default drawn batches are the same on every rank): draw them from a seed, not "
+        "from a DistributedSampler."
+    )
+
+
 def _note_trained(ever: dict[str, bool], gradients: Mapping[str, Any]) -> None:
     """Mark each parameter that got a nonzero gradient this step; one marked already is not looked at again."""
     pending = [(name, g) for name, g in gradients.items() if not ever.get(name) and g is not None]
-    for (name, _), norm in zip(pending, torch._foreach_norm([g.detach() for _, g in pending]) if pending else []):
-        ever[name] = bool(norm > 0)
+    for (name, _), nonzero in zip(pending, nonzero_anywhere([g for _, g in pending])):
+        ever[name] = nonzero
     for name in gradients:
         ever.setdefault(name, False)
 
@@ -541,11 +574,16 @@ def _compare_logprobs(
 ) -> TensorComparison | None:  # fmt: skip
     """The reference's top-k log-probabilities of an eval batch after training, and the patched model's for the same tokens."""
     batch = {k: v for k, v in batches[-1][0].items() if k != "labels"}
-    with torch.no_grad():
+    # in true eval mode: the dropout the training steps turned off is back, so a module that applies
+    # it whatever self.training says differs here
+    with torch.no_grad(), as_configured(reference, patched):
         reference.eval(), patched.eval()
         ref_logits, pat_logits = _logits(forward(reference, batch)), _logits(forward(patched, batch))
-    if ref_logits is None or pat_logits is None:
+    if ref_logits is None:
         return None
+    if pat_logits is None:  # in eval and without labels even a fused loss kernel returns the logits
+        problem = f"reference is tensor {tuple(ref_logits.shape)}, patched is None (in eval mode, without labels)"
+        return TensorComparison("logits", problem=problem)
     ref_lp, pat_lp = ref_logits.float().log_softmax(-1), pat_logits.float().log_softmax(-1)
     top = ref_lp.topk(min(top_k, ref_lp.shape[-1]), dim=-1).indices
     ref_top, pat_top = ref_lp.gather(-1, top), pat_lp.gather(-1, top.to(pat_lp.device))

@@ -19,11 +19,16 @@ from pytest_modelpatch.parallel.pool import RankOutcome
 from pytest_modelpatch.reporting.session import ROW_PROPERTY
 
 Deserialize = Callable[[dict[str, Any]], pytest.TestReport]
+GROUP_ADVICE = (
+    "the ranks' process group belongs to the pool and serves every parallel test after this one: a test must not "
+    "call destroy_process_group() or init_process_group(); make a group of its own with dist.new_group(...) and "
+    "destroy that one. The ranks were restarted for the next test."
+)
 
 
 def category(outcome: RankOutcome) -> str:
     """What the rank's test did: failed, skipped, xfailed, xpassed or passed (or broken: no reports)."""
-    if outcome.crashed or outcome.hung or outcome.error or not outcome.reports:
+    if outcome.crashed or outcome.hung or outcome.error or outcome.group or not outcome.reports:
         return "broken"
     if any(r.get("outcome") == "failed" for r in outcome.reports):
         return "failed"
@@ -41,6 +46,8 @@ def describe(outcome: RankOutcome) -> str:
         return f"rank {outcome.rank} {outcome.hung.partition(';')[0]}"
     if outcome.error:
         return f"rank {outcome.rank} could not run it: {outcome.error.splitlines()[0]}"
+    if outcome.group:
+        return f"rank {outcome.rank}: the test {outcome.group}"
     kind = category(outcome)
     skipped = next((r for r in outcome.reports if r.get("outcome") == "skipped" and r.get("wasxfail") is None), None)
     if kind == "skipped" and skipped is not None:
@@ -73,6 +80,8 @@ def merge(item: pytest.Item, spec: ParallelSpec, backend: str, outcomes: list[Ra
                     _add_section(report, "parallel", head)
         return reports
     lines = [describe(o) for o in outcomes]
+    if any(o.group for o in outcomes):
+        lines.append(GROUP_ADVICE)
     if kinds == {"skipped", "passed"} or ("skipped" in kinds and len(kinds) > 1):
         lines.append("a rank must not decide on its own to skip: skip on every rank or on none (decide from what all ranks see)")
     details = []
@@ -86,7 +95,8 @@ def merge(item: pytest.Item, spec: ParallelSpec, backend: str, outcomes: list[Ra
             failure = next((r for r in outcome.reports if r.get("outcome") == "failed"), None)
             if failure is not None:
                 details += [f"--- rank {outcome.rank} ({failure.get('when')}) ---", deserialize(failure).longreprtext]
-    text = "\n".join([f"{where}: the ranks did not agree or did not all finish:", *(f"  {line}" for line in lines), *details])
+    head = "the test broke the ranks' process group" if any(o.group for o in outcomes) else "the ranks did not agree or did not all finish"
+    text = "\n".join([f"{where}: {head}:", *(f"  {line}" for line in lines), *details])
     return _failure_reports(item, text)
 
 

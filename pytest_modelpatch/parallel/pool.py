@@ -51,11 +51,12 @@ class RankOutcome:
     hung: str = ""  # its Python stack when it had not finished in time
     output: str = ""  # the end of its stdout and stderr, for a rank that crashed or hung
     error: str = ""  # the rank could not run the test at all (it did not collect), with the reason
+    group: str = ""  # what the test did to the pool's process group ("destroyed the process group ..."), if anything
     finished: float = 0.0  # time.time() when its result arrived
 
     @property
     def failed(self) -> bool:
-        return bool(self.crashed or self.hung or self.error) or any(r.get("outcome") == "failed" for r in self.reports)
+        return bool(self.crashed or self.hung or self.error or self.group) or any(r.get("outcome") == "failed" for r in self.reports)
 
 
 class RankPool:
@@ -71,7 +72,9 @@ class RankPool:
     def __init__(self, world_size: int, backend: str, pytest_args: list[str], env: dict[str, str] | None = None) -> None:
         self.world_size = world_size
         self.backend = backend
-        self.directory = Path(tempfile.mkdtemp(prefix="modelpatch-ranks-"))
+        remove_abandoned(Path(tempfile.gettempdir()))
+        self.directory = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))
+        (self.directory / OWNER_FILE).write_text(_identity(os.getpid()))
         self.processes: list[subprocess.Popen[bytes]] = []
         self.connections: list[multiprocessing.connection.Connection] = []
         self.broken = False
@@ -97,6 +100,7 @@ class RankPool:
                 "LOCAL_WORLD_SIZE": str(self.world_size), "MODELPATCH_RANK": str(rank),
             }  # fmt: skip
             env.pop("PYTEST_XDIST_WORKER", None)  # a rank is not an xdist worker: one GPU per rank, not per worker
+            env.pop("PYTEST_ADDOPTS", None)  # its options reach the rank as arguments; it may hold -n
             command = [
                 sys.executable, "-m", "pytest_modelpatch.parallel.rank", "--fd", str(theirs.fileno()),
                 "--rank", str(rank), "--world-size", str(self.world_size), "--backend", self.backend,
@@ -134,7 +138,17 @@ class RankPool:
         return None
 
     def run(self, request: dict[str, Any], timeout: float) -> list[RankOutcome]:
-        """Run one test in every rank; each rank's outcome, in rank order."""
+        """Run one test in every rank; each rank's outcome, in rank order.
+
+        Interrupted (Ctrl-C), it kills the ranks at once rather than wait for the test they run.
+        """
+        try:
+            return self._run(request, timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _run(self, request: dict[str, Any], timeout: float) -> list[RankOutcome]:
         outcomes = {rank: RankOutcome(rank) for rank in range(self.world_size)}
         stack_sizes = {rank: _size(self._stack_file(rank)) for rank in outcomes}
         for connection in self.connections:
@@ -156,6 +170,8 @@ class RankPool:
                 else:
                     if kind == "error":
                         outcome.error = payload
+                    elif kind == "group":  # it reported, then left: its group is gone
+                        outcome.reports, outcome.group = payload["reports"], payload["problem"]
                     else:
                         outcome.reports = payload
                 outcome.finished = time.time()
@@ -164,8 +180,8 @@ class RankPool:
                     deadline = min(deadline, time.monotonic() + min(GRACE_AFTER_FAILURE, timeout))
         if pending:
             self._dump_stacks(pending, outcomes, stack_sizes, timeout)
-        if pending or any(o.crashed for o in outcomes.values()):
-            self.kill()  # a rank that crashed or hung leaves the group unusable: the next test starts a new pool
+        if pending or any(o.crashed or o.group for o in outcomes.values()):
+            self.kill()  # a rank that crashed or hung, or a group a test destroyed: the next test starts a new pool
         return [outcomes[rank] for rank in range(self.world_size)]
 
     def _dump_stacks(self, pending: dict[int, Any], outcomes: dict[int, RankOutcome], sizes: dict[int, int], timeout: float) -> None:
@@ -267,6 +283,51 @@ def _read_from(path: Path, offset: int) -> str:
     with path.open("rb") as handle:
         handle.seek(offset)
         return handle.read().decode(errors="replace")
+
+
+FOLDER_PREFIX = "modelpatch-ranks-"
+OWNER_FILE = "owner"  # the pid and start time of the process whose pool the folder is
+
+
+def _identity(pid: int) -> str:
+    """``"PID START"``: the start time tells a live owner from a new process that reuses its pid ("" without /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return f"{pid} "
+    return f"{pid} {stat.rpartition(')')[2].split()[19]}"
+
+
+def _owner_alive(text: str) -> bool:
+    pid_text, _, started = text.strip().partition(" ")
+    try:
+        pid = int(pid_text)
+        os.kill(pid, 0)
+    except ValueError:
+        return True  # not an owner file this code wrote: left alone
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not started or _identity(pid) == f"{pid} {started}"
+
+
+def remove_abandoned(root: Path) -> list[Path]:
+    """Remove the pool folders under ``root`` whose owner process is dead (a controller killed with SIGKILL).
+
+    A folder without an owner file (being created, or another version's) and one whose owner
+    lives are left alone: pools of other sessions share the temporary folder. Returns what it removed.
+    """
+    removed = []
+    for folder in root.glob(f"{FOLDER_PREFIX}*"):
+        try:
+            owner = (folder / OWNER_FILE).read_text()
+        except OSError:
+            continue
+        if not _owner_alive(owner):
+            _remove(folder)
+            removed.append(folder)
+    return removed
 
 
 def _remove(directory: Path) -> None:

@@ -43,8 +43,9 @@ class _KeepSession:
 class RankLoop:
     """The rank's pytest plugin: run each test the controller sends, send back its serialized reports."""
 
-    def __init__(self, connection: Connection) -> None:
+    def __init__(self, connection: Connection, group: Any) -> None:
         self.connection = connection
+        self.group = group  # the pool's process group: every test must leave it as it found it
         self.reports: list[dict[str, Any]] = []
 
     @pytest.hookimpl(tryfirst=True)
@@ -65,7 +66,10 @@ class RankLoop:
                 return True  # the controller is gone
             if kind == "stop":
                 return True
-            self.connection.send(self._run(session, request))
+            result = self._run(session, request)
+            self.connection.send(result)
+            if result[0] == "group":
+                return True  # the group is gone: this rank can run no other parallel test, the pool starts anew
 
     def _run(self, session: pytest.Session, request: dict[str, Any]) -> tuple[str, Any]:
         self.reports = []
@@ -81,7 +85,21 @@ class RankLoop:
             )
         (item,) = found
         item.config.hook.pytest_runtest_protocol(item=item, nextitem=_KeepSession(session))
+        problem = group_problem(self.group)
+        if problem:
+            return "group", {"reports": self.reports, "problem": problem}
         return "reports", self.reports
+
+
+def group_problem(group: Any) -> str:
+    """What a test did to the pool's process group ``group``, or ``""`` when it is intact."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return "destroyed the process group (torch.distributed.destroy_process_group())"
+    if dist.group.WORLD is not group:
+        return "replaced the process group (destroy_process_group() and init_process_group() again)"
+    return ""
 
 
 def _die_with_parent(parent: int) -> None:
@@ -124,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     connection.send(("ready", os.getpid()))
     pytest_args = [a for a in args.pytest_args if a != "--"]
     try:
-        code = int(pytest.main(pytest_args, plugins=[RankLoop(connection)]))
+        code = int(pytest.main(pytest_args, plugins=[RankLoop(connection, dist.group.WORLD)]))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -36,30 +36,43 @@ def parallel_spec(item: pytest.Item) -> ParallelSpec | None:
     return ParallelSpec.from_marker(mark.args, mark.kwargs, item.nodeid)
 
 
-def rank_arguments(config: pytest.Config, seed: int) -> list[str]:
-    """The pytest arguments of a rank's session: this session's ini file, rootdir and modelpatch options.
+# options that write the session's outputs: the process that sends the tests writes them, from the rows the
+# ranks send back (a rank writing them would overwrite them); the seed is sent as this session's own
+CONTROLLER_ONLY = frozenset({"modelpatch_report", "modelpatch_baseline", "modelpatch_update_baseline", "modelpatch_html",
+                             "modelpatch_seed"})  # fmt: skip
+_RANK_PLUGINS = ("xdist", "randomly", "cacheprovider")  # turned off in the ranks
 
-    The ranks neither distribute (no xdist) nor reorder (no randomly): they run what they are sent.
-    ``addopts`` is left out (it may hold ``-n``); the ini file's markers and filters still apply.
+
+def rank_arguments(config: pytest.Config, seed: int) -> list[str]:
+    """The pytest arguments of a rank's session: this session's ini file and overrides, plugins and modelpatch options.
+
+    The ranks judge as this process would: the same ini file (``-c``), every ``-o`` override, every
+    ``-p`` plugin and ``-W`` filter, every ``--modelpatch-*`` option but those in
+    :data:`CONTROLLER_ONLY`. They neither distribute (no xdist) nor reorder (no randomly): they run
+    what they are sent. ``addopts`` is left out (it may hold ``-n``); it was applied here already.
     """
-    args = ["-p", "no:xdist", "-p", "no:randomly", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
-            f"--rootdir={config.rootpath}", f"--import-mode={config.getoption('importmode')}",
-            f"--modelpatch-seed={seed}"]  # fmt: skip
+    given = config.known_args_namespace
+    args = ["-p", "no:xdist", "-p", "no:randomly", "-p", "no:cacheprovider"]
+    args += [a for name in given.plugins or [] if name.removeprefix("no:") not in _RANK_PLUGINS for a in ("-p", name)]
     if config.inipath is not None:
         args += ["-c", str(config.inipath)]
-    for dest, flag in (("modelpatch_device", "--modelpatch-device"), ("modelpatch_checkpoint", "--modelpatch-checkpoint"),
-                       ("modelpatch_leaks", "--modelpatch-leaks")):  # fmt: skip
-        value = config.getoption(dest)
-        if value:
-            args.append(f"{flag}={value}")
-    for dest, flag in (("modelpatch_require_gpu", "--modelpatch-require-gpu"), ("modelpatch_verify_cache", "--modelpatch-verify-cache"),
-                       ("modelpatch_timing", "--modelpatch-timing")):  # fmt: skip
-        if config.getoption(dest):
-            args.append(flag)
-    for warning in config.known_args_namespace.pythonwarnings or []:
+    args += [a for override in given.override_ini or [] for a in ("-o", override)]
+    args += ["-o", "addopts=", "-q", f"--rootdir={config.rootpath}", f"--import-mode={config.getoption('importmode')}",
+             f"--modelpatch-seed={seed}", *modelpatch_options(config)]  # fmt: skip
+    for warning in given.pythonwarnings or []:
         args += ["-W", warning]
     if config.getoption("strict_markers", False):
         args.append("--strict-markers")
+    return args
+
+
+def modelpatch_options(config: pytest.Config) -> list[str]:
+    """This session's ``--modelpatch-*`` options that a rank takes, as they would be written (``--modelpatch-x=v``)."""
+    args = []
+    for dest, value in sorted(vars(config.option).items()):
+        if dest.startswith("modelpatch_") and dest not in CONTROLLER_ONLY and value not in (None, False, ""):
+            flag = "--" + dest.replace("_", "-")
+            args.append(flag if value is True else f"{flag}={value}")
     return args
 
 
@@ -68,18 +81,21 @@ class ParallelSession:
 
     ``backend_of(item)`` names the test's backend (``gloo``, or ``nccl`` for a CUDA device) or
     skips it (no GPU, too few GPUs); ``rank_env()`` what the ranks' environment adds (where this
-    session keeps its checkpoints, so ranks and workers share them). ``plugin.py`` gives both, since
-    devices and checkpoints are the fixtures' to resolve.
+    session keeps its checkpoints, so ranks and workers share them); ``check(item, spec)`` raises
+    ``PatchUsageError`` for a test that cannot shard as it asks (a tensor-parallel world size that
+    does not divide the heads), before any rank starts. ``plugin.py`` gives all three, since
+    devices, checkpoints and models are the fixtures' to resolve.
     """
 
     def __init__(
         self, config: pytest.Config, seed: int, backend_of: Callable[[pytest.Item, ParallelSpec], str],
-        rank_env: Callable[[], dict[str, str]],
+        rank_env: Callable[[], dict[str, str]], check: Callable[[pytest.Item, ParallelSpec], None],
     ) -> None:  # fmt: skip
         self.config = config
         self.seed = seed
         self.backend_of = backend_of
         self.rank_env = rank_env
+        self.check = check
         self.pools: dict[tuple[int, str], RankPool] = {}
 
     def pool(self, world_size: int, backend: str) -> RankPool:
@@ -117,10 +133,15 @@ class ParallelSession:
     def _spec_and_backend(self, item: pytest.Item) -> tuple[ParallelSpec, str]:
         try:
             spec = parallel_spec(item)
-        except PatchUsageError as exc:  # the message says what to fix: no traceback through the plugin
-            pytest.fail(f"PatchUsageError: {exc}", pytrace=False)
-        assert spec is not None
-        return spec, self.backend_of(item, spec)
+            assert spec is not None
+            backend = self.backend_of(item, spec)
+            self.check(item, spec)
+        except PatchUsageError as exc:
+            problem = str(exc)
+        else:
+            return spec, backend
+        # the message says what to fix: one paragraph, no traceback through the plugin (nor the chained error)
+        pytest.fail(f"PatchUsageError: {problem}", pytrace=False)
 
     def _deserialize(self, data: dict[str, Any]) -> pytest.TestReport:
         return self.config.hook.pytest_report_from_serializable(config=self.config, data=data)
@@ -129,6 +150,10 @@ class ParallelSession:
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()
+
+    def pytest_keyboard_interrupt(self) -> None:
+        for pool in self.pools.values():  # Ctrl-C: the ranks are killed, not waited for
+            pool.kill()
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.close()

@@ -85,6 +85,29 @@ def _base_prefix(model: torch.nn.Module) -> str:
     return prefix if prefix and getattr(model, "base_model", model) is not model else ""
 
 
+def check_tp_heads(config: Any, world_size: int, model: str) -> None:
+    """Refuse a world size that does not divide the attention heads or the key/value heads: a usage error.
+
+    transformers' colwise plan gives each rank ``heads / world_size`` heads; otherwise the shapes
+    fail deep inside its attention, on every rank.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    counts = [(n, what) for n, what in ((heads, "num_attention_heads"), (kv_heads, "num_key_value_heads"))
+              if isinstance(n, int) and n % world_size]  # fmt: skip
+    if not counts:
+        return
+    divisors = [d for d in range(2, (heads or 2) + 1) if all(isinstance(n, int) and not n % d for n in (heads, kv_heads))]
+    have = " and ".join(f"{n} ({what})" for n, what in ((heads, "num_attention_heads"), (kv_heads, "num_key_value_heads")))
+    raise PatchUsageError(
+        f"parallel('tp', world_size={world_size}) cannot shard {model}: tensor parallelism gives each rank an equal "
+        f"share of the attention heads, and its heads, {have}, do not divide by {world_size}. Use a world size that "
+        f"divides both ({', '.join(map(str, divisors)) or 'none above 1'}), or give the model heads that divide: "
+        "@pytest.mark.model(..., num_attention_heads=..., num_key_value_heads=...)."
+    )
+
+
 def tp_load_kwargs(plan: TensorParallelPlan) -> dict[str, Any]:
     """The ``from_pretrained`` keywords that shard the model with ``plan`` across the process group."""
     override: Any = plan.override or "auto"
