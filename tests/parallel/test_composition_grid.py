@@ -330,6 +330,7 @@ def test_every_cell_of_the_grid_gives_the_right_verdict_or_a_refusal(pytester: p
     assert not missing, f"cells that never ran: {[(c.where, c.what, c.dtype, c.check) for c in missing]}"
     # one session, one pool of ranks: it starts again only after a rank crashed or hung
     crashes = sum(c.verdict == "crash" for c in cells)
+    assert pids or wheres == ["one"], "no parallel cell said which ranks ran it"
     assert len(set(pids)) <= 1 + crashes, f"the parallel cells ran in {len(set(pids))} pools, after {crashes} crashes"
     wrong = [c for c in cells if not c.right]
     assert not wrong, f"{len(wrong)} of {len(cells)} cells wrong ({seconds:.0f} s):\n" + "\n".join(map(str, wrong))
