@@ -318,27 +318,30 @@ def sharded_choices(
 def check_before_ranks(item: pytest.Item, spec: ParallelSpec) -> None:
     """What is wrong with how a ``parallel("tp")`` test shards, found here before any rank starts: a usage error.
 
-    A world size that does not divide the heads, and a plan entry of the patch marks that names no
-    module of the patched model (built on the meta device with the marks' mapping). The ranks check
-    the plan again against the model they load.
+    A world size that does not divide the heads; a plan entry of the patch marks that names no
+    module of the patched model (built on the meta device with the marks' mapping), or one of
+    transformers' that shards a module the patch replaced. The ranks check the plan again against
+    the model they load.
     """
+    if spec.kind != "tp":
+        return  # nothing to resolve: the process that sends the tests imports neither torch nor transformers
     model_request = item_model_request(item)
-    if spec.kind != "tp" or model_request is None:
+    if model_request is None:
         return
-    from pytest_modelpatch.families.catalog import model_class_for
     from pytest_modelpatch.isolation.guard import PatchStateGuard
     from pytest_modelpatch.isolation.per_test.patch_spec import collect_patch_spec
     from pytest_modelpatch.isolation.registration import register_patches
+    from pytest_modelpatch.models.checkpoints import config_model_class
     from pytest_modelpatch.parallel import sharding
 
     config = model_request.model_spec.config
     marks = collect_patch_spec(item) if "patch" in item.keywords else None
-    model_class = model_class_for(config)
+    model_class = config_model_class(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not (getattr(text, "base_model_tp_plan", None) or (marks is not None and marks.tp_plan)):
         return  # nothing to shard: the rank skips the test, saying so
     sharding.check_tp_heads(config, spec.world_size, model_class.__name__)
-    if marks is None or not marks.tp_plan:
+    if marks is None or not (marks.tp_plan or marks.mapping):
         return
     import torch
 

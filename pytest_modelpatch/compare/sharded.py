@@ -149,7 +149,7 @@ def resharded(model: torch.nn.Module) -> None:
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of ``tensor`` this rank holds (its storage, so writing to it writes the tensor): a ``DTensor``'s local shard."""
+    """The part of ``tensor`` this rank holds (a ``DTensor``'s local shard), sharing its storage."""
     return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
@@ -162,11 +162,12 @@ def nonzero_anywhere(tensors: list[torch.Tensor]) -> list[bool]:
     """
     if not tensors:
         return []
-    largest = torch.stack([n.float().cpu() for n in torch._foreach_norm([local_part(t).detach() for t in tensors], float("inf"))])
+    norms = torch._foreach_norm([local_part(t).detach() for t in tensors], float("inf"))
+    largest = torch.stack([n.float().cpu() for n in norms])
     dist = _distributed()
     if dist is not None and any(_is_dtensor(t) for t in tensors):
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        largest = largest.to(device)
+        if dist.get_backend() == "nccl":
+            largest = largest.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return [bool(v > 0) for v in largest.cpu()]
 

@@ -464,7 +464,7 @@ def _train(
             report.divergence = find_divergence(reference, patched, inputs, step_spec, train=True)
             report.divergence_step = index
         for model, opt in ((reference, ref_opt), (patched, pat_opt)):
-            resharded(model)  # a forward without backward (locating the divergence) must not leave a stale unsharded copy
+            resharded(model)  # a forward without backward (locating the divergence) left no stale unsharded copy
             opt.step()
             opt.zero_grad(set_to_none=True)
         if watch_parameters:

@@ -285,7 +285,11 @@ def _check_shard_index(path: Path) -> None:
 
 def checkpoint_model_class(path: Path | str) -> type[PreTrainedModel]:
     """The class named first in ``config.json``'s ``architectures``, else ``model_class_for``."""
-    config = AutoConfig.from_pretrained(path)
+    return config_model_class(AutoConfig.from_pretrained(path))
+
+
+def config_model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """The class named first in ``config.architectures``, else ``model_class_for``: what a checkpoint of it loads as."""
     for name in config.architectures or []:
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, PreTrainedModel):

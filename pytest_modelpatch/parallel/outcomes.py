@@ -95,7 +95,8 @@ def merge(item: pytest.Item, spec: ParallelSpec, backend: str, outcomes: list[Ra
             failure = next((r for r in outcome.reports if r.get("outcome") == "failed"), None)
             if failure is not None:
                 details += [f"--- rank {outcome.rank} ({failure.get('when')}) ---", deserialize(failure).longreprtext]
-    head = "the test broke the ranks' process group" if any(o.group for o in outcomes) else "the ranks did not agree or did not all finish"
+    broke_group = any(o.group for o in outcomes)
+    head = "the test broke the ranks' process group" if broke_group else "the ranks did not agree or did not all finish"
     text = "\n".join([f"{where}: {head}:", *(f"  {line}" for line in lines), *details])
     return _failure_reports(item, text)
 

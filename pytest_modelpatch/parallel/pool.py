@@ -56,7 +56,8 @@ class RankOutcome:
 
     @property
     def failed(self) -> bool:
-        return bool(self.crashed or self.hung or self.error or self.group) or any(r.get("outcome") == "failed" for r in self.reports)
+        broken = self.crashed or self.hung or self.error or self.group
+        return bool(broken) or any(r.get("outcome") == "failed" for r in self.reports)
 
 
 class RankPool:
@@ -74,7 +75,7 @@ class RankPool:
         self.backend = backend
         remove_abandoned(Path(tempfile.gettempdir()))
         self.directory = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))
-        (self.directory / OWNER_FILE).write_text(_identity(os.getpid()))
+        (self.directory / OWNER_FILE).write_text(owner_identity(os.getpid()))
         self.processes: list[subprocess.Popen[bytes]] = []
         self.connections: list[multiprocessing.connection.Connection] = []
         self.broken = False
@@ -289,7 +290,7 @@ FOLDER_PREFIX = "modelpatch-ranks-"
 OWNER_FILE = "owner"  # the pid and start time of the process whose pool the folder is
 
 
-def _identity(pid: int) -> str:
+def owner_identity(pid: int) -> str:
     """``"PID START"``: the start time tells a live owner from a new process that reuses its pid ("" without /proc)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -309,7 +310,7 @@ def _owner_alive(text: str) -> bool:
         return False
     except PermissionError:
         return True
-    return not started or _identity(pid) == f"{pid} {started}"
+    return not started or owner_identity(pid) == f"{pid} {started}"
 
 
 def remove_abandoned(root: Path) -> list[Path]:

@@ -38,8 +38,9 @@ def parallel_spec(item: pytest.Item) -> ParallelSpec | None:
 
 # options that write the session's outputs: the process that sends the tests writes them, from the rows the
 # ranks send back (a rank writing them would overwrite them); the seed is sent as this session's own
-CONTROLLER_ONLY = frozenset({"modelpatch_report", "modelpatch_baseline", "modelpatch_update_baseline", "modelpatch_html",
-                             "modelpatch_seed"})  # fmt: skip
+CONTROLLER_ONLY = frozenset(
+    {"modelpatch_report", "modelpatch_baseline", "modelpatch_update_baseline", "modelpatch_html", "modelpatch_seed"}
+)
 _RANK_PLUGINS = ("xdist", "randomly", "cacheprovider")  # turned off in the ranks
 
 

@@ -94,12 +94,11 @@ def check_tp_heads(config: Any, world_size: int, model: str) -> None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    counts = [(n, what) for n, what in ((heads, "num_attention_heads"), (kv_heads, "num_key_value_heads"))
-              if isinstance(n, int) and n % world_size]  # fmt: skip
-    if not counts:
+    named = ((heads, "num_attention_heads"), (kv_heads, "num_key_value_heads"))
+    if not any(isinstance(n, int) and n % world_size for n, _ in named):
         return
-    divisors = [d for d in range(2, (heads or 2) + 1) if all(isinstance(n, int) and not n % d for n in (heads, kv_heads))]
-    have = " and ".join(f"{n} ({what})" for n, what in ((heads, "num_attention_heads"), (kv_heads, "num_key_value_heads")))
+    divisors = [d for d in range(2, (heads or 2) + 1) if all(isinstance(n, int) and not n % d for n, _ in named)]
+    have = " and ".join(f"{n} ({what})" for n, what in named)
     raise PatchUsageError(
         f"parallel('tp', world_size={world_size}) cannot shard {model}: tensor parallelism gives each rank an equal "
         f"share of the attention heads, and its heads, {have}, do not divide by {world_size}. Use a world size that "
