@@ -351,7 +351,8 @@ def compare_flat(
                 covered.update(inside)
                 text = _describe_leaf(other[inside[0]]) if len(inside) == 1 else f"{len(inside)} tensors"
                 side = f"reference is None, patched is {text}" if ref is None else f"reference is {text}, patched is None"
-                results.append(TensorComparison(path, problem=f"{side} (at {inside[0]})", other_form=True, one_sided=True))
+                problem = f"{side} (at {inside[0]})"
+                results.append(TensorComparison(path, problem=problem, other_form=True, one_sided=True))
                 continue
         result = compare_leaves(path, ref, pat, spec, (oracle or {}).get(path))
         if result is not None:

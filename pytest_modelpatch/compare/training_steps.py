@@ -37,6 +37,9 @@ from pytest_modelpatch.compare.sharded import (
     local_part, logical_tensors, nonzero_anywhere, ranks_disagree, resharded, sharding_kind,
 )  # fmt: skip
 from pytest_modelpatch.compare.ties import tie_differences
+from pytest_modelpatch.compare.training_drift import (
+    DRIFT_FACTOR, Bias, DriftFigures, biases, holding_weights_of, in_float32, low_precision, shared_weights_figures,
+)  # fmt: skip
 from pytest_modelpatch.compare.tolerance import (
     DEFAULT_POLICY, DtypeTolerance, TolerancePolicy, ToleranceSpec, resolve_tolerance,
 )  # fmt: skip
@@ -143,6 +146,9 @@ class TrainingReport(CheckReport):
     untrained: list[str] = field(default_factory=list)
     divergence: Divergence | None = None  # the first diverging module, at the first step whose loss diverged
     divergence_step: int = 0
+    drifted: str = ""  # why no module is named: the weights had drifted apart everywhere by that step
+    drift: DriftFigures | None = None  # a low-precision reference's own drift (compare.training_drift)
+    biases: list[Bias] = field(default_factory=list)
     inputs: str = ""
     device: str = ""
     dtype: str = ""
@@ -156,7 +162,10 @@ class TrainingReport(CheckReport):
 
     @property
     def passed(self) -> bool:
-        return not self.ties and not self.untrained and all(c.passed for c in self.comparisons) and all(s.passed for s in self.steps)
+        return (
+            not self.ties and not self.untrained and all(c.passed for c in self.comparisons)
+            and all(s.passed for s in self.steps) and all(b.passed for b in self.biases)
+        )  # fmt: skip
 
     @property
     def first_failure(self) -> str:
@@ -168,6 +177,10 @@ class TrainingReport(CheckReport):
             return f"first diverging at step {step.step}: {', '.join(what)}"
         if self.untrained:
             return "a parameter the reference trains is never updated"
+        leaning = [b.what for b in self.biases if not b.passed]
+        if leaning:
+            verb = "leans" if len(leaning) == 1 else "lean"
+            return f"over the steps: the {' and the '.join(leaning)} {verb} one way on shared weights"
         if any(not c.passed for c in self.parameters):
             return f"after the last step: {sum(not c.passed for c in self.parameters)} of {len(self.parameters)} parameters differ"
         return "after the last step: the eval log-probabilities differ"
@@ -186,14 +199,23 @@ class TrainingReport(CheckReport):
             lines += [f"  {c}" for c in failed[:5]] + ([f"  ... and {len(failed) - 5} more"] if len(failed) > 5 else [])
         if self.logprobs is not None:
             lines.append(f"eval {self.logprobs}")
+        lines += [str(b) for b in self.biases if not b.passed]
         lines += [f"inputs: {self.inputs}", *([self.note] if self.note else [])]
         first = next((s for s in self.steps if not s.passed), None)
         judged = [c for c in (first.loss, first.grad_norm) if not c.passed] if first is not None else []
         judged += [c for c in [*self.parameters, *([self.logprobs] if self.logprobs else [])] if not c.passed]
         lines += describe_tolerances(judged[:1] + [c for c in judged[1:] if c.tolerance != judged[0].tolerance][:1])
         lines.append(f"tolerances grow by {GROWTH:g} of the first step's with each step")
+        if self.drift is not None:
+            lines.append(
+                f"each step also allows {DRIFT_FACTOR:g} x the largest drift so far of the reference trained in "
+                f"float32 against itself in {self.dtype} (the loss's: {self.drift.envelope(len(self.steps))[0]:.3g} "
+                "at the last step)"
+            )
         if self.divergence is not None:
             lines.append(f"at step {self.divergence_step}, {self.divergence}")
+        if self.drifted:
+            lines.append(self.drifted)
         return "\n".join(lines)
 
     def judged_comparison(self) -> TensorComparison | None:
@@ -388,11 +410,21 @@ def assert_trains_equivalent(
     sign_steps = ADAM_SIGN_STEPS * lr if optimizer is None else 0.0
     spread = _ranks_hint(patched, batches)  # a collective: asked on every rank, pass or fail
     last = 1 + (steps - 1) * GROWTH
+    if low_precision(reference):  # its own drift first: the yardstick of every step (compare.training_drift)
+        report.drift = _float32_drift(reference, batches, make, loss)
     with kept_as_found(reference), kept_as_found(patched):
         _train(reference, patched, batches, make, loss, spec, report, sign_steps)
         report.parameters = _compare_parameters(reference, patched, _grown(spec, last, GRADIENT_POLICY, plus_atol=sign_steps * steps))
         dtype = placement(reference)["dtype"] or None  # log-probabilities in float32, judged at the model's precision
-        report.logprobs = _compare_logprobs(reference, patched, batches, top_k, _grown(spec, last, TRAINING_POLICY, dtype))
+        # a low-precision reference on the patched model's weights: after steps of round-off the two
+        # models' weights differ everywhere, and their log-probabilities with them, whatever the patch
+        shared = holding_weights_of(reference, patched) if report.drift is not None else nullcontext()
+        with shared:
+            logprob_spec = _grown(spec, last, TRAINING_POLICY, dtype)
+            own_error = report.drift is not None
+            report.logprobs = _compare_logprobs(reference, patched, batches, top_k, logprob_spec, own_error)
+    if report.drift is not None:
+        report.biases = biases([(s.losses[1], s.norms[1]) for s in report.steps], report.drift)
     if not report.passed:
         # again from the same start, the weights compared after every step this time, to name the
         # first parameter whose update diverged (only a failing check pays for it)
@@ -441,8 +473,20 @@ def _train(
     ever = ({}, {})  # type: tuple[dict[str, bool], dict[str, bool]]
     located = False
     dtype = placement(reference)["dtype"] or None
+    drift = report.drift if not watch_parameters else None
+
+    def reference_step(at: int, micro: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
+        seed_generators(device, at)
+        figures = accumulate(ref_trainee, micro, loss, running_pristine)[:2]
+        for _, param in ref_trainee.parameters:
+            param.grad = None
+        return figures
+
     for index, micro in enumerate(batches):
-        step_spec = _grown(spec, 1 + index * GROWTH, TRAINING_POLICY, dtype)
+        if drift is not None:  # the reference on the patched model's weights, before either computes this step
+            low, wide = shared_weights_figures(reference, patched, reference_step, index, micro)
+            drift.shared_low.append(low)
+            drift.shared_float32.append(wide)
         seed_generators(device, index)
         ref_loss, ref_norm, ref_grads = accumulate(ref_trainee, micro, loss, running_pristine)
         seed_generators(device, index)
@@ -451,18 +495,25 @@ def _train(
             raise PatchUsageError(NOTHING_TRAINS)
         _note_trained(ever[0], ref_grads)
         _note_trained(ever[1], pat_grads)
+        loss_spec = norm_spec = _grown(spec, 1 + index * GROWTH, TRAINING_POLICY, dtype)
+        if report.drift is not None:  # a low-precision reference: its own drift so far is allowed too
+            if drift is not None:
+                wide_loss, wide_norm = drift.wide[index]
+                drift.free.append((abs(wide_loss - ref_loss), abs(wide_norm - ref_norm)))
+            drifted_loss, drifted_norm = report.drift.envelope(index)
+            loss_spec = _grown(spec, 1 + index * GROWTH, TRAINING_POLICY, dtype, plus_atol=DRIFT_FACTOR * drifted_loss)
+            norm_spec = _grown(spec, 1 + index * GROWTH, TRAINING_POLICY, dtype, plus_atol=DRIFT_FACTOR * drifted_norm)
         step = TrainingStep(
-            index, scalar_comparison("loss", ref_loss, pat_loss, step_spec),
-            scalar_comparison("gradient norm", ref_norm, pat_norm, step_spec), (ref_loss, pat_loss), (ref_norm, pat_norm),
+            index, scalar_comparison("loss", ref_loss, pat_loss, loss_spec),
+            scalar_comparison("gradient norm", ref_norm, pat_norm, norm_spec),
+            (ref_loss, pat_loss), (ref_norm, pat_norm),
         )  # fmt: skip
         if not (step.loss.passed and step.grad_norm.passed) and not located and not watch_parameters:
-            # once, at the first step whose figures differ, before its update: both models took the
-            # same steps so far, so a module that diverges now is where the patch differs (none:
-            # the difference is outside every module, in the loss, say)
+            # once, at the first step whose figures differ, before its update
             located = True
-            inputs = {k: v for k, v in micro[0].items() if k != "labels"}
-            report.divergence = find_divergence(reference, patched, inputs, step_spec, train=True)
             report.divergence_step = index
+            settled = _grown(spec, 1.0, GRADIENT_POLICY)  # weights that still agree: one step's gradient tolerance
+            report.divergence, report.drifted = _locate(reference, patched, micro, loss_spec, settled, index)
         for model, opt in ((reference, ref_opt), (patched, pat_opt)):
             resharded(model)  # a forward without backward (locating the divergence) left no stale unsharded copy
             opt.step()
@@ -478,6 +529,58 @@ def _train(
     ]  # fmt: skip
     if len(batches[0]) > 1 and report.steps and not report.steps[0].loss.passed:
         report.note = _items_hint(reference, patched, batches[0], loss)
+
+
+def _locate(
+    reference: torch.nn.Module, patched: torch.nn.Module, micro: Sequence[Mapping[str, Any]], spec: ToleranceSpec,
+    settled: ToleranceSpec, index: int,
+) -> tuple[Divergence | None, str]:  # fmt: skip
+    """The first diverging module at this step, or why none is named.
+
+    Both models took the same steps so far: while their weights still agree, a module that
+    diverges now is where the patch differs (none: the difference is outside every module, in
+    the loss, say). Once round-off has moved every weight apart (low precision, a few steps in),
+    the first module of the forward differs on its own weights whatever the patch replaced, so
+    naming it would blame a module the patch never touched.
+    """
+    moved = _first_parameter_over(reference, patched, settled) if index else ""
+    if not moved:
+        inputs = {k: v for k, v in micro[0].items() if k != "labels"}
+        return find_divergence(reference, patched, inputs, spec, train=True), ""
+    replaced = _replaced_modules(reference, patched)
+    return None, (
+        f"at step {index} the weights already differ (the first: {moved}), as after steps of round-off, so no first "
+        f"diverging module is named; the patched model replaces {replaced}"
+    )
+
+
+def _replaced_modules(reference: torch.nn.Module, patched: torch.nn.Module) -> str:
+    """The modules whose class the patched model changed, e.g. ``model.layers.0.mlp (LlamaSwiGLUMLP) and 1 more``."""
+    theirs = {name: type(module).__name__ for name, module in data_parallel_inner(reference).named_modules()}
+    changed = [
+        f"{name or '<model>'} ({type(module).__name__})"
+        for name, module in data_parallel_inner(patched).named_modules() if theirs.get(name) != type(module).__name__
+    ]  # fmt: skip
+    if not changed:
+        return "no module's class (its difference lies in a forward, a loss or a transform)"
+    return changed[0] + (f" and {len(changed) - 1} more" if len(changed) > 1 else "")
+
+
+def _float32_drift(
+    reference: torch.nn.Module, batches: list[list[dict[str, Any]]], make: OptimizerFactory, loss: LossFn | None,
+) -> DriftFigures:  # fmt: skip
+    """The reference trained in float32 from its own weights on the same batches: each step's loss and gradient norm."""
+    figures = DriftFigures()
+    with kept_as_found(reference), in_float32(reference):
+        trainee = Trainee.of(reference)
+        device = model_device(reference)
+        optimizer = make([p for _, p in trainee.parameters])
+        for index, micro in enumerate(batches):
+            seed_generators(device, index)
+            figures.wide.append(accumulate(trainee, micro, loss, running_pristine)[:2])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return figures
 
 
 def _items_hint(reference: torch.nn.Module, patched: torch.nn.Module, micro: list[dict[str, Any]], loss: LossFn | None) -> str:
@@ -571,8 +674,14 @@ def _compare_parameters(reference: torch.nn.Module, patched: torch.nn.Module, sp
 
 def _compare_logprobs(
     reference: torch.nn.Module, patched: torch.nn.Module, batches: list[list[dict[str, Any]]], top_k: int, spec: ToleranceSpec,
+    own_error: bool = False,
 ) -> TensorComparison | None:  # fmt: skip
-    """The reference's top-k log-probabilities of an eval batch after training, and the patched model's for the same tokens."""
+    """The reference's top-k log-probabilities of an eval batch after training, and the patched model's of those tokens.
+
+    ``own_error``: the reference's own low-precision error, its log-probabilities' largest
+    distance from its float32 run's on the same weights, times :data:`DRIFT_FACTOR`, is allowed
+    on top of ``spec``.
+    """
     batch = {k: v for k, v in batches[-1][0].items() if k != "labels"}
     # in true eval mode: the dropout the training steps turned off is back, so a module that applies
     # it whatever self.training says differs here
@@ -587,6 +696,13 @@ def _compare_logprobs(
     ref_lp, pat_lp = ref_logits.float().log_softmax(-1), pat_logits.float().log_softmax(-1)
     top = ref_lp.topk(min(top_k, ref_lp.shape[-1]), dim=-1).indices
     ref_top, pat_top = ref_lp.gather(-1, top), pat_lp.gather(-1, top.to(pat_lp.device))
+    if own_error:
+        with torch.no_grad(), as_configured(reference), in_float32(reference):
+            wide = _logits(forward(reference, batch))
+        if wide is not None:
+            wide_top = wide.float().log_softmax(-1).gather(-1, top.to(wide.device)).to(ref_top.device)
+            error = float((wide_top - ref_top).abs().max())
+            spec = _grown(spec, 1.0, TRAINING_POLICY, plus_atol=DRIFT_FACTOR * error)
     # judged at the precision of the logits they come from, as the loss is: a bf16 model's weights
     # after a few steps differ by bf16 round-off, and its log-probabilities by a few bf16 ulps
     # (a correct fused MLP: 3 ulps of -2.93 after 8 steps under ATEN_CPU_CAPABILITY=default)
