@@ -9,8 +9,9 @@ compare) and judges, at every step, the loss and the gradient norm; after the la
 parameter (by the checkpoint's names, through weight conversions) and the top-k log-probabilities
 of an eval batch. Gradient accumulation is transformers' Trainer's: micro-batches with different
 numbers of real tokens, ``num_items_in_batch`` passed to a model that takes loss keywords, the loss
-divided by the steps otherwise. Both models are put back as found: weights, buffers, gradients,
-modes and the random state.
+divided by the steps otherwise. A bfloat16 or float16 reference's own drift is the yardstick of
+each step (``compare.training_drift``). Both models are put back as found: weights, buffers,
+gradients, modes and the random state.
 """
 
 from __future__ import annotations
@@ -388,7 +389,9 @@ def assert_trains_equivalent(
     gradient norm at every step, every parameter after the last, the top-``top_k`` log-probabilities
     of an eval batch; tied parameters before any step, and parameters the patched model never
     updates. A failure names the first diverging step, what diverged, the first parameter whose
-    update diverged and the first diverging module there. Both models are left as found.
+    update diverged and the first diverging module there. In bfloat16 or float16 each step also
+    allows a multiple of the reference's own drift from its float32 run, and a figure that leans
+    one way at every step on shared weights fails (docs/tolerance.md). Both models are left as found.
 
     Example::
 
