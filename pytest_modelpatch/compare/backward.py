@@ -34,6 +34,7 @@ from pytest_modelpatch.compare.tolerance import (
     DtypeTolerance,
     TolerancePolicy,
     ToleranceSpec,
+    judged_as,
     resolve_tolerance,
 )
 from pytest_modelpatch.compare.training import LossFn, TrainingRun, training_run, with_labels
@@ -55,6 +56,9 @@ GRADIENT_POLICY = TolerancePolicy(
         "bfloat16": DtypeTolerance(atol=1e-5, rtol=1.6e-2, ulps=8),
     },
 )
+
+
+_LOSSES = ("loss", "outputs.loss")  # the model's loss, and the same value among its outputs
 
 
 def gradient_tolerance(spec: ToleranceSpec) -> ToleranceSpec:
@@ -229,12 +233,17 @@ def _report(
     reference: torch.nn.Module, patched: torch.nn.Module, inputs: Mapping[str, Any], ref: TrainingRun, pat: TrainingRun,
     spec: ToleranceSpec, grad_spec: ToleranceSpec, checkpointing: str,
 ) -> BackwardReport:  # fmt: skip
-    # "loss" first, then "outputs.*": one batched pass judges both, the loss at index 0
-    loss, *outputs = compare_flat_batched(
-        {"loss": ref.loss, **dict(flatten_outputs(ref.outputs, "outputs"))},
-        {"loss": pat.loss, **dict(flatten_outputs(pat.outputs, "outputs"))},
-        spec,
-    )
+    ref_all = {"loss": ref.loss, **dict(flatten_outputs(ref.outputs, "outputs"))}
+    pat_all = {"loss": pat.loss, **dict(flatten_outputs(pat.outputs, "outputs"))}
+    # the loss is float32 whatever precision computed it (transformers upcasts the logits): judged at
+    # the model's, as the training check judges it; "loss" first, "outputs.loss" and the outputs after
+    dtype = placement(reference)["dtype"]
+    loss_spec = judged_as(spec, dtype) if dtype else spec
+    part = lambda flat, losses: {k: v for k, v in flat.items() if (k in _LOSSES) == losses}  # noqa: E731
+    loss, *outputs = [
+        *compare_flat_batched(part(ref_all, True), part(pat_all, True), loss_spec),
+        *compare_flat_batched(part(ref_all, False), part(pat_all, False), spec),
+    ]
     one_sided = [c for c in outputs if c.one_sided]
     outputs = [c for c in outputs if not c.one_sided]
     ref_grads, ref_note = checkpoint_gradients(reference, ref.gradients)

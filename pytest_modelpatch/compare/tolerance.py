@@ -356,6 +356,18 @@ class ToleranceSpec:
         return ", ".join(parts)
 
 
+def judged_as(spec: ToleranceSpec, dtype: str) -> ToleranceSpec:
+    """``spec`` judging every tensor as ``dtype``: for a value a lower precision computed and float32 holds.
+
+    Example: a bfloat16 model's loss is float32 (transformers upcasts the logits), but its round-off
+    is bfloat16's: reductions over the bf16 logits in another order move it by far more than float32
+    allows. ``judged_as(spec, "bfloat16").for_dtype(torch.float32).rtol == spec.for_dtype(torch.bfloat16).rtol``
+    """
+    entry = spec.policy.entry(dtype)
+    policy = TolerancePolicy(spec.policy.name, {name: entry for name in (*spec.policy.per_dtype, "float32", dtype)})
+    return ToleranceSpec(policy, spec.policy_source, spec.atol, spec.rtol)
+
+
 def resolve_tolerance(
     atol: float | None = None, rtol: float | None = None, policy: str | TolerancePolicy | None = None
 ) -> ToleranceSpec:
