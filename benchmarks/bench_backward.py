@@ -48,7 +48,9 @@ def bare_step(reference: Any, patched: Any, inputs: dict[str, Any]) -> float:
     start = time.perf_counter()
     for model in (reference, patched):
         model.train()
-        model.forward(**inputs).loss.backward()  # .forward: the plugin's root hooks (pristine scope, usage counts) are not run
+        model.forward(
+            **inputs
+        ).loss.backward()  # .forward: the plugin's root hooks (pristine scope, usage counts) are not run
         model.eval()
         model.zero_grad(set_to_none=True)
     return time.perf_counter() - start
@@ -71,7 +73,9 @@ def main() -> None:
     hold_for_session(True)  # as the plugin does from pytest_configure to pytest_unconfigure
     with tempfile.TemporaryDirectory() as cache:
         builder, request = ModelBuilder(Path(cache)), ModelRequest(patch.MODEL_TYPE)
-        active = ActivePatches(PatchSpec(mapping=dict(patch.MAPPING), conversions=dict(patch.CONVERSIONS), overwrite=True))
+        active = ActivePatches(
+            PatchSpec(mapping=dict(patch.MAPPING), conversions=dict(patch.CONVERSIONS), overwrite=True)
+        )
         try:
             reference = builder.reference(request, dtype=args.dtype)
             patched = builder.patched(request, dtype=args.dtype)
@@ -79,7 +83,10 @@ def main() -> None:
             for _ in range(3):  # warm up both paths
                 bare_step(reference, patched, inputs), checked_step(reference, patched, inputs)
             # interleaved, so load from the other engineers' jobs falls on both alike
-            pairs = [(bare_step(reference, patched, inputs), checked_step(reference, patched, inputs)) for _ in range(args.repeats)]
+            pairs = [
+                (bare_step(reference, patched, inputs), checked_step(reference, patched, inputs))
+                for _ in range(args.repeats)
+            ]
         finally:
             active.close()
     hold_for_session(False)
@@ -87,7 +94,9 @@ def main() -> None:
     median = statistics.median(c / b for b, c in pairs)
     print(f"patch {args.patch}, {args.dtype}, {args.repeats} interleaved pairs")
     print(f"bare forward+backward of both models: {bare * 1e3:8.2f} ms")
-    print(f"assert_backward_equivalent:           {checked * 1e3:8.2f} ms  ({checked / bare:.2f}x bare, median ratio {median:.2f}x; goal: median <= 1.3x)")
+    print(
+        f"assert_backward_equivalent:           {checked * 1e3:8.2f} ms  ({checked / bare:.2f}x bare, median ratio {median:.2f}x; goal: median <= 1.3x)"
+    )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ def main() -> None:
             register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
         patched = load_pretrained(path)
     prompts = default_prompts(reference)
-    print(f"{args.patch}: batch {tuple(prompts['input_ids'].shape)}, {args.new_tokens} new tokens, {args.repeats} interleaved pairs")
+    print(
+        f"{args.patch}: batch {tuple(prompts['input_ids'].shape)}, {args.new_tokens} new tokens, {args.repeats} interleaved pairs"
+    )
     for cache_implementation in (None, "static"):
         settings = {"max_new_tokens": args.new_tokens, "cache_implementation": cache_implementation}
 

@@ -53,20 +53,20 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import load_patch
-from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
-from pytest_modelpatch.models.checkpoints import load_pretrained
-from pytest_modelpatch.compare.outputs import compare_outputs
-from pytest_modelpatch.compare.running import cache_keyword
 from pytest_modelpatch.compare import decoding_properties
 from pytest_modelpatch.compare.decoding_properties import check_generates_equivalent
+from pytest_modelpatch.compare.outputs import compare_outputs
 from pytest_modelpatch.compare.property_checks import check_equivalent
 from pytest_modelpatch.compare.property_loop import GROUP_SIZE, input_groups
+from pytest_modelpatch.compare.running import cache_keyword
+from pytest_modelpatch.compare.tolerance import resolve_tolerance
+from pytest_modelpatch.families.strategies import drawn_bytes, model_inputs
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.per_test.patch_spec import PatchSpec
 from pytest_modelpatch.isolation.registration import ActivePatches
-from pytest_modelpatch.families.strategies import drawn_bytes, model_inputs
-from pytest_modelpatch.compare.tolerance import resolve_tolerance
+from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
+from pytest_modelpatch.models.checkpoints import load_pretrained
 
 
 def register(patch: Any) -> None:
@@ -118,7 +118,9 @@ def time_draws(config: Any, examples: int) -> float:
     drawn = drawn_bytes(model_inputs(config))
     assert drawn is not None
 
-    @settings(max_examples=-(-examples // GROUP_SIZE), deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=-(-examples // GROUP_SIZE), deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(input_groups(drawn))
     def draw_only(raws: list[bytes]) -> None:
         count[0] += len([drawn.build(raw) for raw in raws])
@@ -169,7 +171,9 @@ def route_inputs(route: str, config: Any) -> Any:
     if route == "default":
         return None
     if route == "strategy":
-        return seeds.map(lambda seed: {"input_ids": (ids := make_ids(config, seed)), "attention_mask": torch.ones_like(ids)})
+        return seeds.map(
+            lambda seed: {"input_ids": (ids := make_ids(config, seed)), "attention_mask": torch.ones_like(ids)}
+        )
     if route == "mapping":
         return {"input_ids": seeds.map(lambda seed: make_ids(config, seed))}
     raise ValueError(route)
@@ -197,7 +201,9 @@ def time_route_check(reference: Any, patched: Any, route: str, examples: int, se
     handle = patched.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
     try:
         start = time.perf_counter()
-        report = check_equivalent(reference, patched, inputs=route_inputs(route, reference.config), max_examples=examples)
+        report = check_equivalent(
+            reference, patched, inputs=route_inputs(route, reference.config), max_examples=examples
+        )
         elapsed = time.perf_counter() - start
     finally:
         handle.remove()
@@ -212,7 +218,9 @@ def bare_decode(model: Any, prompts: Mapping[str, Any], new_tokens: int) -> None
     cache = {cache_keyword(model): DynamicCache(config=model.config)}
     mask = prompts["attention_mask"]
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    out = model.forward(input_ids=prompts["input_ids"], attention_mask=mask, position_ids=positions, use_cache=True, **cache)
+    out = model.forward(
+        input_ids=prompts["input_ids"], attention_mask=mask, position_ids=positions, use_cache=True, **cache
+    )
     for _ in range(new_tokens - 1):
         tokens = out.logits[:, -1].argmax(-1)[:, None]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
@@ -335,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         request = ModelRequest(patch.MODEL_TYPE, parse_overrides(args.config))
         routes = None
         if not args.no_routes:
-            routes = measure_routes(builder, request, patch, args.route_examples, args.generation_examples, args.repeats)
+            routes = measure_routes(
+                builder, request, patch, args.route_examples, args.generation_examples, args.repeats
+            )
         if args.routes_only:
             hold_for_session(False)
             print_routes(routes or {}, args)
@@ -354,10 +364,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.examples} examples, median of {args.repeats} interleaved runs"
     )
     print(f"check_equivalent        {check * 1e3:8.2f} ms/example")
-    print(f"two bare forwards        {measured['bare'] * 1e3:8.2f} ms/example   {ratio_text(measured, '; goal <= 1.3x')}")
+    print(
+        f"two bare forwards        {measured['bare'] * 1e3:8.2f} ms/example   {ratio_text(measured, '; goal <= 1.3x')}"
+    )
     print(f"  drawing inputs         {measured['draw'] * 1e3:8.2f} ms/example   (hypothesis + model_inputs, no models)")
     print(f"  comparing outputs      {measured['compare'] * 1e3:8.2f} ms/example   (compare_outputs alone)")
-    print(f"  the rest               {measured['rest'] * 1e3:8.2f} ms/example   (hypothesis running the test, cache effects)")
+    print(
+        f"  the rest               {measured['rest'] * 1e3:8.2f} ms/example   (hypothesis running the test, cache effects)"
+    )
     print(f"reload per example       {reload * 1e3:8.2f} ms/example   reload/check = {reload / check:.1f}x")
     if larger is not None:
         print(

@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from transformers.utils import logging as transformers_logging  # noqa: E402
+import torch
+from transformers.utils import logging as transformers_logging
 
-from pytest_modelpatch.models.checkpoints import cached_checkpoint  # noqa: E402
-from pytest_modelpatch.families.catalog import tiny_config  # noqa: E402
+from pytest_modelpatch.families.catalog import tiny_config
+from pytest_modelpatch.models.checkpoints import cached_checkpoint
 
 FAMILIES = ("llama", "bert", "qwen3_moe", "gpt2", "mamba")
 GOAL = 1.05
@@ -63,7 +63,9 @@ def main() -> int:
             for init in totals:
                 totals[init] += median[init]
             ratio = median["modelpatch"] / median["transformers"]
-            print(f"{model_type:12s} {median['transformers'] * 1e3:10.1f} ms {median['modelpatch'] * 1e3:8.1f} ms  {ratio:.3f}x")
+            print(
+                f"{model_type:12s} {median['transformers'] * 1e3:10.1f} ms {median['modelpatch'] * 1e3:8.1f} ms  {ratio:.3f}x"
+            )
     overall = totals["modelpatch"] / totals["transformers"]
     verdict = "within" if overall <= GOAL else "OVER"
     print(f"overall: {overall:.3f}x the transformers-init build ({verdict} the {GOAL:.2f}x goal)")

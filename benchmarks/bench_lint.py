@@ -71,11 +71,15 @@ def main() -> None:
     print(f"keys: {' '.join(KEYS)} (all families)")
     print(f"baseline: import every modeling module + dir()   wall {base_wall:6.2f} s   cpu {base_cpu:6.2f} s")
     print(f"cold lint (builds the index, CLI)              wall {cold_wall:6.2f} s   cpu {cold_cpu:6.2f} s")
-    print(f"warm lint (CLI, cached index), best of 5       wall {warm_wall:6.2f} s   cpu {warm_cpu:6.2f} s"
-          f"   (median {warm_median:.2f} s)")
+    print(
+        f"warm lint (CLI, cached index), best of 5       wall {warm_wall:6.2f} s   cpu {warm_cpu:6.2f} s"
+        f"   (median {warm_median:.2f} s)"
+    )
     print(f"warm lint in-process (read index + lint)       wall {in_process:6.2f} s   cpu {in_process_cpu:6.2f} s")
     print(f"cold / baseline: wall {cold_wall / base_wall:.2f}x, cpu {cold_cpu / base_cpu:.2f}x   (goal <= 0.5x)")
-    print(f"warm: CLI {warm_wall:.2f} s (median {warm_median:.2f} s), in-process {in_process:.2f} s wall / {in_process_cpu:.2f} s cpu   (goal <= 0.5 s)")
+    print(
+        f"warm: CLI {warm_wall:.2f} s (median {warm_median:.2f} s), in-process {in_process:.2f} s wall / {in_process_cpu:.2f} s cpu   (goal <= 0.5 s)"
+    )
 
 
 if __name__ == "__main__":

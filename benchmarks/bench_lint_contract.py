@@ -57,12 +57,18 @@ def measure() -> dict[str, float]:
     run_lint(["LlamaAttention"], families=["llama"], index=index)  # warm the name lint's own tables
     sums = {"names": 0.0, "contract": 0.0, "again": 0.0}
     for patch in patches:
+
         def names() -> None:
             run_lint(list(patch.MAPPING), families=[patch.MODEL_TYPE], index=index)
 
         def contract() -> None:
-            run_lint(patch.MAPPING, families=[patch.MODEL_TYPE], conversions=patch.CONVERSIONS, index=index,
-                          structures=meta_structures)
+            run_lint(
+                patch.MAPPING,
+                families=[patch.MODEL_TYPE],
+                conversions=patch.CONVERSIONS,
+                index=index,
+                structures=meta_structures,
+            )
 
         sums["names"] += timed(names)
         sums["contract"] += timed(contract)
@@ -72,8 +78,9 @@ def measure() -> dict[str, float]:
 
 def run_process(cache: Path) -> dict[str, float]:
     env = dict(os.environ, MODELPATCH_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, __file__, "--measure"], env=env, cwd=ROOT, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--measure"], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -97,8 +104,10 @@ def main(rounds: int) -> None:
     for kind, rows in results.items():
         added[kind] = [r["contract"] - r["names"] for r in rows]
         again = [r["again"] - r["names"] for r in rows]
-        print(f"{kind:11} names {_bm([r['names'] for r in rows])}  contract {_bm([r['contract'] for r in rows])}  "
-              f"added {_bm(added[kind])}  added again {_bm(again)}")
+        print(
+            f"{kind:11} names {_bm([r['names'] for r in rows])}  contract {_bm([r['contract'] for r in rows])}  "
+            f"added {_bm(added[kind])}  added again {_bm(again)}"
+        )
     ratio = statistics.median(added["warm facts"]) / statistics.median(added["cold facts"])
     print(f"added by the contract lint, warm facts vs cold (the uncached baseline): x{ratio:.2f}   (goal < 0.2 s)")
 

@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bound", default="4", help="modelpatch_model_cache for the bounded run (e.g. 4 or 64MB)")
     parser.add_argument("--tests", type=int, default=300)
     parser.add_argument("--specs", type=int, default=30)
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size of every spec (intermediate is twice that)")
+    parser.add_argument(
+        "--hidden", type=int, default=256, help="hidden size of every spec (intermediate is twice that)"
+    )
     parser.add_argument("--interleave", action="store_true", help="cycle through the specs: every test a cache miss")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -112,7 +112,12 @@ def pytest_env(folder: Path) -> dict[str, str]:
     the prefix keeps the cache out of the checkout.
     """
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONPYCACHEPREFIX": str(folder.parent / "pycache")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": path,
+        "PYTHONPYCACHEPREFIX": str(folder.parent / "pycache"),
+    }
     env.pop("PYTEST_ADDOPTS", None)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
@@ -121,7 +126,9 @@ def pytest_env(folder: Path) -> dict[str, str]:
 def run(folder: Path, plugin: bool) -> tuple[float, float]:
     """(test loop seconds, process wall seconds) of one pytest run."""
     start = time.perf_counter()
-    done = subprocess.run(pytest_args(plugin), cwd=folder, env=pytest_env(folder), capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        pytest_args(plugin), cwd=folder, env=pytest_env(folder), capture_output=True, text=True, check=False
+    )
     wall = time.perf_counter() - start
     found = re.search(r"LOOP_SECONDS=([\d.]+)", done.stdout)
     if done.returncode != 0 or found is None or f"{TESTS} passed" not in done.stdout:
@@ -136,7 +143,9 @@ def counted(folder: Path, plugin: bool, tests: int) -> dict[str, int]:
     args = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--cachegrind-out-file={out}", *pytest_args(plugin)]
     done = subprocess.run(args, cwd=folder, env=pytest_env(folder), capture_output=True, text=True, check=False)
     if done.returncode != 0 or f"{tests} passed" not in done.stdout:
-        raise SystemExit(f"pytest under cachegrind failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise SystemExit(
+            f"pytest under cachegrind failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
     text = out.read_text()
     events = re.search(r"^events: (.+)$", text, re.M)
     summary = re.search(r"^summary: (.+)$", text, re.M)
@@ -151,7 +160,9 @@ def instructions() -> None:
         raise SystemExit("--instructions needs valgrind on PATH")
     low, high = 200, 1200
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=2) as pool:
-        warm = write_suite(Path(tmp) / "warm-up", TESTS, SCENARIOS[AFTER_LOAD])  # fills the bytecode cache the counted runs share
+        warm = write_suite(
+            Path(tmp) / "warm-up", TESTS, SCENARIOS[AFTER_LOAD]
+        )  # fills the bytecode cache the counted runs share
         for plugin in (False, True):
             run(warm, plugin)
         runs = {(plugin, n): pool.submit(counted, Path(tmp) / f"{plugin}-{n}", plugin, n)
@@ -165,12 +176,16 @@ def instructions() -> None:
     for label, events in (("instructions", ("Ir",)), ("D1 misses", ("D1mr", "D1mw"))):
         base = sum(per_test(False, e) for e in events)
         with_plugin = sum(per_test(True, e) for e in events)
-        print(f"  {label:12s} a test: -p no:modelpatch {base:12,.0f} | with plugin {with_plugin:12,.0f} | "
-              f"ratio {with_plugin / base:.3f}x | +{with_plugin - base:,.0f}")
+        print(
+            f"  {label:12s} a test: -p no:modelpatch {base:12,.0f} | with plugin {with_plugin:12,.0f} | "
+            f"ratio {with_plugin / base:.3f}x | +{with_plugin - base:,.0f}"
+        )
     # the whole run, imports and collection included: the goal's ratio, counted instead of timed
     base, with_plugin = totals[(False, high)]["Ir"], totals[(True, high)]["Ir"]
-    print(f"  instructions, the whole run of {high} tests: -p no:modelpatch {base:,} | with plugin {with_plugin:,} | "
-          f"ratio {with_plugin / base:.3f}x (goal <= 1.02x)")
+    print(
+        f"  instructions, the whole run of {high} tests: -p no:modelpatch {base:,} | with plugin {with_plugin:,} | "
+        f"ratio {with_plugin / base:.3f}x (goal <= 1.02x)"
+    )
 
 
 def main() -> None:
@@ -196,10 +211,14 @@ def main() -> None:
         base_loop, base_wall = min(r[0] for r in base), min(r[1] for r in base)
         with_loop, with_wall = min(r[0] for r in with_plugin), min(r[1] for r in with_plugin)
         print(f"{scenario}")
-        print(f"  test loop: -p no:modelpatch {base_loop:.3f} s | with plugin {with_loop:.3f} s | "
-              f"ratio {with_loop / base_loop:.3f}x | {(with_loop - base_loop) / TESTS * 1e3:.3f} ms/test (goal: about 0.1 ms)")
-        print(f"  process:   -p no:modelpatch {base_wall:.3f} s | with plugin {with_wall:.3f} s | "
-              f"ratio {with_wall / base_wall:.3f}x (goal <= 1.02x)")
+        print(
+            f"  test loop: -p no:modelpatch {base_loop:.3f} s | with plugin {with_loop:.3f} s | "
+            f"ratio {with_loop / base_loop:.3f}x | {(with_loop - base_loop) / TESTS * 1e3:.3f} ms/test (goal: about 0.1 ms)"
+        )
+        print(
+            f"  process:   -p no:modelpatch {base_wall:.3f} s | with plugin {with_wall:.3f} s | "
+            f"ratio {with_wall / base_wall:.3f}x (goal <= 1.02x)"
+        )
 
 
 if __name__ == "__main__":

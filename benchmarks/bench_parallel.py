@@ -153,7 +153,9 @@ def main() -> None:
     test, bare = statistics.median(plugin_rest), statistics.median(bare_rest)
     first, start = statistics.median(plugin_first), statistics.median(bare_first)
     print(f"parallel('tp') assert_equivalent, tiny llama, 2 gloo ranks, {TESTS} tests, median of {ROUNDS} rounds")
-    print(f"  per test after the first: plugin {test * 1000:.0f} ms, bare script {bare * 1000:.0f} ms: {test / bare:.2f}x (goal <= 1.3x)")
+    print(
+        f"  per test after the first: plugin {test * 1000:.0f} ms, bare script {bare * 1000:.0f} ms: {test / bare:.2f}x (goal <= 1.3x)"
+    )
     print(f"  start and first test (pytest, the pool of ranks): {first:.2f} s; the bare script's start and first "
           f"iteration: {start:.2f} s; {first - start:+.2f} s (goal <= +2 s)")  # fmt: skip
 

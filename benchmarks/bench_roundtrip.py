@@ -122,7 +122,9 @@ def main() -> None:
                 "seconds": min(r["seconds"] for r in runs),
                 "peak_delta_bytes": max(r["peak_delta_bytes"] for r in runs),
             }
-            print(f"{mode:>12}: {results[mode]['seconds']:.2f} s, peak +{results[mode]['peak_delta_bytes'] / 1e6:.0f} MB")
+            print(
+                f"{mode:>12}: {results[mode]['seconds']:.2f} s, peak +{results[mode]['peak_delta_bytes'] / 1e6:.0f} MB"
+            )
         budget = model_bytes + largest
         base = results["baseline"]
         for mode in ("check", "weights-only"):

@@ -42,7 +42,9 @@ from pytest_modelpatch import assert_equivalent
 PATCH = pytest.mark.patch({{{key!r}: LlamaStyleNorm}})
 """
 
-SWEPT = NORM + """
+SWEPT = (
+    NORM
+    + """
 
 @pytest.mark.model({families!r})
 @PATCH
@@ -52,6 +54,7 @@ def test_norm(reference_model, patched_model):
     except AssertionError:
         pass  # Gemma's norm is (1 + weight) * x: the failure is expected; the cost is what is measured
 """
+)
 
 SEPARATE = NORM + "".join(
     f"""

@@ -77,13 +77,18 @@ def main() -> None:
     hold_for_session(True)  # as the plugin does from pytest_configure to pytest_unconfigure
     with tempfile.TemporaryDirectory() as cache:
         builder, request = ModelBuilder(Path(cache)), ModelRequest(patch.MODEL_TYPE)
-        active = ActivePatches(PatchSpec(mapping=dict(patch.MAPPING), conversions=dict(patch.CONVERSIONS), overwrite=True))
+        active = ActivePatches(
+            PatchSpec(mapping=dict(patch.MAPPING), conversions=dict(patch.CONVERSIONS), overwrite=True)
+        )
         try:
             reference = builder.reference(request, dtype=args.dtype)
             patched = builder.patched(request, dtype=args.dtype)
             batches = training_batches(reference, None, args.steps, 1)
             for _ in range(2):  # warm up both paths
-                bare_training(reference, patched, batches, args.lr), checked_training(reference, patched, args.steps, args.lr)
+                (
+                    bare_training(reference, patched, batches, args.lr),
+                    checked_training(reference, patched, args.steps, args.lr),
+                )
             pairs = [(bare_training(reference, patched, batches, args.lr), checked_training(reference, patched, args.steps, args.lr))
                      for _ in range(args.repeats)]  # fmt: skip
         finally:
@@ -93,7 +98,9 @@ def main() -> None:
     median = statistics.median(c / b for b, c in pairs)
     print(f"patch {args.patch}, {args.dtype}, {args.steps} AdamW steps, {args.repeats} interleaved pairs")
     print(f"two bare training loops:   {bare * 1e3:8.1f} ms")
-    print(f"assert_trains_equivalent:  {checked * 1e3:8.1f} ms  ({checked / bare:.2f}x bare, median ratio {median:.2f}x; goal: median <= 1.15x)")
+    print(
+        f"assert_trains_equivalent:  {checked * 1e3:8.1f} ms  ({checked / bare:.2f}x bare, median ratio {median:.2f}x; goal: median <= 1.15x)"
+    )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: measure this checkout's packag
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from split_families import split_over_processes
 from transformers.utils import logging as transformers_logging
 
 from pytest_modelpatch.compare.outputs import flatten_outputs
@@ -46,7 +47,6 @@ from pytest_modelpatch.families.catalog import available_model_types
 from pytest_modelpatch.models.builder import LoadChoices, ModelBuilder, ModelRequest
 from pytest_modelpatch.models.memory_cache import CacheBound
 from pytest_modelpatch.models.sweeps import family_towers, skip_reason
-from split_families import split_over_processes
 
 PER_TYPE_TIMEOUT_S = 60
 RTOL = DEFAULT_POLICY.entry("float32").rtol
@@ -113,7 +113,7 @@ def measure(model_type: str, builder: ModelBuilder) -> RoundoffRow:
                                            for k, v in inputs.items()}))  # fmt: skip
         row.sdpa, row.sdpa_ulps = differences(eager, sdpa)
         row.own, row.own_ulps = differences(eager, {k: v.float().double() for k, v in exact.items()})
-    except BaseException as exc:  # noqa: BLE001 - a family may raise anything; the row says what
+    except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             raise
         lines = str(exc).strip().splitlines()

@@ -33,7 +33,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "families.md"
@@ -42,7 +41,7 @@ ROUND_OFF = 1e-4  # a failure under this max abs error is round-off the default 
 SWEEPS = {"sdpa": ("attn_implementation", "sdpa"), "grouped_mm": ("experts_implementation", "grouped_mm")}
 OUTCOMES = ("passed", "failed", "not applicable", "skipped", "errors")
 
-TESTS = '''
+TESTS = """
 import pytest
 from pytest_modelpatch import assert_equivalent
 
@@ -57,7 +56,7 @@ def test_sdpa(reference_model, patched_model):
 @pytest.mark.patch(experts_implementation="grouped_mm")
 def test_grouped_mm(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
-'''
+"""
 
 
 @dataclass
@@ -77,7 +76,11 @@ def run_sweeps(families: list[str] | None, jobs: int, report: Path) -> float:
     marker = repr(families) if families else 'families="all"'
     with tempfile.TemporaryDirectory(prefix="implementation-sweeps-") as scratch:
         Path(scratch, "test_sweeps.py").write_text(TESTS.format(marker=marker))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1",
+        }
         command = [sys.executable, "-m", "pytest", "test_sweeps.py", "-p", "no:randomly", "-p", "no:cacheprovider", "-q",
                    *(["-n", str(jobs)] if jobs > 1 else ["-p", "no:xdist"]), "--modelpatch-report", str(report)]  # fmt: skip
         start = time.perf_counter()
@@ -99,7 +102,10 @@ def read_results(report: Path) -> dict[str, SweepResult]:
                 outcome = "errors"
             elif outcome == "failed":
                 error = row["max_abs_error"]
-                result.failures[family] = (float(error) if not isinstance(error, str) else float("inf"), entry["divergence"])
+                result.failures[family] = (
+                    float(error) if not isinstance(error, str) else float("inf"),
+                    entry["divergence"],
+                )
             result.families.setdefault(outcome, []).append(family)
     return results
 
@@ -117,11 +123,15 @@ def problems(results: dict[str, SweepResult], known: dict[tuple[str, str], str])
     """What makes the job fail: errors, round-off failures, failures the docs do not explain, stale entries."""
     found = []
     for name, result in results.items():
-        found += [f"{name}: {family} errored (see the session's output)" for family in result.families.get("errors", [])]
+        found += [
+            f"{name}: {family} errored (see the session's output)" for family in result.families.get("errors", [])
+        ]
         for family, (error, divergence) in sorted(result.failures.items()):
             module = known.get((family, name))
             if error < ROUND_OFF:
-                found.append(f"{name}: {family} fails on round-off (max abs {error:.3g} < {ROUND_OFF:g}): a false alarm")
+                found.append(
+                    f"{name}: {family} fails on round-off (max abs {error:.3g} < {ROUND_OFF:g}): a false alarm"
+                )
             elif module is None:
                 found.append(f"{name}: {family} fails (max abs {error:.3g}, {divergence or 'no divergence found'}), "
                              "and docs/families.md lists no known difference for it")  # fmt: skip
@@ -141,10 +151,15 @@ def quoted_counts() -> str:
 
 def markdown(results: dict[str, SweepResult]) -> str:
     """The counts block docs/families.md quotes (deterministic: no timings)."""
-    lines = ["| sweep | passed | failed (known differences) | not applicable | skipped | errors |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| sweep | passed | failed (known differences) | not applicable | skipped | errors |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for name, (axis, value) in SWEEPS.items():
         result = results[name]
-        lines.append(f"| `{axis}=\"{value}\"` against eager | " + " | ".join(str(result.count(o)) for o in OUTCOMES) + " |")
+        lines.append(
+            f'| `{axis}="{value}"` against eager | ' + " | ".join(str(result.count(o)) for o in OUTCOMES) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -154,7 +169,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="xdist workers (default 2; 1 runs without xdist)")
     parser.add_argument("--markdown", action="store_true", help="print only the counts block docs/families.md quotes")
     parser.add_argument("--report", type=Path, help="keep the session's JSON report here")
-    parser.add_argument("--check-doc", action="store_true", help="also fail when docs/families.md quotes other counts (CI)")
+    parser.add_argument(
+        "--check-doc", action="store_true", help="also fail when docs/families.md quotes other counts (CI)"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="implementation-sweeps-report-") as scratch:
         report = args.report or Path(scratch) / "report.json"
@@ -163,7 +180,9 @@ def main(argv: list[str]) -> int:
     found = problems(results, known_differences())
     block = markdown(results)
     if args.check_doc and block != quoted_counts():
-        found.append("docs/families.md quotes other counts between <!-- sweeps:begin --> and <!-- sweeps:end -->: paste the block above")
+        found.append(
+            "docs/families.md quotes other counts between <!-- sweeps:begin --> and <!-- sweeps:end -->: paste the block above"
+        )
     print(block)
     if not args.markdown:
         print(f"\ntime: {seconds:.0f}s for both sweeps ({args.jobs} worker{'s' * (args.jobs != 1)})")

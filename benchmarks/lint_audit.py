@@ -50,8 +50,10 @@ COMMON = (
 )  # fmt: skip
 CONTRACT_KINDS = ("SIGNATURE", "UNUSED_ARGUMENT", "WEIGHT_NAMES", "PARALLEL_PLAN")
 # CPython's messages when a call does not bind: "Attn.forward() missing 1 required positional argument: 'x'"
-_BINDING = re.compile(r"^(?P<function>[\w.<>]+)\(\) (missing \d+ required|got an unexpected keyword|takes \d+ "
-                      r"positional|takes from \d+ to \d+ positional|got multiple values|got some positional-only)")
+_BINDING = re.compile(
+    r"^(?P<function>[\w.<>]+)\(\) (missing \d+ required|got an unexpected keyword|takes \d+ "
+    r"positional|takes from \d+ to \d+ positional|got multiple values|got some positional-only)"
+)
 
 
 # ---------------------------------------------------------------------------
@@ -79,7 +81,11 @@ def identity_mapping(family: str, index: Any) -> dict[str, type]:
         loaded = importlib.import_module(module)
         for name, cls in names.items():
             entry = index.classes[cls]
-            if entry.is_module and entry.module.startswith("transformers") and isinstance(getattr(loaded, name, None), type):
+            if (
+                entry.is_module
+                and entry.module.startswith("transformers")
+                and isinstance(getattr(loaded, name, None), type)
+            ):
                 mapping[f"^{re.escape(name)}$"] = getattr(loaded, name)
     return mapping
 
@@ -102,8 +108,9 @@ def identity_outcome(family: str, index: Any) -> IdentityOutcome:
         meta_structures(_model_type(family, index), {})
     except Exception as error:  # noqa: BLE001 - the audit records why a family builds no structure
         outcome.sources_only = f"{type(error).__name__}: {_first_line(error)}"
-    found = run_lint(mapping, families=[family], checks=("signature", "weights", "plan"),
-                          structures=meta_structures, index=index)
+    found = run_lint(
+        mapping, families=[family], checks=("signature", "weights", "plan"), structures=meta_structures, index=index
+    )
     outcome.findings = [f for f in found if str(f.kind) in CONTRACT_KINDS]
     return outcome
 
@@ -151,7 +158,8 @@ class PairOutcome:
         if self.run == "other":
             return "undecided"
         return {(True, "binding"): "TP", (True, "ok"): "FP", (False, "binding"): "FN"}.get(
-            (bool(self.findings), self.run), "TN")
+            (bool(self.findings), self.run), "TN"
+        )
 
 
 def role_classes(model_types: Iterable[str], roles: Iterable[str] = ROLES) -> dict[str, dict[str, type]]:
@@ -167,8 +175,15 @@ def role_classes(model_types: Iterable[str], roles: Iterable[str] = ROLES) -> di
         base = model_class_for(tiny_config(model_type), "base")
         module = sys.modules[base.__module__]
         for role in found:
-            named = [n for n, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__
-                     and n.endswith(role) and base.__name__.startswith(n[: -len(role)]) and n != role]
+            named = [
+                n
+                for n, v in vars(module).items()
+                if isinstance(v, type)
+                and v.__module__ == module.__name__
+                and n.endswith(role)
+                and base.__name__.startswith(n[: -len(role)])
+                and n != role
+            ]
             if named:
                 found[role][model_type] = getattr(module, max(named, key=len))
     return found
@@ -285,16 +300,20 @@ def report_identity(families: list[str], index: Any, verbose: bool) -> int:
     took = _took(start)
     linted = [o for o in outcomes if not o.skipped]
     findings = [f for o in linted for f in o.findings]
-    print(f"identity: {len(findings)} contract findings over {len(linted)} families "
-          f"({sum(o.classes for o in linted)} classes replacing themselves), {took}; "
-          f"{sum(bool(o.sources_only) for o in linted)} of them with no tiny model here (no weights compared), "
-          f"{len(outcomes) - len(linted)} not importable here")
+    print(
+        f"identity: {len(findings)} contract findings over {len(linted)} families "
+        f"({sum(o.classes for o in linted)} classes replacing themselves), {took}; "
+        f"{sum(bool(o.sources_only) for o in linted)} of them with no tiny model here (no weights compared), "
+        f"{len(outcomes) - len(linted)} not importable here"
+    )
     for finding in findings:
         print(f"  {finding.family}: {finding}")
     if verbose:
         for o in outcomes:
             if o.skipped or o.sources_only:
-                print(f"  {o.family}: {'not importable' if o.skipped else 'no tiny model'}: {o.skipped or o.sources_only}")
+                print(
+                    f"  {o.family}: {'not importable' if o.skipped else 'no tiny model'}: {o.skipped or o.sources_only}"
+                )
     return len(findings)
 
 
@@ -311,8 +330,10 @@ def report_pairs(model_types: list[str], index: Any, verbose: bool) -> int:
         mine = [o for o in outcomes if o.pair.role == role]
         p, r = precision_recall(mine)
         mine_verdicts = [o.verdict for o in mine]
-        print(f"  {role:16} {len(mine):4} pairs  precision {p:.3f}  recall {r:.3f}  "
-              + ", ".join(f"{v} {mine_verdicts.count(v)}" for v in ("TP", "FP", "FN", "undecided")))
+        print(
+            f"  {role:16} {len(mine):4} pairs  precision {p:.3f}  recall {r:.3f}  "
+            + ", ".join(f"{v} {mine_verdicts.count(v)}" for v in ("TP", "FP", "FN", "undecided"))
+        )
     print(f"SIGNATURE: precision {precision:.3f}, recall {recall:.3f} ({counts})")
     for outcome in outcomes:
         if outcome.verdict in ("FP", "FN") or (verbose and outcome.verdict != "TN"):
@@ -325,8 +346,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--identity", action="store_true", help="only the identity audit")
     parser.add_argument("--pairs", action="store_true", help="only the cross-family pairs")
-    parser.add_argument("--families", nargs="*", help="identity: these folders (default every one); pairs: these "
-                        "model types (default COMMON)")
+    parser.add_argument(
+        "--families",
+        nargs="*",
+        help="identity: these folders (default every one); pairs: these model types (default COMMON)",
+    )
     parser.add_argument("--verbose", action="store_true", help="every decided finding and every undecided pair")
     args = parser.parse_args(argv)
     import torch

@@ -32,16 +32,16 @@ if __package__ in (None, ""):  # run as a script: measure this checkout's packag
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from split_families import split_over_processes
 from transformers.utils import logging as transformers_logging
 
 from pytest_modelpatch.compare.equivalence import assert_equivalent
 from pytest_modelpatch.compare.outputs import vacuous_outputs
-from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
-from pytest_modelpatch.models.memory_cache import CacheBound
-from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.families.catalog import available_model_types, model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
-from split_families import split_over_processes
+from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
+from pytest_modelpatch.models.checkpoints import seeded_model
+from pytest_modelpatch.models.memory_cache import CacheBound
 
 PER_TYPE_TIMEOUT_S = 60
 PARAMETER_BUDGET = 5_000_000
@@ -159,7 +159,9 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"\ntotal time:  {total:.1f}s (mean {total / max(len(rows), 1):.2f}s per type, imports included)")
     slow = [r for r in rows if r.stage == "ok" and r.build_forward_s > 1.0]
-    print(f"build + one forward over 1 s: {', '.join(f'{r.model_type} {r.build_forward_s:.1f}s' for r in slow) or 'none'}")
+    print(
+        f"build + one forward over 1 s: {', '.join(f'{r.model_type} {r.build_forward_s:.1f}s' for r in slow) or 'none'}"
+    )
     print("slowest:", ", ".join(f"{r.model_type} {r.seconds:.1f}s" for r in sorted(rows, key=lambda r: -r.seconds)[:5]))
     failures = [r for r in rows if r.stage != "ok"]
     if failures:

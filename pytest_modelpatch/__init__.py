@@ -152,7 +152,9 @@ def check_equivalence(reference: Any, patched: Any, *, backward: bool = False, *
 def check_generation(reference: Any, patched: Any, *, max_prompt_len: int | None = None, **options: Any) -> Any:
     """Renamed: ``check_generates_equivalent``, whose ``max_seq_len`` was ``max_prompt_len``."""
     __tracebackhide__ = True
-    _warn("check_generation", "check_generates_equivalent", " (max_prompt_len= is max_seq_len=)" if max_prompt_len else "")
+    _warn(
+        "check_generation", "check_generates_equivalent", " (max_prompt_len= is max_seq_len=)" if max_prompt_len else ""
+    )
     if max_prompt_len is not None:
         options["max_seq_len"] = max_prompt_len
     return __getattr__("check_generates_equivalent")(reference, patched, **options)

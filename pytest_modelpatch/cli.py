@@ -43,18 +43,38 @@ def _add_lint(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "Exit 1 when a CONTAINER, NOT_A_MODULE, NO_MATCH or INVALID_REGEX finding is not allowed.",
     )
     lint.add_argument("patterns", nargs="*", metavar="PATTERN", help="keys, in mapping order (exact names or regexes)")
-    lint.add_argument("--mapping", metavar="MODULE:NAME",
-                      help="a patch mapping to import (keys and replacement classes), e.g. "
-                      "'fixtures.patches.llama_fused_qkv:MAPPING'; with --family its contract is linted too")
-    lint.add_argument("--conversions", metavar="MODULE:NAME",
-                      help="the mapping's weight conversions ({model_type: [WeightConverter, ...]}); "
-                      "default: CONVERSIONS beside --mapping's NAME, if its module has one")
-    lint.add_argument("--check", default=",".join(CHECKS), metavar="CHECK[,CHECK]",
-                      help=f"which checks to run, of {','.join(CHECKS)} (contract checks need --mapping and --family)")
-    lint.add_argument("--family", action="append", dest="families", metavar="FAMILY",
-                      help="limit to a model family (model type such as 'bert'); repeatable")
-    lint.add_argument("--allow", action="append", default=[], metavar="PATTERN=KIND[,KIND]",
-                      help="accept these finding kinds for one key, e.g. '.*Attention=CONTAINER'")
+    lint.add_argument(
+        "--mapping",
+        metavar="MODULE:NAME",
+        help="a patch mapping to import (keys and replacement classes), e.g. "
+        "'fixtures.patches.llama_fused_qkv:MAPPING'; with --family its contract is linted too",
+    )
+    lint.add_argument(
+        "--conversions",
+        metavar="MODULE:NAME",
+        help="the mapping's weight conversions ({model_type: [WeightConverter, ...]}); "
+        "default: CONVERSIONS beside --mapping's NAME, if its module has one",
+    )
+    lint.add_argument(
+        "--check",
+        default=",".join(CHECKS),
+        metavar="CHECK[,CHECK]",
+        help=f"which checks to run, of {','.join(CHECKS)} (contract checks need --mapping and --family)",
+    )
+    lint.add_argument(
+        "--family",
+        action="append",
+        dest="families",
+        metavar="FAMILY",
+        help="limit to a model family (model type such as 'bert'); repeatable",
+    )
+    lint.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="PATTERN=KIND[,KIND]",
+        help="accept these finding kinds for one key, e.g. '.*Attention=CONTAINER'",
+    )
     lint.add_argument("--json", action="store_true", help="print JSON for CI instead of text")
     lint.add_argument("--rebuild-index", action="store_true", help="rebuild the cached scan index first")
     lint.set_defaults(run=_run_lint)
@@ -93,19 +113,26 @@ def _run_lint(args: argparse.Namespace) -> int:
     failed = {id(f) for f in bad}  # findings compare by value; thousands of them, so by identity
     if args.json:
         matches = patterns.matched_classes(args.patterns, families=args.families, index=index)
-        print(json.dumps({
-            "transformers": index.transformers_version,
-            "families": sorted(args.families or []),
-            "failing": len(bad),
-            "matches": {key: sorted(names) for key, names in matches.items()},
-            "findings": [dict(f.to_json(), failing=id(f) in failed) for f in findings],
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "transformers": index.transformers_version,
+                    "families": sorted(args.families or []),
+                    "failing": len(bad),
+                    "matches": {key: sorted(names) for key, names in matches.items()},
+                    "findings": [dict(f.to_json(), failing=id(f) in failed) for f in findings],
+                },
+                indent=2,
+            )
+        )
     else:
         for finding in findings:
             print(("FAIL " if id(finding) in failed else "note ") + str(finding))
         scope = f" in {', '.join(args.families)}" if args.families else ""
-        print(f"{len(findings)} findings, {len(bad)} failing, for {len(args.patterns)} keys{scope} "
-              f"(transformers {index.transformers_version})")
+        print(
+            f"{len(findings)} findings, {len(bad)} failing, for {len(args.patterns)} keys{scope} "
+            f"(transformers {index.transformers_version})"
+        )
     return EXIT_FINDINGS if bad else EXIT_OK
 
 
@@ -119,8 +146,10 @@ def _import_object(spec: str, option: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(f"{option} {spec!r}: cannot import {module_name!r} ({error}); run from the folder that "
-                         f"holds it or put it on PYTHONPATH") from error
+        raise ValueError(
+            f"{option} {spec!r}: cannot import {module_name!r} ({error}); run from the folder that "
+            f"holds it or put it on PYTHONPATH"
+        ) from error
     if not hasattr(module, name):
         raise ValueError(f"{option} {spec!r}: module {module_name!r} has no {name!r}")
     return getattr(module, name)
@@ -144,22 +173,43 @@ def _add_gate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "2 on wrong use, e.g. two reports from one device holding "
         "the same check.",
     )
-    gate.add_argument("reports", nargs="+", metavar="REPORT.json",
-                      help="reports written by pytest --modelpatch-report: one per shard and device")
+    gate.add_argument(
+        "reports",
+        nargs="+",
+        metavar="REPORT.json",
+        help="reports written by pytest --modelpatch-report: one per shard and device",
+    )
     gate.add_argument("--baseline", metavar="BASE.json", help="an earlier report to compare against")
-    gate.add_argument("--update-baseline", action="store_true",
-                      help="rewrite --baseline with these reports' checks instead of comparing: the rows of the "
-                      "tests and devices they ran are replaced, the others kept")
+    gate.add_argument(
+        "--update-baseline",
+        action="store_true",
+        help="rewrite --baseline with these reports' checks instead of comparing: the rows of the "
+        "tests and devices they ran are replaced, the others kept",
+    )
     gate.add_argument("--markdown", metavar="OUT.md", help="also write (append) the markdown summary to this file")
     gate.add_argument("--max-abs-error", type=float, metavar="X", help="fail when a check's max abs error exceeds X")
     gate.add_argument("--max-rel-error", type=float, metavar="X", help="fail when a check's max rel error exceeds X")
-    gate.add_argument("--factor", type=float, default=None, metavar="F", help="allowed growth over the baseline (default 2)")
-    gate.add_argument("--floor", type=float, default=None, metavar="X", help="growth below X always passes (default 1e-6)")
-    gate.add_argument("--min-speedup", type=float, default=None, metavar="X",
-                      help="fail when a timed check (pytest --modelpatch-timing) is less than X times as fast as its reference")
-    gate.add_argument("--max-speedup-drop", type=float, default=None, metavar="F",
-                      help="with --baseline: fail when a timed check's speedup fell more than the fraction F below the "
-                      "baseline's (e.g. 0.2: a 2.0x check must stay at 1.6x or more)")
+    gate.add_argument(
+        "--factor", type=float, default=None, metavar="F", help="allowed growth over the baseline (default 2)"
+    )
+    gate.add_argument(
+        "--floor", type=float, default=None, metavar="X", help="growth below X always passes (default 1e-6)"
+    )
+    gate.add_argument(
+        "--min-speedup",
+        type=float,
+        default=None,
+        metavar="X",
+        help="fail when a timed check (pytest --modelpatch-timing) is less than X times as fast as its reference",
+    )
+    gate.add_argument(
+        "--max-speedup-drop",
+        type=float,
+        default=None,
+        metavar="F",
+        help="with --baseline: fail when a timed check's speedup fell more than the fraction F below the "
+        "baseline's (e.g. 0.2: a 2.0x check must stay at 1.6x or more)",
+    )
     gate.set_defaults(run=_run_gate)
 
 

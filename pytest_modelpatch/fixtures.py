@@ -26,9 +26,9 @@ from pytest_modelpatch.parallel.session import in_rank, parallel_spec
 from pytest_modelpatch.reporting.session import NOT_APPLICABLE_PROPERTY, note_implementations
 
 if TYPE_CHECKING:
-    from pytest_modelpatch.parallel.marker import ParallelSpec
     from pytest_modelpatch.isolation.registration import PatchRegistry
     from pytest_modelpatch.models.builder import LoadChoices, ModelBuilder, ModelRequest
+    from pytest_modelpatch.parallel.marker import ParallelSpec
 
 
 # ---------------------------------------------------------------------------
@@ -114,7 +114,9 @@ def _marked_model_request(item: pytest.Item) -> ModelRequest | None:
     if found is not None:
         node, mark = found
         args, kwargs = _swept_marker_args(item, mark)  # a sweep: this item's model type
-        return ModelRequest.from_marker(args, kwargs, item.nodeid if args is not mark.args else node.nodeid or node.name)
+        return ModelRequest.from_marker(
+            args, kwargs, item.nodeid if args is not mark.args else node.nodeid or node.name
+        )
     default = item.config.getoption("modelpatch_checkpoint")
     return ModelRequest(default) if default else None
 
@@ -231,7 +233,9 @@ def refuse_early(item: pytest.Item, model_request: ModelRequest, choices: LoadCh
     item.stash[_REFUSAL_CHECKED] = True
     from pytest_modelpatch.models.applicability import load_refusal
 
-    reason = load_refusal(model_request, choices.patched_kwargs(model_request) if choices else model_request.load_kwargs())
+    reason = load_refusal(
+        model_request, choices.patched_kwargs(model_request) if choices else model_request.load_kwargs()
+    )
     if reason is not None:
         not_applicable(item, reason)
 
@@ -314,14 +318,22 @@ def patched_model(
 
 
 def _load_patched(
-    request: pytest.FixtureRequest, model_builder: ModelBuilder, model_request: ModelRequest, dtype: Any, device: str,
+    request: pytest.FixtureRequest,
+    model_builder: ModelBuilder,
+    model_request: ModelRequest,
+    dtype: Any,
+    device: str,
     choices: LoadChoices | None,
 ) -> Any:
     """The builder's patched load; a usage error (nothing patched, without ``unpatched=True``) fails the test."""
     marks = patch_spec(request.node)
     try:
         return model_builder.patched(
-            model_request, dtype=dtype, device=device, choices=choices, unpatched=marks is not None and marks.unpatched,
+            model_request,
+            dtype=dtype,
+            device=device,
+            choices=choices,
+            unpatched=marks is not None and marks.unpatched,
             may_match_nothing=keys_that_may_match_nothing(request.node),
         )
     except PatchUsageError as exc:  # what to fix is in the message: no traceback through the plugin
@@ -422,7 +434,6 @@ def patch_registry() -> Iterator[PatchRegistry]:
             patch_registry.register({"LlamaAttention": FusedAttention}, conversions={"llama": [...]})
     """
     from pytest_modelpatch.isolation.registration import PatchRegistry
-
     from pytest_modelpatch.models.structure import meta_structures
 
     registry = PatchRegistry(structures=meta_structures)

@@ -17,9 +17,21 @@ import pytest
 from pytest_modelpatch import fixtures
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.fixtures import (
-    CHECKPOINTS_ENV, FAMILY_PARAM, GPU_SKIP, NoCallspec, check_before_ranks, checkpoint_root, defer_usage_error,
-    item_device, item_model_request, name_misspelled_marker, no_match_allowed, patched_sweep_family,
-    raise_usage_error, resolve_device, swept_family,
+    CHECKPOINTS_ENV,
+    FAMILY_PARAM,
+    GPU_SKIP,
+    NoCallspec,
+    check_before_ranks,
+    checkpoint_root,
+    defer_usage_error,
+    item_device,
+    item_model_request,
+    name_misspelled_marker,
+    no_match_allowed,
+    patched_sweep_family,
+    raise_usage_error,
+    resolve_device,
+    swept_family,
 )
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.per_test.leaks import LeakTally
@@ -72,7 +84,9 @@ def _seed_option(value: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise pytest.UsageError(f"--modelpatch-seed {value!r}: expected an integer, e.g. --modelpatch-seed 1234") from None
+        raise pytest.UsageError(
+            f"--modelpatch-seed {value!r}: expected an integer, e.g. --modelpatch-seed 1234"
+        ) from None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -103,41 +117,112 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addini("modelpatch_atol", "absolute tolerance for equivalence checks (default: per-dtype policy)")
     parser.addini("modelpatch_rtol", "relative tolerance for equivalence checks (default: per-dtype policy)")
-    parser.addini("modelpatch_tolerance_policy", "named tolerance policy: default, strict, loose, sqnr, sqnr:DB, oracle or oracle:FACTOR", default="")
-    leaks_help = ("what to do when a test leaves transformers patch state changed: error, warn or off "
-                  "(default: error for tests that use a modelpatch marker or fixture, warn for the rest)")
+    parser.addini(
+        "modelpatch_tolerance_policy",
+        "named tolerance policy: default, strict, loose, sqnr, sqnr:DB, oracle or oracle:FACTOR",
+        default="",
+    )
+    leaks_help = (
+        "what to do when a test leaves transformers patch state changed: error, warn or off "
+        "(default: error for tests that use a modelpatch marker or fixture, warn for the rest)"
+    )
     parser.addini("modelpatch_leaks", leaks_help, default="")
-    group.addoption("--modelpatch-leaks", dest="modelpatch_leaks", default=None, metavar="MODE",
-                    help=f"{leaks_help}; overrides the modelpatch_leaks ini key")
-    group.addoption("--modelpatch-seed", dest="modelpatch_seed", type=_seed_option, default=None, metavar="N",
-                    help="session seed for property checks, sent to every xdist worker (default: ini modelpatch_seed, else 0)")
-    group.addoption("--modelpatch-report", dest="modelpatch_report", default=None, metavar="PATH",
-                    help="write every check's row (errors, tolerance, device and its class, patches), a header, "
-                    "the tests selected and each test's outcome to PATH as JSON")
-    group.addoption("--modelpatch-baseline", dest="modelpatch_baseline", default=None, metavar="PATH",
-                    help="fail the session when a check's max error grew beyond this earlier report's row of its device "
-                    "class, or a check of a test it selected vanished")
-    group.addoption("--modelpatch-update-baseline", dest="modelpatch_update_baseline", action="store_true", default=False,
-                    help="rewrite --modelpatch-baseline PATH with this run's checks instead of comparing: the rows of "
-                    "the tests and devices it ran are replaced, the others kept")
-    group.addoption("--modelpatch-html", dest="modelpatch_html", default=None, metavar="PATH",
-                    help="write an HTML page with the divergence profile of each failing equivalence check")
-    group.addoption("--modelpatch-verify-cache", dest="modelpatch_verify_cache", action="store_true", default=False,
-                    help="hash every file of each cached tiny checkpoint before use (default: sizes and safetensors headers)")
-    group.addoption("--modelpatch-timing", dest="modelpatch_timing", action="store_true", default=False,
-                    help="time reference and patched forwards of each equivalence check (median, peak memory): "
-                    "'timing' on report rows, a speedup column")
-    parser.addini("modelpatch_timing", "time each equivalence check's forwards, as --modelpatch-timing (default false)",
-                  type="bool", default=False)
-    parser.addini("modelpatch_min_speedup", "gate: fail the session when a timed check's speedup is below this", default="")
-    parser.addini("modelpatch_max_speedup_drop", "gate: fail when a timed check's speedup fell more than this fraction below the baseline's", default="")
-    parser.addini("modelpatch_model_cache", "reference models kept in memory: a count (8) or a size (512MB); "
-                  "least recently used released first (default: all)", default="")
+    group.addoption(
+        "--modelpatch-leaks",
+        dest="modelpatch_leaks",
+        default=None,
+        metavar="MODE",
+        help=f"{leaks_help}; overrides the modelpatch_leaks ini key",
+    )
+    group.addoption(
+        "--modelpatch-seed",
+        dest="modelpatch_seed",
+        type=_seed_option,
+        default=None,
+        metavar="N",
+        help="session seed for property checks, sent to every xdist worker (default: ini modelpatch_seed, else 0)",
+    )
+    group.addoption(
+        "--modelpatch-report",
+        dest="modelpatch_report",
+        default=None,
+        metavar="PATH",
+        help="write every check's row (errors, tolerance, device and its class, patches), a header, "
+        "the tests selected and each test's outcome to PATH as JSON",
+    )
+    group.addoption(
+        "--modelpatch-baseline",
+        dest="modelpatch_baseline",
+        default=None,
+        metavar="PATH",
+        help="fail the session when a check's max error grew beyond this earlier report's row of its device "
+        "class, or a check of a test it selected vanished",
+    )
+    group.addoption(
+        "--modelpatch-update-baseline",
+        dest="modelpatch_update_baseline",
+        action="store_true",
+        default=False,
+        help="rewrite --modelpatch-baseline PATH with this run's checks instead of comparing: the rows of "
+        "the tests and devices it ran are replaced, the others kept",
+    )
+    group.addoption(
+        "--modelpatch-html",
+        dest="modelpatch_html",
+        default=None,
+        metavar="PATH",
+        help="write an HTML page with the divergence profile of each failing equivalence check",
+    )
+    group.addoption(
+        "--modelpatch-verify-cache",
+        dest="modelpatch_verify_cache",
+        action="store_true",
+        default=False,
+        help="hash every file of each cached tiny checkpoint before use (default: sizes and safetensors headers)",
+    )
+    group.addoption(
+        "--modelpatch-timing",
+        dest="modelpatch_timing",
+        action="store_true",
+        default=False,
+        help="time reference and patched forwards of each equivalence check (median, peak memory): "
+        "'timing' on report rows, a speedup column",
+    )
+    parser.addini(
+        "modelpatch_timing",
+        "time each equivalence check's forwards, as --modelpatch-timing (default false)",
+        type="bool",
+        default=False,
+    )
+    parser.addini(
+        "modelpatch_min_speedup", "gate: fail the session when a timed check's speedup is below this", default=""
+    )
+    parser.addini(
+        "modelpatch_max_speedup_drop",
+        "gate: fail when a timed check's speedup fell more than this fraction below the baseline's",
+        default="",
+    )
+    parser.addini(
+        "modelpatch_model_cache",
+        "reference models kept in memory: a count (8) or a size (512MB); "
+        "least recently used released first (default: all)",
+        default="",
+    )
     parser.addini("modelpatch_seed", "session seed for property checks (default 0)", default="")
-    parser.addini("modelpatch_max_abs_error", "gate: fail the session when a check's max abs error exceeds this", default="")
-    parser.addini("modelpatch_max_rel_error", "gate: fail the session when a check's max rel error exceeds this", default="")
-    parser.addini("modelpatch_baseline_factor", "gate: allowed growth of max abs error over the baseline (default 2.0)", default="")
-    parser.addini("modelpatch_baseline_floor", "gate: growth below this absolute amount always passes (default 1e-6)", default="")
+    parser.addini(
+        "modelpatch_max_abs_error", "gate: fail the session when a check's max abs error exceeds this", default=""
+    )
+    parser.addini(
+        "modelpatch_max_rel_error", "gate: fail the session when a check's max rel error exceeds this", default=""
+    )
+    parser.addini(
+        "modelpatch_baseline_factor",
+        "gate: allowed growth of max abs error over the baseline (default 2.0)",
+        default="",
+    )
+    parser.addini(
+        "modelpatch_baseline_floor", "gate: growth below this absolute amount always passes (default 1e-6)", default=""
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -243,7 +328,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def _parametrize(metafunc: pytest.Metafunc) -> None:
     _sweep_families(metafunc)
-    for marker, argname, parse in (("devices", "device", devices.parse_device), ("dtypes", "dtype", devices.dtype_name)):
+    for marker, argname, parse in (
+        ("devices", "device", devices.parse_device),
+        ("dtypes", "dtype", devices.dtype_name),
+    ):
         mark = metafunc.definition.get_closest_marker(marker)
         if mark is None:
             continue
@@ -260,7 +348,9 @@ def _parametrize(metafunc: pytest.Metafunc) -> None:
         try:
             names = [parse(value) for value in mark.args]
         except PatchUsageError as exc:  # collection errors name the file only: name the test and the marker
-            raise PatchUsageError(f"@pytest.mark.{marker}{mark.args!r} on {metafunc.definition.nodeid}: {exc}") from None
+            raise PatchUsageError(
+                f"@pytest.mark.{marker}{mark.args!r} on {metafunc.definition.nodeid}: {exc}"
+            ) from None
         params = [
             pytest.param(name, marks=[pytest.mark.gpu] if argname == "device" and devices.needs_gpu(name) else [])
             for name in names
@@ -329,7 +419,9 @@ def fixtures_of(namespace: Mapping[str, Any]) -> frozenset[str]:
     # (a FixtureFunctionDefinition); this is the one it uses itself
     from _pytest.fixtures import getfixturemarker
 
-    return frozenset(marker.name or name for name, obj in namespace.items() if (marker := getfixturemarker(obj)) is not None)
+    return frozenset(
+        marker.name or name for name, obj in namespace.items() if (marker := getfixturemarker(obj)) is not None
+    )
 
 
 # what a test uses to opt in to the plugin, and so to leaks failing it by default: every fixture of
@@ -368,8 +460,13 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
 
             keys = [key for key in keys if key in keys_in_family(mapping, swept)]
         kept = {key: kinds for key, kinds in allow.items() if key in keys}
-        lint_for_registration({key: mapping[key] for key in keys}, families=families, conversions=conversions,
-                              allow=kept, structures=meta_structures)
+        lint_for_registration(
+            {key: mapping[key] for key in keys},
+            families=families,
+            conversions=conversions,
+            allow=kept,
+            structures=meta_structures,
+        )
 
     return lint
 
@@ -390,10 +487,14 @@ def _set_test_tolerance(item: pytest.Item) -> Any:
     overrides = []
     mark = item.get_closest_marker("tolerance")
     if mark is not None:
-        overrides.append(ToleranceOverride.from_marker(mark.args, mark.kwargs, f"@pytest.mark.tolerance on {item.nodeid}"))
+        overrides.append(
+            ToleranceOverride.from_marker(mark.args, mark.kwargs, f"@pytest.mark.tolerance on {item.nodeid}")
+        )
     overrides.append(
         ToleranceOverride.from_ini(
-            config.getini("modelpatch_atol"), config.getini("modelpatch_rtol"), config.getini("modelpatch_tolerance_policy")
+            config.getini("modelpatch_atol"),
+            config.getini("modelpatch_rtol"),
+            config.getini("modelpatch_tolerance_policy"),
         )
     )
     return set_test_tolerance(*overrides)

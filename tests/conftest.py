@@ -59,7 +59,8 @@ def tiny_llama_conftest(pytester: pytest.Pytester) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "tests_ordering: a pytester run that keeps pytest-randomly (not -p no:randomly)")
     config.addinivalue_line(
-        "markers", "fresh_interpreter: pytester runs start a new interpreter, not a fork of the warm one (tests of what a session imports)"
+        "markers",
+        "fresh_interpreter: pytester runs start a new interpreter, not a fork of the warm one (tests of what a session imports)",
     )
 
 
@@ -107,7 +108,10 @@ def _repo_on_pytester_path(request: pytest.FixtureRequest, monkeypatch: pytest.M
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    if request.node.get_closest_marker("fresh_interpreter") is None and os.environ.get("MODELPATCH_FORK_SERVER") != "off":
+    if (
+        request.node.get_closest_marker("fresh_interpreter") is None
+        and os.environ.get("MODELPATCH_FORK_SERVER") != "off"
+    ):
         # `python -m pytest` forked from a server that imported torch and transformers once (fork_server.py)
         server = request.getfixturevalue("_fork_server")
         monkeypatch.setattr(pytester, "_getpytestargs", lambda: (sys.executable, str(CLIENT)))
@@ -137,7 +141,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     @functools.cache
     def build(
-        name: str, mapping: str = "MAPPING", dtype: str = "float32", attn_implementation: str | None = None, **config: Any
+        name: str,
+        mapping: str = "MAPPING",
+        dtype: str = "float32",
+        attn_implementation: str | None = None,
+        **config: Any,
     ) -> tuple[Any, Any]:
         patch = load_patch(name)
         path = cached_checkpoint(tiny_config(patch.MODEL_TYPE, **config), dtype=dtype, cache_dir=cache)
@@ -152,8 +160,8 @@ def load_pair(path: Any, patch: Any, *, mapping: str = "MAPPING", dtype: str = "
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
     from transformers.monkey_patching import register_patch_mapping
 
-    from pytest_modelpatch.models.checkpoints import load_pretrained
     from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
+    from pytest_modelpatch.models.checkpoints import load_pretrained
 
     with isolated_patch_state():
         register_patch_mapping(getattr(patch, mapping))

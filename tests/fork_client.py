@@ -9,7 +9,7 @@ import socket
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fork_server import receive_message, send_message  # noqa: E402
+from fork_server import receive_message, send_message
 
 connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 connection.connect(os.environ["MODELPATCH_FORK_SERVER"])

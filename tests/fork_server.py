@@ -16,7 +16,6 @@ whose caller went away (pytester's timeout kills the caller). It exits with its 
 
 from __future__ import annotations
 
-import array
 import ctypes
 import os
 import pickle
@@ -29,7 +28,13 @@ from pathlib import Path
 
 CLIENT = Path(__file__).with_name("fork_client.py")
 # what a pytester run of this suite imports before its first test: loaded once in the server
-PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "safetensors.torch")
+PRELOAD = (
+    "torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "safetensors.torch",
+)
 _HEADER = struct.Struct("!I")
 
 
@@ -203,7 +208,10 @@ class ForkServer:
         import subprocess
 
         self.path = str(directory / "fork.sock")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+        }
         self.process = subprocess.Popen(
             [sys.executable, "-c", "import sys, fork_server; fork_server.serve(sys.argv[1])", self.path],
             stdout=subprocess.PIPE, env=env,
@@ -216,4 +224,3 @@ class ForkServer:
     def close(self) -> None:
         self.process.kill()
         self.process.wait(timeout=30)
-

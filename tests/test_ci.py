@@ -21,16 +21,19 @@ def run_lanes(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_failing_lane_does_not_stop_the_ones_after_it_and_the_run_fails_naming_it(tmp_path: Path) -> None:
-    done = run_lanes(tmp_path, """
+    done = run_lanes(
+        tmp_path,
+        """
 two_steps() { false; echo "after the failing step"; }
 lane "first: passes" true
 lane "second: fails in its first step" two_steps
 lane "third: still runs" touch ran
-""")
+""",
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert (tmp_path / "ran").exists()  # the lane after the failing one ran
     assert "after the failing step" not in done.stdout  # a lane stops at its own first failure
-    summary = done.stdout[done.stdout.index("== lane times"):].splitlines()
+    summary = done.stdout[done.stdout.index("== lane times") :].splitlines()
     assert "ok" in summary[1] and summary[1].endswith("first: passes")
     assert "FAILED (exit 1)" in summary[2] and summary[2].endswith("second: fails in its first step")
     assert "ok" in summary[3] and summary[3].endswith("third: still runs")
@@ -53,7 +56,9 @@ def test_ci_run_lists_its_lanes_through_lanes_sh() -> None:
 def run_gpu_lane(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess[str]:
     # CUDA_VISIBLE_DEVICES="": no GPU, even on a machine that has one
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MODELPATCH_GPU_PYTHON": python}
-    return subprocess.run(["bash", str(REPO_ROOT / ".ci" / "gpu"), *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run(
+        ["bash", str(REPO_ROOT / ".ci" / "gpu"), *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def test_the_gpu_lane_without_a_gpu_stops_before_any_lane_saying_it_needs_one() -> None:
@@ -75,7 +80,9 @@ def test_the_committed_baseline_names_only_tests_that_still_exist() -> None:
     from pytest_modelpatch.reporting.report import load_report
 
     baseline = load_report(REPO_ROOT / "tests" / "modelpatch-baseline.json")
-    tests = {(path, name.partition("[")[0]) for path, name in (row["nodeid"].split("::")[:2] for row in baseline["rows"])}
+    tests = {
+        (path, name.partition("[")[0]) for path, name in (row["nodeid"].split("::")[:2] for row in baseline["rows"])
+    }
     assert baseline["schema_version"] == 3 and len(tests) > 10
     assert {path for path, _ in tests} == {"docs/examples/test_verify_examples.py", "tests/models/test_gpu.py"}
     assert not [(path, test) for path, test in tests if f"def {test}(" not in (REPO_ROOT / path).read_text()]
@@ -120,7 +127,7 @@ def test_the_consumer_project_is_the_quickstart_page_block_for_block(tmp_path: P
     assert "xfailed" in [want["outcome"] for want in expected["tests"].values()] and expected["scripts"]
 
 
-PAGE = '''
+PAGE = """
 <!-- doc: file: norm.py -->
 ```python
 import torch
@@ -180,7 +187,7 @@ from pytest_modelpatch import assert_equivalent
 def test_said_to_be_broken_but_right(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
 ```
-'''
+"""
 
 
 def test_the_consumer_check_passes_a_caught_bug_and_fails_a_planted_bug_that_passes(tmp_path: Path) -> None:

@@ -203,7 +203,9 @@ def check_outcomes(block: CodeBlock, run: FileRun) -> None:
         if not bad:
             pytest.fail(f"{block} is marked expect-fail but passed: {[o for o, _ in found]}", pytrace=False)
         if block.directive_arg and not any(block.directive_arg in message for message in bad):
-            pytest.fail(f"{block} failed without {block.directive_arg!r} in the failure:\n{bad[0][-4000:]}", pytrace=False)
+            pytest.fail(
+                f"{block} failed without {block.directive_arg!r} in the failure:\n{bad[0][-4000:]}", pytrace=False
+            )
     elif bad:
         pytest.fail(f"{block} failed:\n{bad[0][-6000:]}", pytrace=False)
 
@@ -286,7 +288,9 @@ def test_reference_has_every_marker_line_of_pytest_markers_verbatim(pytester: py
     assert len(ours) == len(_our_markers()), f"not every marker is registered: {ours}"
     reference = REFERENCE.read_text()
     missing = [line for line in ours if line not in reference]
-    assert not missing, "docs/reference.md lacks these `pytest --markers` lines (paste them verbatim):\n" + "\n".join(missing)
+    assert not missing, "docs/reference.md lacks these `pytest --markers` lines (paste them verbatim):\n" + "\n".join(
+        missing
+    )
 
 
 def test_reference_documents_every_option_and_ini_key_of_pytest_help(pytester: pytest.Pytester) -> None:
@@ -435,7 +439,10 @@ def test_comparable_output_drops_only_the_time_and_the_rules() -> None:
     row = "passed   4.71e-06  0.00459   equivalence#1  Qwen3VLModel  float32@cpu   t.py::test_a"
     other = "xfailed  1.37      700       equivalence#1  LlamaForCausalLM  float32@cpu   t.py::test_b"
     table = comparable_output(f"docs/examples/t.py\n{row}\n{other}")
-    assert same_lines(table, comparable_output(f"docs/examples/t.py\n{row.replace('0.00459', '0.0247')}\n{other.replace('700', '699')}"))
+    assert same_lines(
+        table,
+        comparable_output(f"docs/examples/t.py\n{row.replace('0.00459', '0.0247')}\n{other.replace('700', '699')}"),
+    )
     assert not same_lines(table, comparable_output(f"docs/examples/t.py\n{other}\n{row}"))  # the order of rows is exact
 
 
@@ -443,11 +450,13 @@ def test_quickstart_quotes_what_the_main_job_prints() -> None:
     (quoted,) = [b for b in code_blocks(QUICKSTART) if b.language == "text" and "short test summary info" in b.code]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "80"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, *MAIN_JOB], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, *MAIN_JOB], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert same_lines(comparable_output(quoted.code), comparable_output(done.stdout)), (
         f"{quoted.id} no longer shows what `pytest {' '.join(MAIN_JOB[2:])}` prints; paste the real output:\n"
-        + done.stdout[done.stdout.find("docs/examples/"):]
+        + done.stdout[done.stdout.find("docs/examples/") :]
     )
 
 
@@ -494,7 +503,11 @@ _TEST_FILE = re.compile(r"\btest_\w+\.py\b")  # the page's name for its example 
 
 def quoted_lines(text: str) -> list[str]:
     """What a quote claims: its ``E`` lines when it has any, else every line, without pytest's ``E``, section rules and elisions."""
-    lines = [line.strip() for line in text.splitlines() if line.strip() and line.strip() != "..." and not _SECTION.match(line.strip())]
+    lines = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and line.strip() != "..." and not _SECTION.match(line.strip())
+    ]
     errors = [line for line in lines if line.startswith("E ")]
     return [_TEST_FILE.sub("test_*.py", line.removeprefix("E").strip()) for line in errors or lines]
 
@@ -515,7 +528,9 @@ def quoted_failure(quote: CodeBlock, pytester: pytest.Pytester, tmp_path: Path) 
         result.assert_outcomes(failed=1)
         return "\n".join(result.outlines)
     above = [b for b in code_blocks(quote.path) if b.language in ("python", "py") and b.line < quote.line]
-    assert above and above[-1].directive == "expect-fail", f"{quote.id}: <!-- doc: output --> quotes the expect-fail block above it; there is none"
+    assert above and above[-1].directive == "expect-fail", (
+        f"{quote.id}: <!-- doc: output --> quotes the expect-fail block above it; there is none"
+    )
     block = above[-1]
     run = run_test_modules(block.path, pytester) if block.is_test_module else run_snippets(block.path, tmp_path)
     failures = [message for outcome, message in run.outcomes.get(block.line, []) if outcome in ("failure", "error")]
@@ -531,7 +546,9 @@ def test_quoted_failure_is_what_the_code_raises(
     message = quoted_failure(quote, pytester, tmp_path)
     real = real_lines(message)
     stale = [line for line in quoted_lines(quote.code) if not any(same_line(line, r) for r in real)]
-    assert not stale, f"{quote.id} quotes lines the failure no longer has:\n" + "\n".join(stale) + f"\n\nreal:\n{message[-6000:]}"
+    assert not stale, (
+        f"{quote.id} quotes lines the failure no longer has:\n" + "\n".join(stale) + f"\n\nreal:\n{message[-6000:]}"
+    )
 
 
 def test_the_docs_quote_failures_and_each_quote_is_checked() -> None:

@@ -252,7 +252,9 @@ def test_builtin_concatenate_would_not_round_trip_grouped_query_attention(
         source, tmp_path / "saved", mapping=load_patch("llama_fused_qkv").MAPPING, conversions={"llama": [naive]}
     )
     problems = roundtrip_differences(source, saved)
-    assert "model.layers.0.self_attn.q_proj.weight: ('torch.float32', (64, 64)) != ('torch.float32', (43, 64))" in problems
+    assert (
+        "model.layers.0.self_attn.q_proj.weight: ('torch.float32', (64, 64)) != ('torch.float32', (43, 64))" in problems
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -479,9 +481,7 @@ def test_make_checkpoints_seed_changes_the_weights(tmp_path: Path) -> None:
     assert read_tensors(a) != read_tensors(b)
 
 
-def test_make_checkpoints_rejects_an_unknown_config_name(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_make_checkpoints_rejects_an_unknown_config_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from fixtures.make_checkpoints import main
 
     with pytest.raises(SystemExit):

@@ -170,8 +170,10 @@ def test_every_public_exception_and_warning_class_is_defined_in_errors() -> None
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             # a private class is control flow inside one module (property_checks._ExampleFailed), not API
-            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and any(
-                re.search(r"(Error|Exception|Warning)$", ast.unparse(base)) for base in node.bases
+            if (
+                isinstance(node, ast.ClassDef)
+                and not node.name.startswith("_")
+                and any(re.search(r"(Error|Exception|Warning)$", ast.unparse(base)) for base in node.bases)
             ):
                 elsewhere.append(f"{module}.{node.name}")
     assert not elsewhere, f"define these in errors.py: {elsewhere}"
@@ -201,7 +203,9 @@ def test_every_python_name_the_docs_list_resolves_from_the_package() -> None:
             names = (match.group(1) or match.group(2)).split("#")[0]
             imported |= {n.strip() for n in names.split(",") if n.strip()}
     assert len(api) > 20, api
-    missing = sorted(n for n in api | imported if n not in pytest_modelpatch.__all__ or not hasattr(pytest_modelpatch, n))
+    missing = sorted(
+        n for n in api | imported if n not in pytest_modelpatch.__all__ or not hasattr(pytest_modelpatch, n)
+    )
     assert not missing, f"listed in the docs but not exported by pytest_modelpatch: {missing}"
 
 

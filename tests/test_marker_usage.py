@@ -50,8 +50,9 @@ def test_a_bad_marker_on_a_parametrized_test_fails_each_of_its_items(pytester: p
     result = pytester.runpytest("-p", "no:randomly", "-n", "2")
     result.assert_outcomes(passed=1, errors=3)
     for n in (1, 2, 3):
-        result.stdout.fnmatch_lines([f"*ERROR at setup of test_each[[]{n}[]]*",
-                                     "PatchUsageError: @pytest.mark.dtypes('bfloat61',)*"])
+        result.stdout.fnmatch_lines(
+            [f"*ERROR at setup of test_each[[]{n}[]]*", "PatchUsageError: @pytest.mark.dtypes('bfloat61',)*"]
+        )
 
 
 @pytest.mark.parametrize("name", ["patches", "modell", "paralel", "dtype", "toleranse"])

@@ -11,7 +11,9 @@ PASSED = "passed   5.36e-06  0.0247    equivalence#1  Qwen3VLModel         float
 def test_a_failing_checks_figures_agree_up_to_cpu_round_off() -> None:
     assert same_line(ROW, ROW.replace("700 ", "699 "))  # %.3g prints 699.6 as 700: not an integer
     assert same_line(ROW, ROW.replace("1.37", "1.38"))
-    assert same_line(ROW.replace("700 ", "5.04e+03"), ROW.replace("700 ", "5.12e+03"))  # a max rel: 2% (kernel sets differ)
+    assert same_line(
+        ROW.replace("700 ", "5.04e+03"), ROW.replace("700 ", "5.12e+03")
+    )  # a max rel: 2% (kernel sets differ)
     assert not same_line(ROW.replace("700 ", "5.04e+03"), ROW.replace("700 ", "5.5e+03 "))  # 9%: not round-off
     assert same_line(ROW.replace("1.37", "0.147"), ROW.replace("1.37", "0.148"))  # one unit of the last digit
 
@@ -56,9 +58,13 @@ def test_a_whole_figure_in_a_failure_line_is_a_figure_and_a_count_is_not() -> No
     assert not same_line(line, line.replace("896/", "897/"))
 
 
-BF16_TRAINING = ("xfailed  0.969     3.85e+03  training#1     LlamaForCausalLM     bfloat16@cpu     "
-                 "docs/examples/t.py::test_late[bfloat16]")
-FP32_TRAINING = "xfailed  0.572     103       training#1     LlamaForCausalLM     float32@cpu      docs/examples/t.py::test_stale"
+BF16_TRAINING = (
+    "xfailed  0.969     3.85e+03  training#1     LlamaForCausalLM     bfloat16@cpu     "
+    "docs/examples/t.py::test_late[bfloat16]"
+)
+FP32_TRAINING = (
+    "xfailed  0.572     103       training#1     LlamaForCausalLM     float32@cpu      docs/examples/t.py::test_stale"
+)
 
 
 def test_a_failing_bf16_training_row_matches_any_figures_wherever_it_sorts() -> None:

@@ -62,15 +62,21 @@ def test_qwen3_moe_replayable_router(reference_model, patched_model) -> None:  #
 
 
 @pytest.mark.model("llama")
-@pytest.mark.patch(llama_fused_qkv_tp.MAPPING, conversions=llama_fused_qkv_tp.CONVERSIONS, tp_plan=llama_fused_qkv_tp.TP_PLAN)
+@pytest.mark.patch(
+    llama_fused_qkv_tp.MAPPING, conversions=llama_fused_qkv_tp.CONVERSIONS, tp_plan=llama_fused_qkv_tp.TP_PLAN
+)
 @pytest.mark.parallel("tp")
 def test_fused_qkv_llama_sharded_by_tensor_parallelism(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
     _verify(reference_model, patched_model)
 
 
-@pytest.mark.xfail(strict=True, reason="caught: packed_colwise shards the fused qkv_proj a second time under tensor parallelism")
+@pytest.mark.xfail(
+    strict=True, reason="caught: packed_colwise shards the fused qkv_proj a second time under tensor parallelism"
+)
 @pytest.mark.model("llama")
-@pytest.mark.patch(llama_fused_qkv_tp.MAPPING, conversions=llama_fused_qkv_tp.CONVERSIONS, tp_plan=llama_fused_qkv_tp.TP_PLAN_PACKED)
+@pytest.mark.patch(
+    llama_fused_qkv_tp.MAPPING, conversions=llama_fused_qkv_tp.CONVERSIONS, tp_plan=llama_fused_qkv_tp.TP_PLAN_PACKED
+)
 @pytest.mark.parallel("tp")
 def test_caught_fused_qkv_with_a_packed_plan_under_tensor_parallelism(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
     _verify(reference_model, patched_model)
@@ -86,7 +92,10 @@ def test_caught_noncausal_fused_attention(reference_model, patched_model) -> Non
 @pytest.mark.xfail(strict=True, reason="caught: '.*Attention' also replaces the BertAttention container")
 @pytest.mark.model("bert")
 # the registration lint would refuse it (CONTAINER, WEIGHT_NAMES, UNUSED_ARGUMENT): allowed here so the equivalence check shows the damage
-@pytest.mark.patch(bert_broad_attention.MAPPING, allow={".*Attention": ["CONTAINER", "NOT_A_MODULE", "WEIGHT_NAMES", "UNUSED_ARGUMENT"]})
+@pytest.mark.patch(
+    bert_broad_attention.MAPPING,
+    allow={".*Attention": ["CONTAINER", "NOT_A_MODULE", "WEIGHT_NAMES", "UNUSED_ARGUMENT"]},
+)
 def test_caught_broad_bert_attention_pattern(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
     _verify(reference_model, patched_model)
 
@@ -101,19 +110,25 @@ FUSION = {"patch_embeddings": True}
 
 
 @pytest.mark.model("qwen3_vl", fusion_config=FUSION)
-def test_qwen3_vl_patch_embedding_fusion_is_equivalent_and_lossless(reference_model, patched_model, model_builder, roundtrip) -> None:  # type: ignore[no-untyped-def]
+def test_qwen3_vl_patch_embedding_fusion_is_equivalent_and_lossless(
+    reference_model, patched_model, model_builder, roundtrip
+) -> None:  # type: ignore[no-untyped-def]
     assert type(patched_model.visual.patch_embed).__name__.startswith("Fused")
     _verify(reference_model, patched_model)
     print(roundtrip.check(model_builder.checkpoint(ModelRequest("qwen3_vl")), fusion_config=FUSION))
 
 
-@pytest.mark.xfail(strict=True, reason="caught: transformers (5.23, 5.24) fuses Qwen2-VL's patch embedding but loads it unconverted")
+@pytest.mark.xfail(
+    strict=True, reason="caught: transformers (5.23, 5.24) fuses Qwen2-VL's patch embedding but loads it unconverted"
+)
 @pytest.mark.model("qwen2_vl", fusion_config=FUSION)
 def test_caught_qwen2_vl_patch_embedding_fusion_loses_weights(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
     _verify(reference_model, patched_model)
 
 
-@pytest.mark.xfail(strict=True, reason="caught: the NaN guard branches on values, so the eager-correct MLP does not export")
+@pytest.mark.xfail(
+    strict=True, reason="caught: the NaN guard branches on values, so the eager-correct MLP does not export"
+)
 @pytest.mark.model("llama")
 @pytest.mark.patch(methods=llama_nan_guard_mlp.METHODS)
 def test_caught_nan_guard_that_does_not_export(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
@@ -129,7 +144,9 @@ def _cache_renamed() -> bool:
     return "cache" in inspect.signature(LlamaAttention.forward).parameters
 
 
-@pytest.mark.xfail(_cache_renamed(), strict=True, reason="caught: names past_key_values, which transformers 5.24 renamed to cache")
+@pytest.mark.xfail(
+    _cache_renamed(), strict=True, reason="caught: names past_key_values, which transformers 5.24 renamed to cache"
+)
 @pytest.mark.model("llama")
 # the registration lint names the rename (UNUSED_ARGUMENT, a warning): allowed so decoding shows the damage
 @pytest.mark.patch(llama_past_key_values_only.MAPPING, allow={"LlamaAttention": ["UNUSED_ARGUMENT"]})
@@ -151,7 +168,9 @@ def test_custom_attention_function(reference_model, patched_model) -> None:  # t
     assert_generates_equivalent(reference_model, patched_model)  # left-padded prompts: the registered mask matters
 
 
-@pytest.mark.xfail(strict=True, reason="caught: the attention function was registered without its mask, so padding is attended to")
+@pytest.mark.xfail(
+    strict=True, reason="caught: the attention function was registered without its mask, so padding is attended to"
+)
 @pytest.mark.model("llama")
 @pytest.mark.patch(attn_implementation="fixture_sdpa_no_mask")
 def test_caught_attention_function_without_its_mask(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
@@ -216,7 +235,9 @@ def test_gemma_norm_kernel_on_every_family_it_reaches(reference_model, patched_m
     print(assert_equivalent(reference_model, patched_model))
 
 
-@pytest.mark.xfail(strict=True, reason="caught: a Llama-style norm computes weight * x where Gemma computes (1 + weight) * x")
+@pytest.mark.xfail(
+    strict=True, reason="caught: a Llama-style norm computes weight * x where Gemma computes (1 + weight) * x"
+)
 @pytest.mark.model(families="patched")
 @pytest.mark.patch({"^GemmaRMSNorm$": mechanisms.LlamaStyleNorm}, allow=GEMMA_NORM_ALLOW)
 def test_caught_llama_norm_kernel_on_the_gemma_families(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]
@@ -233,7 +254,9 @@ def test_fused_mlp_trains_the_same(reference_model, patched_model, dtype) -> Non
     assert_trains_equivalent(reference_model, patched_model, steps=8)
 
 
-@pytest.mark.xfail(strict=True, reason="caught: gate and up are packed once, at the first call, and go stale after the first update")
+@pytest.mark.xfail(
+    strict=True, reason="caught: gate and up are packed once, at the first call, and go stale after the first update"
+)
 @pytest.mark.model("llama")
 @pytest.mark.patch(llama_stale_packed_mlp.MAPPING)
 def test_caught_stale_packed_weights(reference_model, patched_model) -> None:  # type: ignore[no-untyped-def]

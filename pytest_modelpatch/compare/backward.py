@@ -18,17 +18,25 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.blame import (
-    ReplacedCall, blame_backward, capturing_replaced_calls, replaced_module_names,
+from pytest_modelpatch.compare.backward_divergence import (
+    BackwardCall,
+    BackwardDivergence,
+    backward_calls,
+    first_backward_divergence,
 )
-from pytest_modelpatch.compare.backward_divergence import BackwardCall, BackwardDivergence, backward_calls, first_backward_divergence
 from pytest_modelpatch.compare.batched import compare_flat_batched
-from pytest_modelpatch.compare.sharded import logical_tensors
+from pytest_modelpatch.compare.blame import (
+    ReplacedCall,
+    blame_backward,
+    capturing_replaced_calls,
+    replaced_module_names,
+)
+from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.divergence import Divergence, find_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, describe_tolerances, flatten_outputs
 from pytest_modelpatch.compare.running import default_inputs, describe_inputs, placement, unwrapped
-from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.sharded import logical_tensors
 from pytest_modelpatch.compare.tolerance import (
     DEFAULT_POLICY,
     DtypeTolerance,
@@ -108,7 +116,6 @@ class BackwardReport(CheckReport):
     def passed(self) -> bool:
         return all(c.passed for c in self.comparisons) and not self.unused
 
-
     @property
     def worst_gradient(self) -> TensorComparison | None:
         """The parameter gradient that erred most: a failing one first, then by max abs error."""
@@ -170,7 +177,9 @@ class BackwardReport(CheckReport):
 # ---------------------------------------------------------------------------
 
 
-def checkpoint_gradients(model: torch.nn.Module, gradients: Mapping[str, torch.Tensor | None]) -> tuple[dict[str, Any], str]:
+def checkpoint_gradients(
+    model: torch.nn.Module, gradients: Mapping[str, torch.Tensor | None]
+) -> tuple[dict[str, Any], str]:
     """Gradients under the checkpoint's names: through the reverse of the model's weight conversions.
 
     A model loaded with conversions (a fused ``qkv_proj``) keeps them (``_weight_conversions``,
@@ -186,7 +195,9 @@ def checkpoint_gradients(model: torch.nn.Module, gradients: Mapping[str, torch.T
     present = logical_tensors(model, {name: grad for name, grad in gradients.items() if grad is not None})
     mapped: dict[str, Any] = dict(revert_weight_conversion(model, present))
     missing = {name: None for name, grad in gradients.items() if grad is None}
-    names = ", ".join(sorted({type(op).__name__ for c in conversions for op in getattr(c, "operations", [])}) or {"renamings"})
+    names = ", ".join(
+        sorted({type(op).__name__ for c in conversions for op in getattr(c, "operations", [])}) or {"renamings"}
+    )
     note = (
         f"gradients of the patched {type(model).__name__} compared under the checkpoint's parameter names, through "
         f"the reverse of its weight conversions ({names})"
@@ -249,7 +260,9 @@ def _report(
     ref_grads, ref_note = checkpoint_gradients(reference, ref.gradients)
     pat_grads, pat_note = checkpoint_gradients(patched, pat.gradients)
     # parameters' and input embeddings' gradients in one batched pass (their names cannot clash)
-    gradients = compare_flat_batched({**ref_grads, **ref.input_gradients}, {**pat_grads, **pat.input_gradients}, grad_spec)
+    gradients = compare_flat_batched(
+        {**ref_grads, **ref.input_gradients}, {**pat_grads, **pat.input_gradients}, grad_spec
+    )
     return BackwardReport(
         reference=type(reference).__name__, patched=type(patched).__name__,
         loss=loss, loss_source=ref.loss_source,
@@ -274,14 +287,17 @@ def _locate(
     calls: tuple[list[BackwardCall], list[BackwardCall]] = ([], [])
     replaced: list[ReplacedCall] = []
     try:
-        with backward_calls(reference, calls[0]), capturing_replaced_calls(
-            reference, replaced_module_names(reference, patched), replaced
+        with (
+            backward_calls(reference, calls[0]),
+            capturing_replaced_calls(reference, replaced_module_names(reference, patched), replaced),
         ):
             training_run(reference, inputs, loss=loss, around_backward=running_pristine)
         with backward_calls(patched, calls[1]):
             training_run(patched, inputs, loss=loss)
     except RuntimeError as error:  # full backward hooks refuse modules that modify their outputs in place
-        report.conversions = "\n".join(filter(None, [report.conversions, f"first diverging module not located: {error}"]))
+        report.conversions = "\n".join(
+            filter(None, [report.conversions, f"first diverging module not located: {error}"])
+        )
         return None
     failing = {c.path: c for c in report.gradients if not c.passed}
     found = first_backward_divergence(calls[0], calls[1], failing, spec)

@@ -10,7 +10,6 @@ the module that introduced the difference, as ``first_divergence`` does for the 
 from __future__ import annotations
 
 import warnings
-
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -48,7 +47,13 @@ def backward_calls(model: torch.nn.Module, calls: list[BackwardCall]) -> Iterato
     def hook(name: str, module: torch.nn.Module) -> Callable[..., None]:
         def record(_: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
             calls.append(
-                BackwardCall(name, counts[name], type(module).__name__, _flat(grad_output, "grad_output"), _flat(grad_input, "grad_input"))
+                BackwardCall(
+                    name,
+                    counts[name],
+                    type(module).__name__,
+                    _flat(grad_output, "grad_output"),
+                    _flat(grad_input, "grad_input"),
+                )
             )
             counts[name] += 1
 
@@ -142,7 +147,13 @@ def first_backward_divergence(
             found = BackwardDivergence(call.name, call.index, call.module_class, other.module_class, True, differences)
         elif (differences or incoming_bad) and fallback is None:
             fallback = BackwardDivergence(
-                call.name, call.index, call.module_class, other.module_class, False, differences or incoming_bad, incoming_bad
+                call.name,
+                call.index,
+                call.module_class,
+                other.module_class,
+                False,
+                differences or incoming_bad,
+                incoming_bad,
             )
     result = found or fallback
     if result is not None:

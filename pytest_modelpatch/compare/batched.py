@@ -26,7 +26,9 @@ _Pair = tuple[str, torch.Tensor, torch.Tensor]
 _TINY = 2.0**-100  # bounds below this would be judged near float32 subnormals: leave them to compare_tensors
 
 
-def compare_flat_batched(reference: Mapping[str, Any], patched: Mapping[str, Any], spec: ToleranceSpec) -> list[TensorComparison]:
+def compare_flat_batched(
+    reference: Mapping[str, Any], patched: Mapping[str, Any], spec: ToleranceSpec
+) -> list[TensorComparison]:
     """What ``compare_flat(reference, patched, spec)`` returns, computed in one pass per dtype.
 
     Example: ``compare_flat_batched(ref.gradients, pat.gradients, spec)[0].max_abs``.
@@ -47,7 +49,9 @@ def compare_flat_batched(reference: Mapping[str, Any], patched: Mapping[str, Any
         for (dtype, _), pairs in groups.items():
             found.update(_compare_group(pairs, spec, tolerances[dtype]))
     rest = compare_flat(
-        {p: v for p, v in reference.items() if p not in found}, {p: v for p, v in patched.items() if p not in found}, spec
+        {p: v for p, v in reference.items() if p not in found},
+        {p: v for p, v in patched.items() if p not in found},
+        spec,
     )
     by_path = {c.path: c for c in rest}
     order = [*reference, *(p for p in patched if p not in reference)]
@@ -183,7 +187,9 @@ def _width(total: int, tensors: int) -> int:
     return min(1 << (width - 1).bit_length(), _BLOCK)
 
 
-def _block_figures(ref: torch.Tensor, pat: torch.Tensor, diff: torch.Tensor, work: torch.Tensor, slack_rtol: float) -> list[list[float]]:
+def _block_figures(
+    ref: torch.Tensor, pat: torch.Tensor, diff: torch.Tensor, work: torch.Tensor, slack_rtol: float
+) -> list[list[float]]:
     """Per row, in float64: max |diff|, its first position, max rel, max |ref|, max ``diff - slack_rtol |ref|``, ref and patched there.
 
     ``diff`` and ``work`` are scratch of the rows' shape; ``ref`` and ``pat`` are overwritten too.
@@ -197,7 +203,9 @@ def _block_figures(ref: torch.Tensor, pat: torch.Tensor, diff: torch.Tensor, wor
     max_slack = torch.add(diff, magnitude, alpha=-slack_rtol, out=pat).amax(dim=1)
     # 0 where equal (0/0 is NaN), inf where only the reference is 0: what compare_tensors reports
     max_rel = torch.div(diff, magnitude, out=ref).nan_to_num_(nan=0.0, posinf=math.inf).amax(dim=1)
-    found = torch.cat([torch.stack([max_diff, worst.to(torch.float64), max_rel, amax, max_slack], dim=1), values], dim=1)
+    found = torch.cat(
+        [torch.stack([max_diff, worst.to(torch.float64), max_rel, amax, max_slack], dim=1), values], dim=1
+    )
     return found.tolist()
 
 

@@ -64,17 +64,23 @@ class Blame:
         shown = ", ".join(self.names[:_NAMED]) + (f" and {more} more" if more > 0 else "")
         classes = class_pair(self.reference_class, self.patched_class)
         if self.backward:
-            lines = [f"replaced module whose own gradients differ: {shown} ({classes})",
-                     "  replayed on the arguments the original got in the reference, for a seeded gradient of its "
-                     "output, judged at each gradient's dtype:"]
+            lines = [
+                f"replaced module whose own gradients differ: {shown} ({classes})",
+                "  replayed on the arguments the original got in the reference, for a seeded gradient of its "
+                "output, judged at each gradient's dtype:",
+            ]
         elif self.beyond_tolerance:
-            lines = [f"replaced module whose own output differs: {shown} ({classes})",
-                     "  replayed on the arguments the original got in the reference, judged at its output's dtype:"]
+            lines = [
+                f"replaced module whose own output differs: {shown} ({classes})",
+                "  replayed on the arguments the original got in the reference, judged at its output's dtype:",
+            ]
         else:
-            lines = [f"replaced module whose own output differs, within tolerance alone: {shown} ({classes})",
-                     "  replayed on the arguments the original got in the reference, no replaced module differs "
-                     "beyond the tolerance; these are the only ones whose output changed at all, and the "
-                     "difference the model output shows grew from theirs:"]
+            lines = [
+                f"replaced module whose own output differs, within tolerance alone: {shown} ({classes})",
+                "  replayed on the arguments the original got in the reference, no replaced module differs "
+                "beyond the tolerance; these are the only ones whose output changed at all, and the "
+                "difference the model output shows grew from theirs:",
+            ]
         lines += [f"    {c}" for c in self.differences[:3]]
         lines += [f"  {line}" for line in describe_tolerances(self.differences)]
         lines += [f"  not replayed: {line}" for line in self.not_replayed]
@@ -184,8 +190,15 @@ def blame_backward(
     if not chosen:
         return None
     call, _, differences = chosen[0]
-    return Blame([label for _, label, _ in chosen], call.reference_class,
-                 type(replacements.get_submodule(call.name)).__name__, differences, True, not_replayed, backward=True)
+    return Blame(
+        [label for _, label, _ in chosen],
+        call.reference_class,
+        type(replacements.get_submodule(call.name)).__name__,
+        differences,
+        True,
+        not_replayed,
+        backward=True,
+    )
 
 
 def _gradients(module: torch.nn.Module, call: ReplacedCall) -> dict[str, Any]:

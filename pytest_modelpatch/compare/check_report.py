@@ -44,7 +44,9 @@ def conclude(report: R, record: CheckRecord, cause: BaseException | None = None)
     return report
 
 
-def given_inputs(inputs: Mapping[str, Any] | torch.Tensor | None, default: Callable[[], Mapping[str, Any]]) -> Mapping[str, Any]:
+def given_inputs(
+    inputs: Mapping[str, Any] | torch.Tensor | None, default: Callable[[], Mapping[str, Any]]
+) -> Mapping[str, Any]:
     """A check's inputs: a dict as given, a tensor as ``input_ids``, ``None`` as the check's ``default()``."""
     if inputs is None:
         return default()

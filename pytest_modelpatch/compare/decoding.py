@@ -21,7 +21,17 @@ import torch
 from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.divergence import Divergence, find_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_tensors, describe_tolerances
-from pytest_modelpatch.compare.running import cache_keyword, describe_inputs, evaluating, implementations_line, model_device, move_inputs, placement, unfilled_cache_hint, unwrapped
+from pytest_modelpatch.compare.running import (
+    cache_keyword,
+    describe_inputs,
+    evaluating,
+    implementations_line,
+    model_device,
+    move_inputs,
+    placement,
+    unfilled_cache_hint,
+    unwrapped,
+)
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.errors import PatchUsageError
@@ -135,8 +145,10 @@ class PairDecoder:
             self.positions = self.positions[:, -1:] + 1
             shared = {"input_ids": tokens[:, None], "attention_mask": self.mask, "position_ids": self.positions,
                       "use_cache": True}  # fmt: skip
-        return ({**shared, cache_keyword(self.reference): self.reference_cache},
-                {**shared, cache_keyword(self.patched): self.patched_cache})
+        return (
+            {**shared, cache_keyword(self.reference): self.reference_cache},
+            {**shared, cache_keyword(self.patched): self.patched_cache},
+        )
 
     def cache_hint(self) -> str:
         """A hint when the patched cache is still empty and the reference's is not (a forward skipped the update)."""
@@ -154,7 +166,9 @@ def _bound(tolerance: Any, value: float, amax: float) -> float:
     return tolerance.abs_term(amax) + tolerance.rtol * abs(value)
 
 
-def judge_step(step: int, reference: torch.Tensor, patched: torch.Tensor, mask: torch.Tensor | None, spec: ToleranceSpec) -> DecodeStep:
+def judge_step(
+    step: int, reference: torch.Tensor, patched: torch.Tensor, mask: torch.Tensor | None, spec: ToleranceSpec
+) -> DecodeStep:
     """Compare one step's logits and greedy tokens; a differing token at a near-tie is not a mismatch.
 
     A near-tie: the reference's logit gap between its token and the patched model's token is
@@ -268,7 +282,9 @@ class DecodingReport(CheckReport):
 
     @property
     def cache(self) -> str:
-        return "dynamic cache" if self.cache_implementation in (None, "dynamic") else f"{self.cache_implementation} cache"
+        return (
+            "dynamic cache" if self.cache_implementation in (None, "dynamic") else f"{self.cache_implementation} cache"
+        )
 
     def __str__(self) -> str:
         where = f" ({self.dtype} on {self.device}, {self.cache})"
@@ -373,7 +389,9 @@ def assert_generates_equivalent(
     check_same_model(reference, patched, "assert_generates_equivalent")
     check_cache_implementation(cache_implementation)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise PatchUsageError(f"assert_generates_equivalent: max_new_tokens={max_new_tokens!r}; pass a positive int, e.g. 8.")
+        raise PatchUsageError(
+            f"assert_generates_equivalent: max_new_tokens={max_new_tokens!r}; pass a positive int, e.g. 8."
+        )
     inputs = given_inputs(inputs, lambda: default_prompts(reference))
     spec = resolve_tolerance(atol, rtol, policy)
     report = compare_decoding(

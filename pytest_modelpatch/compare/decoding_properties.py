@@ -21,8 +21,8 @@ from pytest_modelpatch.compare.decoding import (
     compare_decoding,
     decode_pair,
 )
-from pytest_modelpatch.compare.running import describe_inputs
 from pytest_modelpatch.compare.property_loop import PropertyLoop, PropertyOutcome
+from pytest_modelpatch.compare.running import describe_inputs
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs
@@ -57,7 +57,6 @@ class GenerationPropertyReport(PropertyOutcome):
             f"more runs to the minimal prompts below (seed={self.seed} draws them again)"
         )
         return "\n".join([head, self.error or str(self.failure)])
-
 
 
 def check_generates_equivalent(

@@ -26,12 +26,20 @@ import torch
 from pytest_modelpatch.compare.blame import Blame, ReplacedCall, blame_replacements, replaced_module_names
 from pytest_modelpatch.compare.check_report import CheckReport
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, describe_tolerances, flatten_outputs
-from pytest_modelpatch.compare.sharded import sharding_line
-from pytest_modelpatch.compare.running import class_pair, default_inputs, describe_inputs, evaluating, forward, placement, unwrapped
+from pytest_modelpatch.compare.running import (
+    class_pair,
+    default_inputs,
+    describe_inputs,
+    evaluating,
+    forward,
+    placement,
+    unwrapped,
+)
 from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.sharded import sharding_line
+from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.training import training_state
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 
 
 def _flat_clone(value: Any, path: str = "") -> dict[str, Any]:
@@ -59,7 +67,11 @@ Hook = Callable[..., None]
 
 
 def run_with_hooks(
-    model: torch.nn.Module, inputs: Mapping[str, Any], hooks: list[tuple[torch.nn.Module, Hook, Hook]], *, train: bool = False
+    model: torch.nn.Module,
+    inputs: Mapping[str, Any],
+    hooks: list[tuple[torch.nn.Module, Hook, Hook]],
+    *,
+    train: bool = False,
 ) -> None:
     """One forward of ``model`` with ``(module, pre_hook, hook)`` installed (both with kwargs); removed after.
 
@@ -128,7 +140,9 @@ class Divergence:
     profile: list[tuple[str, float]] = field(default_factory=list, repr=False)
     mutated_inputs: list[str] = field(default_factory=list)  # changed in place by the patched module only
     sharding: str = ""  # a sharded patched model: how, and the rank that saw it (compare.sharded.sharding_line)
-    other_form: list[TensorComparison] = field(default_factory=list)  # its inputs and outputs one side lacks or holds otherwise
+    other_form: list[TensorComparison] = field(
+        default_factory=list
+    )  # its inputs and outputs one side lacks or holds otherwise
     blame: Blame | None = None  # replaced modules whose own output differs, replayed on the reference's arguments
 
     @property
@@ -278,7 +292,11 @@ def divergence_profile(
     if found is not None:
         return found.profile
     patched_calls = {(c.name, c.index): c for c in record_module_calls(patched, inputs)}
-    return [(_call_label(call), 0.0) for call in record_module_calls(reference, inputs) if (call.name, call.index) in patched_calls]
+    return [
+        (_call_label(call), 0.0)
+        for call in record_module_calls(reference, inputs)
+        if (call.name, call.index) in patched_calls
+    ]
 
 
 # ---------------------------------------------------------------------------

@@ -17,13 +17,21 @@ import torch
 from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.divergence import Divergence, find_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, describe_tolerances
-from pytest_modelpatch.compare.running import cache_hint_for, default_inputs, implementations_line, describe_inputs, evaluating, placement, unwrapped
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
+from pytest_modelpatch.compare.running import (
+    cache_hint_for,
+    default_inputs,
+    describe_inputs,
+    evaluating,
+    implementations_line,
+    placement,
+    unwrapped,
+)
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.sharded import sharding_line
 from pytest_modelpatch.compare.ties import tie_differences
 from pytest_modelpatch.compare.timing import timing_if_enabled
+from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.models.usage import coverage_lines, unused_message, unused_replacements
 
 # ---------------------------------------------------------------------------
@@ -54,7 +62,6 @@ class EquivalenceReport(CheckReport):
     @property
     def passed(self) -> bool:
         return all(c.passed for c in self.comparisons) and not self.unused and not self.ties
-
 
     def __str__(self) -> str:
         where = f" ({self.dtype} on {self.device})" if self.device else ""

@@ -234,7 +234,10 @@ def compare_tensors(
     if tuple(patched.shape) != shape or patched.dtype != reference.dtype:
         mask_forms = {reference.dtype == torch.bool, patched.dtype == torch.bool} == {True, False}
         return TensorComparison(
-            path, shape, dtype, problem=f"reference is {_describe_leaf(reference)}, patched is {_describe_leaf(patched)}",
+            path,
+            shape,
+            dtype,
+            problem=f"reference is {_describe_leaf(reference)}, patched is {_describe_leaf(patched)}",
             other_form=mask_forms and (reference.is_floating_point() or patched.is_floating_point()),
         )
     tolerance = spec.for_dtype(reference.dtype)
@@ -244,7 +247,9 @@ def compare_tensors(
     total = reference.numel()
     judge_sqnr = tolerance.min_sqnr_db is not None
     if total == 0 or torch.equal(reference, patched):
-        return TensorComparison(path, shape, dtype, total=total, tolerance=tolerance, sqnr_db=math.inf if judge_sqnr else None)
+        return TensorComparison(
+            path, shape, dtype, total=total, tolerance=tolerance, sqnr_db=math.inf if judge_sqnr else None
+        )
     if (reference.is_floating_point() or reference.is_complex()) and not bool(reference.isfinite().any()):
         # NaN in both agrees (below): with nothing finite, any patched NaN would pass
         return TensorComparison(path, shape, dtype, total=total, tolerance=tolerance, problem=NO_FINITE_VALUE)
@@ -253,7 +258,9 @@ def compare_tensors(
     diff = (pat - ref).abs()
     # Equal values (infinities included) and NaN in both count as agreeing; NaN in one does not.
     # posinf=inf: nan_to_num's default turns inf into the dtype's max, which reports read as 1.8e+308.
-    diff = torch.where((ref == pat) | (ref.isnan() & pat.isnan()), 0.0, diff.nan_to_num(nan=torch.inf, posinf=torch.inf))
+    diff = torch.where(
+        (ref == pat) | (ref.isnan() & pat.isnan()), 0.0, diff.nan_to_num(nan=torch.inf, posinf=torch.inf)
+    )
     magnitude = ref.abs()
     finite = magnitude[magnitude.isfinite()]
     amax = float(finite.max()) if finite.numel() else 0.0
@@ -350,7 +357,9 @@ def compare_flat(
             if inside:
                 covered.update(inside)
                 text = _describe_leaf(other[inside[0]]) if len(inside) == 1 else f"{len(inside)} tensors"
-                side = f"reference is None, patched is {text}" if ref is None else f"reference is {text}, patched is None"
+                side = (
+                    f"reference is None, patched is {text}" if ref is None else f"reference is {text}, patched is None"
+                )
                 problem = f"{side} (at {inside[0]})"
                 results.append(TensorComparison(path, problem=problem, other_form=True, one_sided=True))
                 continue

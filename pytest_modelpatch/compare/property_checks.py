@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 from hypothesis.strategies import SearchStrategy
 
 from pytest_modelpatch.compare.backward import compare_training
 from pytest_modelpatch.compare.check_report import conclude
 from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_models
 from pytest_modelpatch.compare.outputs import TensorComparison
-from pytest_modelpatch.compare.running import describe_inputs, evaluating, placement
 from pytest_modelpatch.compare.property_loop import PropertyLoop, PropertyOutcome
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
+from pytest_modelpatch.compare.running import describe_inputs, evaluating, placement
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.timing import timing_if_enabled
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
@@ -157,7 +157,9 @@ def check_equivalent(
         check_equivalent(ref, pat, inputs=model_inputs(ref.config, padding="left"), seed=1234)
     """
     __tracebackhide__ = True
-    return _check_property(reference, patched, inputs, max_examples, seed, atol, rtol, policy, allow_unused, backward=False)
+    return _check_property(
+        reference, patched, inputs, max_examples, seed, atol, rtol, policy, allow_unused, backward=False
+    )
 
 
 def check_backward_equivalent(
@@ -180,7 +182,9 @@ def check_backward_equivalent(
         check_backward_equivalent(reference_model, patched_model, max_examples=20)
     """
     __tracebackhide__ = True
-    return _check_property(reference, patched, inputs, max_examples, seed, atol, rtol, policy, allow_unused, backward=True)
+    return _check_property(
+        reference, patched, inputs, max_examples, seed, atol, rtol, policy, allow_unused, backward=True
+    )
 
 
 def _check_name(backward: bool) -> str:
@@ -221,7 +225,9 @@ def _check_property(
 
     try:
         with evaluating(reference, patched):
-            failure = loop.run(strategy, compare_one, prepare=_training_example(reference) if backward else None, grouped=grouped)
+            failure = loop.run(
+                strategy, compare_one, prepare=_training_example(reference) if backward else None, grouped=grouped
+            )
     except Unsatisfiable:
         raise PatchUsageError(
             "check_backward_equivalent: no drawn example gave the loss a token to score (a causal LM "
@@ -263,7 +269,11 @@ def _training_example(reference: torch.nn.Module) -> Callable[[Mapping[str, Any]
 
 
 def example_report(
-    reference: torch.nn.Module, patched: torch.nn.Module, comparisons: list[Any], spec: ToleranceSpec, example: Mapping[str, Any]
+    reference: torch.nn.Module,
+    patched: torch.nn.Module,
+    comparisons: list[Any],
+    spec: ToleranceSpec,
+    example: Mapping[str, Any],
 ) -> EquivalenceReport:
     """One passing example as an equivalence report (no divergence search: it passed)."""
     return EquivalenceReport(

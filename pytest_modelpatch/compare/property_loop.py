@@ -113,7 +113,7 @@ class PropertyLoop:
             return None  # max_examples inputs checked, all passed
         except _ExampleDiffers:
             return Failure(self._last_failing[0], None)
-        except Exception as error:  # noqa: BLE001 - a model's exception on the minimal input is the failure
+        except Exception as error:
             if not self._last_failing:
                 raise  # not raised by a check (Unsatisfiable, a usage error): the caller's to handle
             return Failure(self._last_failing[0], error)

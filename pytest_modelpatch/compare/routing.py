@@ -93,7 +93,9 @@ class RoutingFlips:
                 f"routing: {self.near_ties} near-tie expert choice(s) flipped (reference top-k margin within tolerance); {how}"
             )
         if self.clear:
-            lines.append(f"routing: {self.clear} token(s) sent to other experts at a clear reference margin (not a near-tie):")
+            lines.append(
+                f"routing: {self.clear} token(s) sent to other experts at a clear reference margin (not a near-tie):"
+            )
             lines += [f"  {text}" for text in self.examples]
         return "\n".join(lines)
 
@@ -109,7 +111,9 @@ def find_flips(reference: RouterCall, patched: RouterCall, spec: ToleranceSpec) 
     if not tokens:
         return [], []
     if logits is None:  # no scores over every expert: no margin to judge by, every flip counts
-        return [], [f"{reference.name} token {t}: experts {ref_idx[t].tolist()} -> {pat_idx[t].tolist()}" for t in tokens]
+        return [], [
+            f"{reference.name} token {t}: experts {ref_idx[t].tolist()} -> {pat_idx[t].tolist()}" for t in tokens
+        ]
     tolerance = spec.for_dtype(logits.dtype)
     wide = logits.detach().double()
     amax = float(wide.abs().max())

@@ -27,7 +27,6 @@ from pytest_modelpatch.compare.tolerance import ToleranceSpec, dtype_label
 from pytest_modelpatch.models.devices import first_parameter_device, seeded_generators
 from pytest_modelpatch.reporting.records import IMPLEMENTATION_AXES, describe_implementations, implementations_of
 
-
 _FLOAT64_COPIES: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
 
 
@@ -41,7 +40,10 @@ def oracle_outputs(reference: torch.nn.Module, inputs: Mapping[str, Any], spec: 
         return None
     if reference not in _FLOAT64_COPIES:
         _FLOAT64_COPIES[reference] = copy.deepcopy(reference).to(torch.float64).eval()
-    wide = {k: v.to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    wide = {
+        k: v.to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
     with torch.no_grad():
         return forward(_FLOAT64_COPIES[reference], wide)
 
@@ -259,7 +261,9 @@ def unfilled_cache_hint(model: torch.nn.Module, where: str) -> str:
 
 def cache_hint_for(model: torch.nn.Module, comparisons: list[TensorComparison]) -> str:
     """:func:`unfilled_cache_hint` when a failure is a cache layer the patched model never wrote, else ``""``."""
-    empty = [c.path for c in comparisons if c.problem and _CACHE_LEAF.match(c.path) and "patched is absent" in c.problem]
+    empty = [
+        c.path for c in comparisons if c.problem and _CACHE_LEAF.match(c.path) and "patched is absent" in c.problem
+    ]
     return unfilled_cache_hint(model, f"({', '.join(empty[:2])}{', ...' if len(empty) > 2 else ''})") if empty else ""
 
 
@@ -269,6 +273,9 @@ def implementations_line(reference: torch.nn.Module, patched: torch.nn.Module) -
     A composite model's towers are named where one is on another implementation than its model.
     """
     ours, theirs = implementations_of(reference), implementations_of(patched)
-    shown = [(axis, describe_implementations(ours, axis), describe_implementations(theirs, axis)) for axis, _, _ in IMPLEMENTATION_AXES]
+    shown = [
+        (axis, describe_implementations(ours, axis), describe_implementations(theirs, axis))
+        for axis, _, _ in IMPLEMENTATION_AXES
+    ]
     sides = [f"{axis} {mine} (reference) vs {other} (patched)" for axis, mine, other in shown if mine != other]
     return f"implementations: {'; '.join(sides)}" if sides else ""

@@ -185,7 +185,9 @@ def time_models(
     )  # fmt: skip
 
 
-def timing_if_enabled(reference: torch.nn.Module, patched: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any] | None:
+def timing_if_enabled(
+    reference: torch.nn.Module, patched: torch.nn.Module, inputs: Mapping[str, Any]
+) -> dict[str, Any] | None:
     """The row's ``"timing"`` when ``--modelpatch-timing`` is on, else ``None`` and no extra forward."""
     if not timing_enabled():
         return None

@@ -102,7 +102,9 @@ class TolerancePolicy:
 
     def __str__(self) -> str:
         if any(v.oracle_factor is not None for v in self.per_dtype.values()):
-            rows = ", ".join(f"{k}: factor={v.oracle_factor:g} floor={v.oracle_floor:g}" for k, v in self.per_dtype.items())
+            rows = ", ".join(
+                f"{k}: factor={v.oracle_factor:g} floor={v.oracle_floor:g}" for k, v in self.per_dtype.items()
+            )
             return f"policy {self.name!r} ({rows})"
         if any(v.min_sqnr_db is not None for v in self.per_dtype.values()):
             rows = ", ".join(f"{k}: SQNR >= {v.min_sqnr_db:g} dB" for k, v in self.per_dtype.items())
@@ -307,9 +309,7 @@ class Tolerance:
         ulps = f" or {self.ulps:g} ulps of max|ref|" if self.ulps else ""
         if self.atol_source == self.rtol_source:
             return f"atol={self.atol:g}{ulps}, rtol={self.rtol:g} at {self.dtype} ({self.atol_source})"
-        return (
-            f"atol={self.atol:g}{ulps} ({self.atol_source}), rtol={self.rtol:g} ({self.rtol_source}) at {self.dtype}"
-        )
+        return f"atol={self.atol:g}{ulps} ({self.atol_source}), rtol={self.rtol:g} ({self.rtol_source}) at {self.dtype}"
 
 
 @dataclass(frozen=True)
@@ -332,7 +332,9 @@ class ToleranceSpec:
     def _resolve(self, dtype: Any) -> Tolerance:
         name = dtype_label(dtype)
         entry = self.policy.entry(name)
-        origin = f"policy {self.policy.name!r}" + ("" if self.policy_source == "default" else f" ({self.policy_source})")
+        origin = f"policy {self.policy.name!r}" + (
+            "" if self.policy_source == "default" else f" ({self.policy_source})"
+        )
         if not _is_floating(name):
             return Tolerance(name, 0.0, 0.0, 0.0, self.policy.name, "integer dtype", "integer dtype")
         atol, atol_source = self.atol if self.atol is not None else (entry.atol, origin)

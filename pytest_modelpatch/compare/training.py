@@ -357,7 +357,9 @@ def parameter_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None
     generators cost ~0.1 ms a tiny model on each side of every backward check. Under
     ``DistributedDataParallel`` the names are the wrapped model's, as the reference names them.
     """
-    return {name: param.grad for name, param in _module_scan(data_parallel_inner(model)).parameters if param.requires_grad}
+    return {
+        name: param.grad for name, param in _module_scan(data_parallel_inner(model)).parameters if param.requires_grad
+    }
 
 
 def data_parallel_inner(model: torch.nn.Module) -> torch.nn.Module:
@@ -388,7 +390,9 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
     scan = _module_scan(model)
     modules, locations, checkpointed, holders = scan.of(model)
     flags = [(m, m.training) for m in modules]
-    saved: list[tuple[Any, str, Any]] = [(m, k, m.__dict__.get(k, _ABSENT)) for m in checkpointed for k in _CHECKPOINT_ATTRS]
+    saved: list[tuple[Any, str, Any]] = [
+        (m, k, m.__dict__.get(k, _ABSENT)) for m in checkpointed for k in _CHECKPOINT_ATTRS
+    ]
     current = [(m, k, m.__dict__.get(k, _ABSENT)) for m, k in locations]
     dropouts = [(m, k, v) for m, k, v in current if (k == "p" and v is not _ABSENT) or _is_dropout_attr(k, v)]
     for config in _configs(holders):  # attention functions read config.attention_dropout at call time
@@ -431,7 +435,9 @@ def _train(model: torch.nn.Module, modules: list[torch.nn.Module]) -> None:
     transformers_train = modeling_utils.PreTrainedModel.train if modeling_utils is not None else None
     for module in modules:
         train = type(module).train
-        if train is not torch.nn.Module.train and (train is not transformers_train or getattr(module, "use_kernels", False)):
+        if train is not torch.nn.Module.train and (
+            train is not transformers_train or getattr(module, "use_kernels", False)
+        ):
             model.train()
             return
     for module in modules:

@@ -32,24 +32,52 @@ from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.check_report import CheckReport
 from pytest_modelpatch.compare.divergence import Divergence, find_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_tensors, describe_tolerances
-from pytest_modelpatch.compare.running import default_inputs, describe_inputs, forward, ieee_float32, model_device, placement, unwrapped
+from pytest_modelpatch.compare.running import (
+    describe_inputs,
+    forward,
+    ieee_float32,
+    model_device,
+    placement,
+    unwrapped,
+)
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.sharded import (
-    local_part, logical_tensors, nonzero_anywhere, ranks_disagree, resharded, sharding_kind,
+    local_part,
+    logical_tensors,
+    nonzero_anywhere,
+    ranks_disagree,
+    resharded,
+    sharding_kind,
 )  # fmt: skip
 from pytest_modelpatch.compare.ties import tie_differences
-from pytest_modelpatch.compare.training_drift import (
-    DRIFT_FACTOR, Bias, DriftFigures, biases, holding_weights_of, in_float32, low_precision, shared_weights_figures,
-)  # fmt: skip
 from pytest_modelpatch.compare.tolerance import (
-    DEFAULT_POLICY, DtypeTolerance, TolerancePolicy, ToleranceSpec, resolve_tolerance,
+    DEFAULT_POLICY,
+    DtypeTolerance,
+    TolerancePolicy,
+    ToleranceSpec,
+    resolve_tolerance,
 )  # fmt: skip
 from pytest_modelpatch.compare.training import (
-    LossFn, as_configured, data_parallel_inner, training_loss, training_state, with_labels,
+    LossFn,
+    as_configured,
+    data_parallel_inner,
+    training_loss,
+    training_state,
+    with_labels,
+)  # fmt: skip
+from pytest_modelpatch.compare.training_drift import (
+    DRIFT_FACTOR,
+    Bias,
+    DriftFigures,
+    biases,
+    holding_weights_of,
+    in_float32,
+    low_precision,
+    shared_weights_figures,
 )  # fmt: skip
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.models.devices import seed_generators
 from pytest_modelpatch.isolation.pristine import running_pristine
+from pytest_modelpatch.models.devices import seed_generators
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -123,7 +151,11 @@ class TrainingStep:
 
     def __str__(self) -> str:
         def figure(name: str, pair: tuple[float, float], comparison: TensorComparison) -> str:
-            verdict = "ok" if comparison.passed else f"differs by {comparison.max_abs:.4g}, allowed {comparison.bound_at_worst:.3g}"
+            verdict = (
+                "ok"
+                if comparison.passed
+                else f"differs by {comparison.max_abs:.4g}, allowed {comparison.bound_at_worst:.3g}"
+            )
             return f"{name} {pair[0]:.6g} / {pair[1]:.6g} ({verdict})"
 
         line = f"step {self.step}: {figure('loss', self.losses, self.loss)}, {figure('gradient norm', self.norms, self.grad_norm)}"
@@ -174,7 +206,15 @@ class TrainingReport(CheckReport):
             return "before any step: the tied parameters differ"
         step = next((s for s in self.steps if not s.passed), None)
         if step is not None:
-            what = [n for n, ok in (("loss", step.loss.passed), ("gradient norm", step.grad_norm.passed), ("a parameter's update", not step.parameter)) if not ok]
+            what = [
+                n
+                for n, ok in (
+                    ("loss", step.loss.passed),
+                    ("gradient norm", step.grad_norm.passed),
+                    ("a parameter's update", not step.parameter),
+                )
+                if not ok
+            ]
             return f"first diverging at step {step.step}: {', '.join(what)}"
         if self.untrained:
             return "a parameter the reference trains is never updated"
@@ -190,7 +230,9 @@ class TrainingReport(CheckReport):
         where = f" ({self.dtype} on {self.device}, {self.how})" if self.device else f" ({self.how})"
         if self.passed:
             return f"patched {self.patched} trains as reference {self.reference} does{where}: {len(self.steps)} steps, max abs {self.max_abs_error:.3g}"
-        lines = [f"patched {self.patched} trains differently from reference {self.reference}{where}: {self.first_failure}"]
+        lines = [
+            f"patched {self.patched} trains differently from reference {self.reference}{where}: {self.first_failure}"
+        ]
         lines += [f"tie: {line}" for line in self.ties]
         lines += [f"never trained: {line}" for line in self.untrained]
         lines += [f"  {step}" for step in _shown(self.steps)]
@@ -251,14 +293,19 @@ def training_batches(model: torch.nn.Module, inputs: Any, steps: int, accumulati
     if inputs is not None:
         given = [inputs] if isinstance(inputs, Mapping) else list(inputs)
         if not given or not all(isinstance(b, Mapping) for b in given):
-            raise PatchUsageError("assert_trains_equivalent: inputs= is a dict of model inputs or a list of them, one per micro-batch")
+            raise PatchUsageError(
+                "assert_trains_equivalent: inputs= is a dict of model inputs or a list of them, one per micro-batch"
+            )
         batches = [with_labels(model, dict(b)) for b in given]
         return [[batches[(s * accumulation + m) % len(batches)] for m in range(accumulation)] for s in range(steps)]
     from pytest_modelpatch.families.inputs import example_inputs
 
     config, device = unwrapped(model).config, str(next(model.parameters()).device)
     drawn = []
-    base = [example_inputs(config, seed=seed, device=device, model_class=type(unwrapped(model))) for seed in range(min(4, steps * accumulation))]
+    base = [
+        example_inputs(config, seed=seed, device=device, model_class=type(unwrapped(model)))
+        for seed in range(min(4, steps * accumulation))
+    ]
     for index in range(steps * accumulation):
         batch = dict(base[index % len(base)])
         mask = batch.get("attention_mask")
@@ -329,13 +376,19 @@ def accumulate(
             value, _ = training_loss(forward(model, kwargs), loss)
             if items is None:
                 value = value / len(batches)
-            if value.requires_grad:  # else the model bypasses every parameter it trains: compared as no gradient, not raised
+            if (
+                value.requires_grad
+            ):  # else the model bypasses every parameter it trains: compared as no gradient, not raised
                 with around_backward():
                     value.backward()
         total = total + value.detach().float().cpu()
     gradients = {name: p.grad for name, p in trainee.parameters}
     present = [g.detach() for g in logical_tensors(data_parallel_inner(model), gradients).values() if g is not None]
-    norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(present)])) if present else torch.zeros(())
+    norm = (
+        torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(present)]))
+        if present
+        else torch.zeros(())
+    )
     return float(total), float(norm), gradients
 
 
@@ -401,7 +454,9 @@ def assert_trains_equivalent(
     __tracebackhide__ = True
     check_same_model(reference, patched, "assert_trains_equivalent")
     if steps < 1 or grad_accumulation < 1:
-        raise PatchUsageError(f"assert_trains_equivalent: steps and grad_accumulation are at least 1, got {steps} and {grad_accumulation}")
+        raise PatchUsageError(
+            f"assert_trains_equivalent: steps and grad_accumulation are at least 1, got {steps} and {grad_accumulation}"
+        )
     start = time.perf_counter()
     spec = resolve_tolerance(atol, rtol, policy)
     make = optimizer or (lambda params: torch.optim.AdamW(params, lr=lr))
@@ -417,7 +472,9 @@ def assert_trains_equivalent(
         report.drift = _float32_drift(reference, batches, make, loss)
     with kept_as_found(reference), kept_as_found(patched):
         _train(reference, patched, batches, make, loss, spec, report, sign_steps)
-        report.parameters = _compare_parameters(reference, patched, _grown(spec, last, GRADIENT_POLICY, plus_atol=sign_steps * steps))
+        report.parameters = _compare_parameters(
+            reference, patched, _grown(spec, last, GRADIENT_POLICY, plus_atol=sign_steps * steps)
+        )
         dtype = placement(reference)["dtype"] or None  # log-probabilities in float32, judged at the model's precision
         # a low-precision reference on the patched model's weights: after steps of round-off the two
         # models' weights differ everywhere, and their log-probabilities with them, whatever the patch
@@ -586,7 +643,9 @@ def _float32_drift(
     return figures
 
 
-def _items_hint(reference: torch.nn.Module, patched: torch.nn.Module, micro: list[dict[str, Any]], loss: LossFn | None) -> str:
+def _items_hint(
+    reference: torch.nn.Module, patched: torch.nn.Module, micro: list[dict[str, Any]], loss: LossFn | None
+) -> str:
     """Whether the patched model's loss ignores ``num_items_in_batch`` where the reference's does not: asked, not guessed."""
     items = _items(reference, micro)
     if items is None or not accepts_loss_kwargs(patched):
@@ -594,7 +653,10 @@ def _items_hint(reference: torch.nn.Module, patched: torch.nn.Module, micro: lis
 
     def losses(model: torch.nn.Module) -> tuple[float, float]:
         with torch.no_grad():
-            return tuple(float(training_loss(forward(model, {**micro[0], "num_items_in_batch": n}), loss)[0]) for n in (items, 2 * items))  # type: ignore[return-value]
+            return tuple(
+                float(training_loss(forward(model, {**micro[0], "num_items_in_batch": n}), loss)[0])
+                for n in (items, 2 * items)
+            )  # type: ignore[return-value]
 
     ref, pat = losses(reference), losses(patched)
     if ref[0] == ref[1] or pat[0] != pat[1]:
@@ -667,7 +729,9 @@ def _first_parameter_over(reference: torch.nn.Module, patched: torch.nn.Module, 
     return next((c.path for c in _compare_parameters(reference, patched, spec) if not c.passed), "")
 
 
-def _compare_parameters(reference: torch.nn.Module, patched: torch.nn.Module, spec: ToleranceSpec) -> list[TensorComparison]:
+def _compare_parameters(
+    reference: torch.nn.Module, patched: torch.nn.Module, spec: ToleranceSpec
+) -> list[TensorComparison]:
     """Every parameter of both, by the checkpoint's names (the patched model's through its conversions)."""
     ref_inner, pat_inner = data_parallel_inner(reference), data_parallel_inner(patched)
     ref, _ = checkpoint_gradients(ref_inner, {n: p.detach() for n, p in ref_inner.named_parameters()})

@@ -25,8 +25,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_M
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.families.shrink.configs import shrink_config_dict
-from pytest_modelpatch.families.shrink.validator_fit import MAX_FITS, fit_validator_message
 from pytest_modelpatch.families.shrink.consistency import DERIVE_MARKERS
+from pytest_modelpatch.families.shrink.validator_fit import MAX_FITS, fit_validator_message
 
 
 def available_model_types() -> list[str]:
@@ -64,7 +64,9 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
         ) from exc
 
 
-def _validated(config_class: type[PretrainedConfig], tree: dict[str, Any], overrides: dict[str, Any]) -> PretrainedConfig:
+def _validated(
+    config_class: type[PretrainedConfig], tree: dict[str, Any], overrides: dict[str, Any]
+) -> PretrainedConfig:
     """Build the config, first meeting the size equalities its validators name (``validator_fit``)."""
     for _ in range(MAX_FITS):
         try:
@@ -82,8 +84,10 @@ def derived_defaults(config: PretrainedConfig) -> dict[str, dict[str, Any]]:
     for level in _config_levels(config):
         fields = dataclasses.fields(type(level)) if dataclasses.is_dataclass(level) else ()
         keys = {
-            f.name: f.default for f in fields
-            if f.default in DERIVE_MARKERS and isinstance(getattr(level, f.name, None), int)
+            f.name: f.default
+            for f in fields
+            if f.default in DERIVE_MARKERS
+            and isinstance(getattr(level, f.name, None), int)
             and not isinstance(getattr(level, f.name), bool)
         }
         found.setdefault(level.model_type, {}).update(keys)
@@ -119,7 +123,7 @@ def implicit_rope_defaults(model_type: str) -> dict[str, Any]:
     return json.loads(_implicit_rope_json(model_type))  # a fresh copy: callers may edit it
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _implicit_rope_json(model_type: str) -> str:
     # tiny_config runs for every model a session builds; read each family's source once.
     try:
@@ -140,7 +144,7 @@ def unknown_model_type_message(model_type: object) -> str:
     hint = f"; close matches: {', '.join(close)}" if close else ""
     return (
         f"unknown model type {model_type!r}{hint}. List the installed types with "
-        "`python -c \"from pytest_modelpatch.families.catalog import available_model_types as t; print(t())\"`"
+        '`python -c "from pytest_modelpatch.families.catalog import available_model_types as t; print(t())"`'
     )
 
 

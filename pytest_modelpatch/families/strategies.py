@@ -70,7 +70,9 @@ def model_inputs(
     cls = model_class or model_class_for(config)
     batches = batch_sizes if batch_sizes is not None else range(1, max_batch_size + 1)
     if not 1 <= min_seq_len <= max_seq_len:
-        raise PatchUsageError(f"model_inputs: need 1 <= min_seq_len <= max_seq_len, got {min_seq_len} and {max_seq_len}")
+        raise PatchUsageError(
+            f"model_inputs: need 1 <= min_seq_len <= max_seq_len, got {min_seq_len} and {max_seq_len}"
+        )
     lengths = seq_lens if seq_lens is not None else range(min_seq_len, max_seq_len + 1)
     allowed = ordinary_token_ids(config)
     pad_id = _pad_token_id(config)
@@ -101,7 +103,11 @@ def model_inputs(
     # cost more than a whole input), so an input is one byte string when the shapes are listed.
     listed = _listed_shapes(batches, lengths, sides)
     if listed is None:
-        shapes = st.tuples(_ints(batches, "batch_sizes"), _ints(lengths, "seq_lens"), st.sampled_from(sorted(sides, key=PADDING_SIDES.index)))
+        shapes = st.tuples(
+            _ints(batches, "batch_sizes"),
+            _ints(lengths, "seq_lens"),
+            st.sampled_from(sorted(sides, key=PADDING_SIDES.index)),
+        )
 
         @st.composite
         def draw_inputs(draw: st.DrawFn) -> dict[str, torch.Tensor]:
@@ -157,7 +163,9 @@ def drawn_bytes(strategy: SearchStrategy[Any]) -> DrawnBytes | None:
     return drawn if isinstance(drawn, DrawnBytes) else None
 
 
-def _listed_shapes(batch_sizes: IntsSpec | range, seq_lens: IntsSpec | range, sides: tuple[str, ...]) -> list[tuple[int, int, str]] | None:
+def _listed_shapes(
+    batch_sizes: IntsSpec | range, seq_lens: IntsSpec | range, sides: tuple[str, ...]
+) -> list[tuple[int, int, str]] | None:
     """Every ``(batch, length, padding side)`` allowed, ordered by batch, then length, then side.
 
     ``"none"`` comes first among the sides when allowed, so a smaller index is a simpler shape.

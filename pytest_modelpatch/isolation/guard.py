@@ -15,7 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from pytest_modelpatch.isolation.interception import ACTIVE, activate, deactivate
-from pytest_modelpatch.isolation.snapshot import CONVERSION_MAPPING, MONKEY_PATCHING, PatchStateSnapshot, builtin_conversions
+from pytest_modelpatch.isolation.snapshot import (
+    CONVERSION_MAPPING,
+    MONKEY_PATCHING,
+    PatchStateSnapshot,
+    builtin_conversions,
+)
 
 __all__ = ["PatchStateGuard", "PatchStateSnapshot", "isolated_patch_state", "without_patches"]
 

@@ -49,7 +49,11 @@ _IGNORED_CLASS_KEYS = frozenset({"__slotnames__"})
 
 def is_modeling_module(name: str) -> bool:
     """``transformers.models.llama.modeling_llama``, ``configuration_llama`` and the like; not the auto classes' tables."""
-    return name.startswith(_MODELS_PREFIX) and name.rpartition(".")[2].startswith(_WATCHED_PREFIXES) and ".auto." not in name
+    return (
+        name.startswith(_MODELS_PREFIX)
+        and name.rpartition(".")[2].startswith(_WATCHED_PREFIXES)
+        and ".auto." not in name
+    )
 
 
 def _same(live: Any, saved: dict[str, Any]) -> bool:
@@ -141,7 +145,9 @@ class _ModuleRecord:
 
 
 def _plan_change(saved: dict[Any, Any], live: dict[Any, Any]) -> str:
-    changed = [f"{k!r} added" for k in live.keys() - saved.keys()] + [f"{k!r} removed" for k in saved.keys() - live.keys()]
+    changed = [f"{k!r} added" for k in live.keys() - saved.keys()] + [
+        f"{k!r} removed" for k in saved.keys() - live.keys()
+    ]
     changed += [f"{k!r}: {saved[k]!r} -> {live[k]!r}" for k in saved.keys() & live.keys() if saved[k] != live[k]]
     return ", ".join(sorted(changed))
 
@@ -193,8 +199,10 @@ def _registries() -> list[_RegistryRecord]:
         module = sys.modules.get(module_name)
         if module is None:
             continue
-        for owner, attr, where in ((getattr(module, interface, None), "_global_mapping", ""),
-                                   (getattr(module, singleton, None), "_local_mapping", f" (on {singleton})")):
+        for owner, attr, where in (
+            (getattr(module, interface, None), "_global_mapping", ""),
+            (getattr(module, singleton, None), "_local_mapping", f" (on {singleton})"),
+        ):
             mapping = getattr(owner, attr, None)
             if isinstance(mapping, dict):
                 found.append(_RegistryRecord(label + where, mapping, dict(mapping)))

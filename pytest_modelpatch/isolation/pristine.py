@@ -29,7 +29,9 @@ _WATCHED_PREFIX = "transformers."
 
 
 def _watched_modules() -> list[ModuleType]:
-    return [m for name, m in list(sys.modules.items()) if name.startswith(_WATCHED_PREFIX) and isinstance(m, ModuleType)]
+    return [
+        m for name, m in list(sys.modules.items()) if name.startswith(_WATCHED_PREFIX) and isinstance(m, ModuleType)
+    ]
 
 
 def _namespaces() -> dict[int, tuple[Any, dict[str, Any]]]:

@@ -14,9 +14,9 @@ from types import MappingProxyType
 from typing import Any
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.isolation.per_test.patch_spec import PatchSpec
-from pytest_modelpatch.isolation.method_patches import apply_method_patches
 from pytest_modelpatch.isolation.guard import PatchStateGuard
+from pytest_modelpatch.isolation.method_patches import apply_method_patches
+from pytest_modelpatch.isolation.per_test.patch_spec import PatchSpec
 from pytest_modelpatch.isolation.pristine import close_scope, open_scope
 
 
@@ -117,7 +117,10 @@ def register_patches(
 
         assert_reversible(checked_conversions)
     from transformers import monkey_patching
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
 
     current = monkey_patching.get_patch_mapping()
     if not overwrite:
@@ -172,8 +175,13 @@ class PatchRegistry:
         from pytest_modelpatch.lint.patterns import lint_for_registration
 
         def lint(checked: dict[str, type], checked_conversions: dict[str, list[Any]]) -> None:
-            lint_for_registration(checked, families=families, allow=allow, structures=self._structures,
-                                  conversions={**self._conversions, **checked_conversions})
+            lint_for_registration(
+                checked,
+                families=families,
+                allow=allow,
+                structures=self._structures,
+                conversions={**self._conversions, **checked_conversions},
+            )
 
         register_patches(mapping, conversions=conversions, overwrite=overwrite, lint=lint if self._lint else None)
         self._conversions.update(validate_conversions(conversions))

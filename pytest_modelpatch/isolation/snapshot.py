@@ -179,7 +179,9 @@ class PatchStateSnapshot:
                 found.append(f"patch mapping: {key!r} was removed")
             for key in sorted(now.keys() & was.keys()):
                 if now[key] is not was[key]:
-                    found.append(f"patch mapping: {key!r} now maps to {_describe(now[key])} (was {_describe(was[key])})")
+                    found.append(
+                        f"patch mapping: {key!r} now maps to {_describe(now[key])} (was {_describe(was[key])})"
+                    )
         cm = sys.modules.get(CONVERSION_MAPPING)
         if cm is not None:
             found += self._conversion_changes(cm)
@@ -200,7 +202,9 @@ class PatchStateSnapshot:
             # transformers < 5.x without USER_REGISTERED_MAPPINGS: compare with the built-in table
             builtin = builtin_conversions(cm)
             changed = [k for k in sorted(cache) if k not in builtin or repr(cache[k]) != repr(builtin[k])]
-            return found + [f"checkpoint conversions: the mapping for {key!r} was registered or changed" for key in changed]
+            return found + [
+                f"checkpoint conversions: the mapping for {key!r} was registered or changed" for key in changed
+            ]
         for key in sorted(cache.keys() | self.conversions.keys()):
             if key in new_keys:
                 continue
@@ -244,15 +248,25 @@ class PatchStateSnapshot:
             parts += [_view(mp._monkey_patch_mapping_cache), _view(getattr(mp, "_compiled_patterns_cache", None))]
         if cm is not None:
             registered = getattr(cm, "USER_REGISTERED_MAPPINGS", None)
-            parts += [_view(cm._checkpoint_conversion_mapping_cache), None if registered is None else frozenset(registered)]
+            parts += [
+                _view(cm._checkpoint_conversion_mapping_cache),
+                None if registered is None else frozenset(registered),
+            ]
         if fm is not None:
             discovery = getattr(fm, "_FUSION_DISCOVERY_CACHE", None)
             sources = getattr(fm, "_REGISTERED_FUSION_SOURCE_PATTERNS", None)
-            parts += [_view(discovery), None if discovery is None else list(map(_view, discovery.values())),
-                      _view(sources), None if sources is None else list(map(frozenset, sources.values()))]
+            parts += [
+                _view(discovery),
+                None if discovery is None else list(map(_view, discovery.values())),
+                _view(sources),
+                None if sources is None else list(map(frozenset, sources.values())),
+            ]
         for table in self.recorder_tables.values():
-            parts += [_view(table.table), [lst for lst, _ in table.lists],
-                      [_TARGET(recorder) for recorder, _, _ in table.targets]]
+            parts += [
+                _view(table.table),
+                [lst for lst, _ in table.lists],
+                [_TARGET(recorder) for recorder, _, _ in table.targets],
+            ]
         return parts
 
     # -- restoring ----------------------------------------------------------

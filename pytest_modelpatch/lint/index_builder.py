@@ -230,7 +230,11 @@ class Builder(NameResolver):
             wanted = self.base_model_names()
             for module in self.paths:
                 for word in self.namespace(module):
-                    if word in wanted and (ref := self.lookup(module, word))[0] == "class" and ref[1].startswith(module + ":"):
+                    if (
+                        word in wanted
+                        and (ref := self.lookup(module, word))[0] == "class"
+                        and ref[1].startswith(module + ":")
+                    ):
                         self.base_models.setdefault(_family(module), []).append((word, ref[1]))
         family = self.classes[self.keys[key]].family
         return [(word, self.class_index(ref)) for word, ref in self.base_models.get(family, []) if ref != key]

@@ -58,9 +58,11 @@ class ModuleFinder:
 
     def _top_level(self, name: str) -> Path | None:
         # Frozen standard modules (abc, io) have their source on the path all the same.
-        finders = [util.find_spec, machinery.PathFinder.find_spec] if self.search_path is None else [
-            lambda top: machinery.PathFinder.find_spec(top, self.search_path)
-        ]
+        finders = (
+            [util.find_spec, machinery.PathFinder.find_spec]
+            if self.search_path is None
+            else [lambda top: machinery.PathFinder.find_spec(top, self.search_path)]
+        )
         for find in finders:
             try:
                 origin = getattr(find(name), "origin", None)  # a top-level name: found, not imported
@@ -346,4 +348,3 @@ def _dotted_name(node: ast.expr) -> str | None:
         parts.append(node.attr)
         node = node.value
     return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
-

@@ -18,12 +18,12 @@ from collections.abc import Iterable, Mapping
 from functools import cached_property
 from typing import Any
 
-from pytest_modelpatch.lint.contract import sources as contract, structures as contract_structures
-from pytest_modelpatch.lint.contract.sources import StructureBuilder
+from pytest_modelpatch.lint.contract import sources as contract
+from pytest_modelpatch.lint.contract import structures as contract_structures
 from pytest_modelpatch.lint.contract.cache import facts_cache
+from pytest_modelpatch.lint.contract.sources import StructureBuilder
 from pytest_modelpatch.lint.findings import _EXAMPLES, FAILING_KINDS, WARNING_KINDS, Finding, Kind
 from pytest_modelpatch.lint.scan_index import CORE, ClassEntry, ScanIndex, load_index
-
 
 CHECKS = ("names", "signature", "weights", "plan")
 
@@ -96,8 +96,11 @@ def matched_classes(
     index = index or load_index()
     lint = _Lint(index, keys, resolve_families(index, families))
     return {
-        key: {n: sorted(m for ms in lint.inside[n].values() for m in ms) for n in lint.candidates(key, lint.inside)
-              if lint.winner(n) == key}
+        key: {
+            n: sorted(m for ms in lint.inside[n].values() for m in ms)
+            for n in lint.candidates(key, lint.inside)
+            if lint.winner(n) == key
+        }
         for key in keys
     }
 
@@ -152,8 +155,11 @@ def _warn(findings: list[Finding], allow: Mapping[str, Iterable[str]] | None) ->
 
     for finding in findings:
         if finding.kind in WARNING_KINDS and str(finding.kind) not in allowed.get(finding.key, set()):
-            warnings.warn(f"{finding} Accept it with allow={{{finding.key!r}: [{str(finding.kind)!r}]}}.",
-                          ModelPatchWarning, stacklevel=3)
+            warnings.warn(
+                f"{finding} Accept it with allow={{{finding.key!r}: [{str(finding.kind)!r}]}}.",
+                ModelPatchWarning,
+                stacklevel=3,
+            )
 
 
 def _check_allow(mapping: Mapping[str, object], allow: Mapping[str, Iterable[str]] | None) -> None:
@@ -230,21 +236,33 @@ class _Lint:
             findings += self.lint_key(key)
         return findings
 
-    def contract(self, classes: dict[str, type], conversions: dict[str, list[Any]], checks: set[str],
-                 structures: StructureBuilder | None) -> list[Finding]:
+    def contract(
+        self,
+        classes: dict[str, type],
+        conversions: dict[str, list[Any]],
+        checks: set[str],
+        structures: StructureBuilder | None,
+    ) -> list[Finding]:
         """The contract findings of the classes each key replaces in the scope."""
         scope = self.scope or set()
         modules = sorted(m for m, (family, _) in self.index.modules.items() if family in scope)
         replaced = [
             contract.Replaced(key, name, entry.module, entry.family, classes[key], tuple(bound))
             for key in classes
-            for name in self.candidates(key, self.inside) if self.winner(name) == key
+            for name in self.candidates(key, self.inside)
+            if self.winner(name) == key
             for cls, bound in self.inside[name].items()
             if (entry := self.index.classes[cls]).is_module and entry.module.startswith("transformers")
         ]
         # the scope's original tiny models say which runs their parents make (BERT's crossattention: none)
-        originals = {family: contract_structures.original_model(self.model_type(family), structures)
-                     for family in sorted(scope)} if structures is not None and replaced else {}
+        originals = (
+            {
+                family: contract_structures.original_model(self.model_type(family), structures)
+                for family in sorted(scope)
+            }
+            if structures is not None and replaced
+            else {}
+        )
         models = [original.modules for original in originals.values() if original is not None]
         findings: list[Finding] = []
         for item in replaced:
@@ -262,24 +280,41 @@ class _Lint:
     def model_type(self, family: str) -> str:
         """The model type the family's tiny model is built for: the one named like its folder, else the first."""
         return next((t for t, f in self.index.model_types.items() if f == family and t == family), None) or next(
-            (t for t, f in self.index.model_types.items() if f == family), family)
+            (t for t, f in self.index.model_types.items() if f == family), family
+        )
 
-    def built(self, family: str, original: contract_structures.OriginalModel, replaced: list[contract.Replaced],
-              conversions: dict[str, list[Any]], checks: set[str], structures: StructureBuilder) -> list[Finding]:
+    def built(
+        self,
+        family: str,
+        original: contract_structures.OriginalModel,
+        replaced: list[contract.Replaced],
+        conversions: dict[str, list[Any]],
+        checks: set[str],
+        structures: StructureBuilder,
+    ) -> list[Finding]:
         model_type = self.model_type(family)
         swaps = {r.name: (r.replacement, r.bound_in) for r in replaced}
         try:
             _, patched = structures(model_type, swaps, original=False)  # built each run: the original is cached
         except Exception as error:  # noqa: BLE001 - the replacement cannot even be built: say so, with the cause
             first = replaced[0]
-            return [Finding(Kind.WEIGHT_NAMES, first.key, first.name, first.family, first.module,
-                            f"building the tiny {model_type} model with {', '.join(sorted(swaps))} replaced failed: "
-                            f"{type(error).__name__}: {error}. Fix the replacement's __init__ (see SIGNATURE).")]
+            return [
+                Finding(
+                    Kind.WEIGHT_NAMES,
+                    first.key,
+                    first.name,
+                    first.family,
+                    first.module,
+                    f"building the tiny {model_type} model with {', '.join(sorted(swaps))} replaced failed: "
+                    f"{type(error).__name__}: {error}. Fix the replacement's __init__ (see SIGNATURE).",
+                )
+            ]
         findings: list[Finding] = []
         if "weights" in checks:
             own = conversions.get(model_type)
-            findings += contract_structures.weight_findings(replaced, model_type, original, patched,
-                                                 None if own is None else list(own))
+            findings += contract_structures.weight_findings(
+                replaced, model_type, original, patched, None if own is None else list(own)
+            )
         if "plan" in checks:
             findings += contract_structures.plan_findings(replaced, original, patched)
         return findings
@@ -289,16 +324,28 @@ class _Lint:
             try:
                 re.compile(key)
             except re.error as error:
-                return [Finding(Kind.INVALID_REGEX, key, message=f"pattern {key!r} is not a valid regular expression "
-                                f"({error}): transformers only matches it as an exact class name, and none has it.")]
+                return [
+                    Finding(
+                        Kind.INVALID_REGEX,
+                        key,
+                        message=f"pattern {key!r} is not a valid regular expression "
+                        f"({error}): transformers only matches it as an exact class name, and none has it.",
+                    )
+                ]
         matched = self.candidates(key, self.inside)
         won = [n for n in matched if self.winner(n) == key]
         if not matched:
             return [self.no_match(key)]
         if not won:
             takers = sorted({str(self.winner(n)) for n in matched})
-            return [Finding(Kind.SHADOWED, key, message=f"pattern {key!r} replaces nothing: every class it matches "
-                            f"({_names(matched)}) is taken by {_names(takers, quote=True)}, which come first.")]
+            return [
+                Finding(
+                    Kind.SHADOWED,
+                    key,
+                    message=f"pattern {key!r} replaces nothing: every class it matches "
+                    f"({_names(matched)}) is taken by {_names(takers, quote=True)}, which come first.",
+                )
+            ]
         findings = self.class_findings(key, won)
         if self.scope is not None:
             findings += self.broad(key)
@@ -341,8 +388,18 @@ class _Lint:
             stack += self.index.children.get(child, [])
         return tuple(replaced), tuple(lost)
 
-    def describe(self, key: str, kind: Kind, name: str, entry: ClassEntry, cls: int, modules: list[str],
-                 contains: tuple[str, ...], loses: tuple[str, ...], suggestion: str) -> Finding:
+    def describe(
+        self,
+        key: str,
+        kind: Kind,
+        name: str,
+        entry: ClassEntry,
+        cls: int,
+        modules: list[str],
+        contains: tuple[str, ...],
+        loses: tuple[str, ...],
+        suggestion: str,
+    ) -> Finding:
         where = f"{entry.family}, {entry.module}" if entry.family != CORE else entry.module
         head = f"pattern {key!r} replaces {name} ({where})"
         if kind is Kind.CONTAINER:
@@ -352,10 +409,22 @@ class _Lint:
                 body += f": the model will lose {_names(loses)}"
         else:
             what = {"output": "a ModelOutput", "config": "a configuration"}.get(entry.kind, "a class")
-            body = f", which is {what}, not an nn.Module: apply_patches swaps it for the patch class in {_names(modules)}"
+            body = (
+                f", which is {what}, not an nn.Module: apply_patches swaps it for the patch class in {_names(modules)}"
+            )
         advice = f" Anchor the pattern, e.g. {suggestion!r}." if suggestion else " Use exact class names."
-        return Finding(kind, key, name, entry.family, entry.module, head + body + "." + advice, suggestion,
-                       contains, loses, tuple(modules))
+        return Finding(
+            kind,
+            key,
+            name,
+            entry.family,
+            entry.module,
+            head + body + "." + advice,
+            suggestion,
+            contains,
+            loses,
+            tuple(modules),
+        )
 
     def _by(self, name: str, key: str) -> str:
         taker = self.winner(name)
@@ -370,17 +439,28 @@ class _Lint:
                 message += f" (it matches {len(elsewhere)} elsewhere, e.g. {_names(elsewhere)})"
         close = difflib.get_close_matches(key, list(self.inside), n=3)
         hint = f" Did you mean {_names(close, quote=True)}?" if close else " Was the class renamed upstream?"
-        return Finding(Kind.NO_MATCH, key, message=f"{message}: the patch would do nothing.{hint}",
-                       suggestion=close[0] if close else "")
+        return Finding(
+            Kind.NO_MATCH,
+            key,
+            message=f"{message}: the patch would do nothing.{hint}",
+            suggestion=close[0] if close else "",
+        )
 
     def broad(self, key: str) -> list[Finding]:
         found = [n for n in self.candidates(key, self.outside) if self.winner(n) == key]
-        families = sorted({self.index.modules[m][0] for n in found for ms in self.outside[n].values() for m in ms}
-                          - {CORE})
+        families = sorted(
+            {self.index.modules[m][0] for n in found for ms in self.outside[n].values() for m in ms} - {CORE}
+        )
         if not families:
             return []
-        return [Finding(Kind.BROAD, key, message=f"pattern {key!r} also replaces {len(found)} classes in "
-                        f"{len(families)} other families (e.g. {_names(found)} in {_names(families)}).")]
+        return [
+            Finding(
+                Kind.BROAD,
+                key,
+                message=f"pattern {key!r} also replaces {len(found)} classes in "
+                f"{len(families)} other families (e.g. {_names(found)} in {_names(families)}).",
+            )
+        ]
 
 
 def suggest(targets: set[str], names: Iterable[str] | Mapping[str, set[str]]) -> str:

@@ -20,17 +20,16 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.models.checkpoints import check_init, cached_checkpoint, checkpoint_model_class, load_pretrained
-from pytest_modelpatch.models.specs import ModelSpec, resolve_model_spec  # fmt: skip
-from pytest_modelpatch.models.devices import dtype_name, first_parameter_device, seeded_generators
-from pytest_modelpatch.models.memory_cache import CacheBound, ModelCache
 from pytest_modelpatch.errors import PatchNotAppliedError, PatchUsageError
-from pytest_modelpatch.models.usage import track_patch_usage
-from pytest_modelpatch.models.weights import DEFAULT_INIT
 from pytest_modelpatch.isolation.per_test.patch_spec import IMPLEMENTATIONS
 from pytest_modelpatch.isolation.pristine import current_scope, pristine
+from pytest_modelpatch.models.checkpoints import cached_checkpoint, check_init, checkpoint_model_class, load_pretrained
+from pytest_modelpatch.models.devices import dtype_name, first_parameter_device, seeded_generators
+from pytest_modelpatch.models.memory_cache import CacheBound, ModelCache
 from pytest_modelpatch.models.reference import prepare_reference, reference_problems
-
+from pytest_modelpatch.models.specs import ModelSpec, resolve_model_spec  # fmt: skip
+from pytest_modelpatch.models.usage import track_patch_usage
+from pytest_modelpatch.models.weights import DEFAULT_INIT
 
 # keywords of @pytest.mark.model that are not config attributes; anything else must be one
 MARKER_KEYWORDS = ("seed", "init", "fusion_config", "transform", *IMPLEMENTATIONS)
@@ -173,7 +172,9 @@ def check_fusion_config(fusion: Any) -> None:
     known = sorted(getattr(fusion_mapping, "_FUSION_REGISTRY", {}))  # private in transformers 5.23
     for name in fusion:
         if known and name not in known:
-            raise PatchUsageError(f"fusion_config key {name!r} is not a transformers fusion{_did_you_mean(name, known)}")
+            raise PatchUsageError(
+                f"fusion_config key {name!r} is not a transformers fusion{_did_you_mean(name, known)}"
+            )
 
 
 def check_attn_implementation(value: Any) -> None:
@@ -184,7 +185,9 @@ def check_attn_implementation(value: Any) -> None:
 
     known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
     if not isinstance(value, str) or ("/" not in value and value not in known):
-        raise PatchUsageError(f"attn_implementation={value!r} is not an attention implementation{_did_you_mean(str(value), known)}")
+        raise PatchUsageError(
+            f"attn_implementation={value!r} is not an attention implementation{_did_you_mean(str(value), known)}"
+        )
 
 
 def check_experts_implementation(value: Any) -> None:
@@ -305,7 +308,12 @@ class ModelBuilder:
         return model
 
     def patched(
-        self, request: ModelRequest, *, dtype: Any = "float32", device: str = "cpu", choices: LoadChoices | None = None,
+        self,
+        request: ModelRequest,
+        *,
+        dtype: Any = "float32",
+        device: str = "cpu",
+        choices: LoadChoices | None = None,
         may_match_nothing: Iterable[str] = (),
         unpatched: bool = False,
     ) -> torch.nn.Module:

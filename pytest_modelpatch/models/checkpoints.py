@@ -28,13 +28,19 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from pytest_modelpatch.models.devices import to_torch_dtype
 from pytest_modelpatch.errors import CheckpointError, PatchUsageError
 from pytest_modelpatch.families.catalog import model_class_for
 from pytest_modelpatch.isolation.pristine import pristine
-from pytest_modelpatch.models.weights import DEFAULT_INIT, INIT_SCHEMES, INIT_VERSION, spread_weights
+from pytest_modelpatch.models.devices import to_torch_dtype
+from pytest_modelpatch.models.disk_cache import (
+    discard_entry,
+    entry_lock,
+    remove_stale_partials,
+    verify_entry,
+    write_manifest,
+)
 from pytest_modelpatch.models.quiet import quiet_loads
-from pytest_modelpatch.models.disk_cache import discard_entry, entry_lock, remove_stale_partials, verify_entry, write_manifest
+from pytest_modelpatch.models.weights import DEFAULT_INIT, INIT_SCHEMES, INIT_VERSION, spread_weights
 
 BUILD_INFO_FILE = "modelpatch-build.json"
 
@@ -42,6 +48,7 @@ BUILD_INFO_FILE = "modelpatch-build.json"
 # ---------------------------------------------------------------------------
 # dtypes
 # ---------------------------------------------------------------------------
+
 
 def parse_dtype(value: torch.dtype | str) -> torch.dtype:
     """A ``torch.dtype`` from a dtype or a name such as ``"bf16"`` (the names ``devices.dtype_name`` knows).
@@ -176,10 +183,21 @@ def cached_checkpoint(
             # later uses check sizes and headers, or hash again under --modelpatch-verify-cache
             if verify_entry(final, full=True) is not None:
                 discard_entry(final)  # damaged or unfinished: never loaded, rebuilt
-                _build_into(final, config, info, dtype=dtype, seed=seed, model_class=cls, max_shard_size=max_shard_size, init=init)
+                _build_into(
+                    final,
+                    config,
+                    info,
+                    dtype=dtype,
+                    seed=seed,
+                    model_class=cls,
+                    max_shard_size=max_shard_size,
+                    init=init,
+                )
                 problem = verify_entry(final, full=True)
                 if problem is not None:
-                    raise CheckpointError(f"the rebuilt checkpoint cache entry is damaged: {problem}; is the disk full?")
+                    raise CheckpointError(
+                        f"the rebuilt checkpoint cache entry is damaged: {problem}; is the disk full?"
+                    )
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise
@@ -259,7 +277,9 @@ def check_checkpoint_dir(path: Path | str) -> list[Path]:
             with safe_open(str(file), framework="pt") as handle:
                 handle.keys()
         except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"corrupt safetensors file {file}: {exc}; delete it and rebuild the checkpoint") from exc
+            raise CheckpointError(
+                f"corrupt safetensors file {file}: {exc}; delete it and rebuild the checkpoint"
+            ) from exc
     return weights
 
 

@@ -160,6 +160,8 @@ def seeded_generators(device: Any, seed: int) -> Iterator[None]:
     import torch
 
     accelerator = device.type != "cpu"
-    with torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type if accelerator else "cuda"):
+    with torch.random.fork_rng(
+        devices=[device] if accelerator else [], device_type=device.type if accelerator else "cuda"
+    ):
         seed_generators(device, seed)
         yield

@@ -95,7 +95,9 @@ class ReferenceRecord:
         modules = dict(model.named_modules())
         for name, module in modules.items():
             if type(module) not in self.classes:
-                found.append(f"module {name or '<root>'} is a {type(module).__qualname__}, not one of the family's classes")
+                found.append(
+                    f"module {name or '<root>'} is a {type(module).__qualname__}, not one of the family's classes"
+                )
         found += self._altered_classes()
         for name, count in self.hooks.items():
             if _lost_hooks(modules.get(name), count):

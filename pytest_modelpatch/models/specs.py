@@ -111,7 +111,9 @@ def check_config_overrides(config: PretrainedConfig, overrides: Mapping[str, Any
     valid = config_field_names(config)
     for key, value in overrides.items():
         if key in _NOT_CONFIG_FIELDS:
-            raise PatchUsageError(f"{prefix}{key}={value!r} is not a {type(config).__name__} field: {_NOT_CONFIG_FIELDS[key]}.")
+            raise PatchUsageError(
+                f"{prefix}{key}={value!r} is not a {type(config).__name__} field: {_NOT_CONFIG_FIELDS[key]}."
+            )
         if key not in valid:
             close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
             hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

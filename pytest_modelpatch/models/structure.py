@@ -13,9 +13,8 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -82,8 +81,9 @@ def lint_patterns(
         lint_patterns({"LlamaAttention": LlamaFusedQKVAttention}, families=["llama"])
         # [WEIGHT_NAMES] ... missing keys ... qkv_proj ...; [PARALLEL_PLAN] layers.*.self_attn.q_proj ...
     """
-    return patterns.run_lint(mapping_or_keys, families=families, conversions=conversions, checks=checks,
-                                  structures=structures, index=index)
+    return patterns.run_lint(
+        mapping_or_keys, families=families, conversions=conversions, checks=checks, structures=structures, index=index
+    )
 
 
 @functools.lru_cache(maxsize=64)

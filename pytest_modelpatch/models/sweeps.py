@@ -20,8 +20,8 @@ import importlib.util
 import json
 import re
 from collections.abc import Iterable
-from importlib import metadata
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 from pytest_modelpatch.errors import PatchUsageError
@@ -50,7 +50,9 @@ def sweep_families(sweep: str, keys: Iterable[str] = (), *, may_match_nothing: I
     holds ``llama``, ``gemma``, ``llava`` and ``paligemma``.
     """
     if sweep not in SWEEPS:
-        raise PatchUsageError(f"families={sweep!r}: a sweep is one of {', '.join(map(repr, SWEEPS))}, or a list of model types")
+        raise PatchUsageError(
+            f"families={sweep!r}: a sweep is one of {', '.join(map(repr, SWEEPS))}, or a list of model types"
+        )
     towers = family_towers()
     if sweep == "all":
         chosen = list(towers)
@@ -103,7 +105,7 @@ def keys_in_family(keys: Iterable[str], model_type: str) -> set[str]:
     return set(keys) if names is None else keys_used(keys, set(names))
 
 
-@functools.lru_cache(maxsize=None)  # one meta build per family a process: every swept item asks again at setup
+@functools.cache  # one meta build per family a process: every swept item asks again at setup
 def built_class_names(model_type: str) -> frozenset[str] | None:
     """The module class names of ``model_type``'s tiny base model built on the meta device; None if it cannot be."""
     import warnings

@@ -127,7 +127,9 @@ def patch_usage(model: torch.nn.Module) -> list[PatchUsage]:
     instances = Counter(type(m) for m in members)
     ran = Counter(type(m) for m in members if id(m) in tracked.ran)
     return [
-        PatchUsage(f"{cls.__module__}.{cls.__qualname__}", instances[cls], tracked.counts[cls], ran[cls], tracked.tokens[cls])
+        PatchUsage(
+            f"{cls.__module__}.{cls.__qualname__}", instances[cls], tracked.counts[cls], ran[cls], tracked.tokens[cls]
+        )
         for cls in sorted(classes, key=lambda c: c.__qualname__)
     ]
 

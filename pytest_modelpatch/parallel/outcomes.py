@@ -62,7 +62,9 @@ def _skip_reason(report: dict[str, Any]) -> str:
     return str(longrepr)
 
 
-def merge(item: pytest.Item, spec: ParallelSpec, backend: str, outcomes: list[RankOutcome], deserialize: Deserialize) -> list[pytest.TestReport]:
+def merge(
+    item: pytest.Item, spec: ParallelSpec, backend: str, outcomes: list[RankOutcome], deserialize: Deserialize
+) -> list[pytest.TestReport]:
     """The reports to log for ``item`` from every rank's outcome."""
     kinds = {category(o) for o in outcomes}
     where = f"{spec} on {backend}"
@@ -83,7 +85,9 @@ def merge(item: pytest.Item, spec: ParallelSpec, backend: str, outcomes: list[Ra
     if any(o.group for o in outcomes):
         lines.append(GROUP_ADVICE)
     if kinds == {"skipped", "passed"} or ("skipped" in kinds and len(kinds) > 1):
-        lines.append("a rank must not decide on its own to skip: skip on every rank or on none (decide from what all ranks see)")
+        lines.append(
+            "a rank must not decide on its own to skip: skip on every rank or on none (decide from what all ranks see)"
+        )
     details = []
     for outcome in outcomes:
         if outcome.hung or outcome.crashed:

@@ -70,7 +70,9 @@ class RankPool:
         pool.close()
     """
 
-    def __init__(self, world_size: int, backend: str, pytest_args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, world_size: int, backend: str, pytest_args: list[str], env: dict[str, str] | None = None
+    ) -> None:
         self.world_size = world_size
         self.backend = backend
         remove_abandoned(Path(tempfile.gettempdir()))
@@ -157,7 +159,9 @@ class RankPool:
         pending = dict(enumerate(self.connections))
         deadline = time.monotonic() + timeout
         while pending:
-            ready = multiprocessing.connection.wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            ready = multiprocessing.connection.wait(
+                list(pending.values()), timeout=max(0.0, deadline - time.monotonic())
+            )
             if not ready:
                 break
             for connection in ready:
@@ -185,7 +189,9 @@ class RankPool:
             self.kill()  # a rank that crashed or hung, or a group a test destroyed: the next test starts a new pool
         return [outcomes[rank] for rank in range(self.world_size)]
 
-    def _dump_stacks(self, pending: dict[int, Any], outcomes: dict[int, RankOutcome], sizes: dict[int, int], timeout: float) -> None:
+    def _dump_stacks(
+        self, pending: dict[int, Any], outcomes: dict[int, RankOutcome], sizes: dict[int, int], timeout: float
+    ) -> None:
         for rank in pending:
             try:
                 os.kill(self.processes[rank].pid, signal.SIGUSR1)

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     _die_with_parent(args.parent)
-    stacks = open(args.stack_file, "a")  # noqa: SIM115 - faulthandler writes to it until the rank ends
+    stacks = open(args.stack_file, "a")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     connection = Connection(args.fd)
     import torch.distributed as dist

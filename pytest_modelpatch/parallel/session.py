@@ -104,7 +104,9 @@ class ParallelSession:
         key = (world_size, backend)
         pool = self.pools.get(key)
         if pool is None or pool.broken:
-            pool = self.pools[key] = RankPool(world_size, backend, rank_arguments(self.config, self.seed), self.rank_env())
+            pool = self.pools[key] = RankPool(
+                world_size, backend, rank_arguments(self.config, self.seed), self.rank_env()
+            )
         return pool
 
     @pytest.hookimpl(tryfirst=True)

@@ -45,7 +45,9 @@ class TensorParallelPlan:
         return not any(style != REPLICATE for style in self.effective.values())
 
 
-def resolve_tp_plan(entries: Mapping[str, str | None], patched_structure: torch.nn.Module, reference: torch.nn.Module) -> TensorParallelPlan:
+def resolve_tp_plan(
+    entries: Mapping[str, str | None], patched_structure: torch.nn.Module, reference: torch.nn.Module
+) -> TensorParallelPlan:
     """Merge the marks' ``tp_plan`` entries into the patched model's plan; refuse entries that shard nothing.
 
     ``entries`` are written as in ``config.base_model_tp_plan`` (``"layers.*.self_attn.qkv_proj"``) or

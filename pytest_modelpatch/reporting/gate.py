@@ -26,7 +26,14 @@ from typing import Any
 
 from pytest_modelpatch.reporting.records import shown_outcome
 from pytest_modelpatch.reporting.report import (
-    FAILING_OUTCOMES, TEST_OUTCOMES, class_of, device_order, figure, speedup, speedup_cell, worst_first,
+    FAILING_OUTCOMES,
+    TEST_OUTCOMES,
+    class_of,
+    device_order,
+    figure,
+    speedup,
+    speedup_cell,
+    worst_first,
 )
 from pytest_modelpatch.reporting.shards import Run, check_key, merge_reports
 
@@ -70,7 +77,9 @@ class GateVerdict:
     baseline: str = ""
     warnings: list[str] = field(default_factory=list)  # not failures: e.g. shards of one device on different versions
     reports: int = 1  # how many reports were judged as one run
-    new_devices: list[str] = field(default_factory=list)  # device classes the baseline has no rows for: not judged against it
+    new_devices: list[str] = field(
+        default_factory=list
+    )  # device classes the baseline has no rows for: not judged against it
     device_failures: Counter[str] = field(default_factory=Counter)  # failures per device class
 
     @property
@@ -115,7 +124,10 @@ def table_lines(rows: list[dict[str, Any]], limit: int) -> list[str]:
     """The markdown table of ``rows``, worst first, at most ``limit`` of them; a ``speedup`` column when any was timed."""
     timed = any(speedup(r) is not None for r in rows)
     head, rule = ("| speedup ", "---|") if timed else ("", "")
-    lines = [f"| outcome | max abs | max rel {head}| check | model | dtype@device | test |", f"|---|---|---|{rule}---|---|---|---|"]
+    lines = [
+        f"| outcome | max abs | max rel {head}| check | model | dtype@device | test |",
+        f"|---|---|---|{rule}---|---|---|---|",
+    ]
     for r in sorted(rows, key=worst_first)[:limit]:
         cell = f" {speedup_cell(r)} |" if timed else ""
         lines.append(
@@ -137,7 +149,10 @@ def _md(text: str) -> str:
 
 
 def _judge_speed(
-    rows: list[dict[str, Any]], thresholds: Thresholds, baseline: list[dict[str, Any]] | None, verdict: GateVerdict,
+    rows: list[dict[str, Any]],
+    thresholds: Thresholds,
+    baseline: list[dict[str, Any]] | None,
+    verdict: GateVerdict,
     name: Callable[[dict[str, Any]], str],
 ) -> None:
     """``min_speedup`` on every timed check; ``max_speedup_drop`` against the baseline's timed checks."""
@@ -167,12 +182,17 @@ def _judge_speed(
                     f"allowed {allowed:.2f}x (max speedup drop {thresholds.max_speedup_drop:g})", row,
                 )  # fmt: skip
     if len(timed) < len(gated):
-        verdict.notes.append(f"{len(gated) - len(timed)} checks have no timing (only equivalence and property checks are timed)")
+        verdict.notes.append(
+            f"{len(gated) - len(timed)} checks have no timing (only equivalence and property checks are timed)"
+        )
 
 
 def evaluate(
-    rows: list[dict[str, Any]], thresholds: Thresholds, baseline: list[dict[str, Any]] | None = None,
-    baseline_name: str = "", run: Run | None = None,
+    rows: list[dict[str, Any]],
+    thresholds: Thresholds,
+    baseline: list[dict[str, Any]] | None = None,
+    baseline_name: str = "",
+    run: Run | None = None,
 ) -> GateVerdict:
     """Judge ``rows`` against ``thresholds`` and, when given, the ``baseline`` rows of their device classes.
 
@@ -204,7 +224,8 @@ def evaluate(
             # not (value <= limit): a NaN error passes no ceiling
             if limit is not None and value is not None and not value <= limit:
                 verdict.fail(
-                    f"{name(row)}: {field_name.replace('_', ' ')} {value:.4g} exceeds modelpatch_{field_name} = {limit:g}", row
+                    f"{name(row)}: {field_name.replace('_', ' ')} {value:.4g} exceeds modelpatch_{field_name} = {limit:g}",
+                    row,
                 )
     _judge_tests(rows, run, verdict)
     _judge_speed(rows, thresholds, baseline, verdict, name)
@@ -245,7 +266,11 @@ def _judge_tests(rows: list[dict[str, Any]], run: Run, verdict: GateVerdict) -> 
 
 
 def _judge_against_baseline(
-    rows: list[dict[str, Any]], baseline: list[dict[str, Any]], run: Run, thresholds: Thresholds, verdict: GateVerdict,
+    rows: list[dict[str, Any]],
+    baseline: list[dict[str, Any]],
+    run: Run,
+    thresholds: Thresholds,
+    verdict: GateVerdict,
     name: Callable[[dict[str, Any]], str],
 ) -> None:
     """Each check against the baseline's row of its test, check and device class; missing, new and unjudged rows noted."""

@@ -180,7 +180,9 @@ def _blamed(row: dict[str, Any]) -> str:
     blamed = row.get("blamed") or []
     if not blamed:
         return ""
-    return f'<p class="blamed">replaced module whose own output differs: <code>{html.escape(", ".join(blamed))}</code></p>'
+    return (
+        f'<p class="blamed">replaced module whose own output differs: <code>{html.escape(", ".join(blamed))}</code></p>'
+    )
 
 
 def write_profile_html(path: Path, rows: list[dict[str, Any]]) -> None:

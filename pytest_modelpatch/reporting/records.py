@@ -172,5 +172,7 @@ def _config_levels(config: Any, path: str = "") -> Iterator[tuple[str, Any]]:
 def describe_implementations(found: dict[str, str], axis: str) -> str:
     """One side's choice on ``axis`` as a line shows it: ``sdpa``, or ``sdpa (vision_config: eager)`` where towers differ."""
     top = found.get(axis)
-    towers = [f"{key.partition('.')[2]}: {name}" for key, name in found.items() if key.startswith(f"{axis}.") and name != top]
+    towers = [
+        f"{key.partition('.')[2]}: {name}" for key, name in found.items() if key.startswith(f"{axis}.") and name != top
+    ]
     return f"{top} ({', '.join(towers)})" if towers else str(top)

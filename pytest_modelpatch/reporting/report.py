@@ -117,8 +117,11 @@ def sort_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def report_data(
-    header: dict[str, Any], rows: list[dict[str, Any]], sweeps: dict[str, dict[str, tuple[str, str]]] | None = None,
-    selection: dict[str, Any] | None = None, tests: Mapping[str, Mapping[str, str]] | None = None,
+    header: dict[str, Any],
+    rows: list[dict[str, Any]],
+    sweeps: dict[str, dict[str, tuple[str, str]]] | None = None,
+    selection: dict[str, Any] | None = None,
+    tests: Mapping[str, Mapping[str, str]] | None = None,
 ) -> dict[str, Any]:
     """The report as written and as ``load_report`` reads it back (see :func:`write_report`)."""
     data: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "header": header}
@@ -134,8 +137,11 @@ def report_data(
 
 
 def write_report(
-    path: Path, header: dict[str, Any], rows: list[dict[str, Any]],
-    sweeps: dict[str, dict[str, tuple[str, str]]] | None = None, selection: dict[str, Any] | None = None,
+    path: Path,
+    header: dict[str, Any],
+    rows: list[dict[str, Any]],
+    sweeps: dict[str, dict[str, tuple[str, str]]] | None = None,
+    selection: dict[str, Any] | None = None,
     tests: Mapping[str, Mapping[str, str]] | None = None,
 ) -> None:
     """Write the report as strict JSON (no NaN/Infinity tokens), valid against ``report.schema.json``.
@@ -166,7 +172,9 @@ def load_report(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise ReportFileError(f"{path}: not a modelpatch JSON report ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-        raise ReportFileError(f"{path}: not a modelpatch JSON report (no 'rows' list); write one with --modelpatch-report")
+        raise ReportFileError(
+            f"{path}: not a modelpatch JSON report (no 'rows' list); write one with --modelpatch-report"
+        )
     header = data.setdefault("header", {})
     if not isinstance(header, dict):
         raise ReportFileError(f"{path}: not a modelpatch JSON report ('header' is not an object)")
@@ -238,7 +246,9 @@ def summary_lines(rows: list[dict[str, Any]], limit: int = 20) -> list[str]:
     """A compact table of checks, worst max abs error first; a ``speedup`` column when any check was timed."""
     ordered = sorted(rows, key=worst_first)
     timed = any(speedup(r) is not None for r in rows)
-    table = [("outcome", "max abs", "max rel", *(("speedup",) if timed else ()), "check", "model", "dtype@device", "test")]
+    table = [
+        ("outcome", "max abs", "max rel", *(("speedup",) if timed else ()), "check", "model", "dtype@device", "test")
+    ]
     for r in ordered[:limit]:
         where = f"{r.get('dtype') or '-'}@{r.get('device') or '-'}{parallel_cell(r)}"
         table.append((shown_outcome(r["outcome"], bool(r.get("expected_failure"))), figure(r.get("max_abs_error")), figure(r.get("max_rel_error")),

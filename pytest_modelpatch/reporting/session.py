@@ -27,8 +27,17 @@ from pytest_modelpatch.errors import PatchUsageError, ReportFileError
 from pytest_modelpatch.reporting.gate import DEFAULT_FACTOR, DEFAULT_FLOOR, GateVerdict, Thresholds, evaluate
 from pytest_modelpatch.reporting.records import CheckRecord, implementations_of, set_record_sink
 from pytest_modelpatch.reporting.report import (
-    FAILING_OUTCOMES, REPORT_FORMAT, class_of, device_class, device_order, load_report, report_data, row_from_record,
-    summary_lines, sweep_lines, write_report,
+    FAILING_OUTCOMES,
+    REPORT_FORMAT,
+    class_of,
+    device_class,
+    device_order,
+    load_report,
+    report_data,
+    row_from_record,
+    summary_lines,
+    sweep_lines,
+    write_report,
 )
 from pytest_modelpatch.reporting.selection import SelectionRecorder, XdistSelection
 from pytest_modelpatch.reporting.shards import Run, merge_reports, rewrite_baseline
@@ -123,10 +132,10 @@ def is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
 
-
 def _property_values(properties: list[tuple[str, object]], name: str) -> list[Any]:
     """The values of the user properties called ``name``: this plugin wrote them, so their type is known."""
     return [value for key, value in properties if key == name]
+
 
 def session_seed(config: pytest.Config) -> int:
     """``--modelpatch-seed``, else ini ``modelpatch_seed``, else 0; on an xdist worker, the controller's."""
@@ -139,7 +148,9 @@ def session_seed(config: pytest.Config) -> int:
     try:
         return int(text)
     except ValueError:
-        raise PatchUsageError(f"ini modelpatch_seed = {text!r} is not an integer; use e.g. modelpatch_seed = 1234") from None
+        raise PatchUsageError(
+            f"ini modelpatch_seed = {text!r} is not an integer; use e.g. modelpatch_seed = 1234"
+        ) from None
 
 
 class XdistSeed:
@@ -176,7 +187,9 @@ def configure(config: pytest.Config, default_device: str = "cpu") -> None:
 # ---------------------------------------------------------------------------
 
 
-def report_header(config: pytest.Config, seed: int, rows: list[dict[str, Any]], default_device: str = "cpu") -> dict[str, Any]:
+def report_header(
+    config: pytest.Config, seed: int, rows: list[dict[str, Any]], default_device: str = "cpu"
+) -> dict[str, Any]:
     """Everything needed to reproduce the run: versions, devices and their names, seed, command line, time."""
     versions: dict[str, str | None] = {}
     for dist in ("torch", "transformers", "hypothesis", "pytest", "pytest-xdist", "pytest-modelpatch", "safetensors"):

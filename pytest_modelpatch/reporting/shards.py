@@ -244,7 +244,9 @@ def _differing(scopes: Sequence[ReportScope]) -> list[str]:
     return out
 
 
-def updated_baseline(baseline: Sequence[Mapping[str, Any]], run: Run) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def updated_baseline(
+    baseline: Sequence[Mapping[str, Any]], run: Run
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The rows of a baseline that ``run`` updated, and those it kept.
 
     The run's checks replace the baseline's rows of the tests it selected on the devices it ran

@@ -29,12 +29,13 @@ import transformers
 from pytest_modelpatch.compare.check_report import conclude
 from pytest_modelpatch.compare.running import unwrapped
 from pytest_modelpatch.families.inputs import example_inputs
+from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.models.builder import LoadChoices
 from pytest_modelpatch.models.checkpoints import check_checkpoint_dir, checkpoint_model_class, load_pretrained
 from pytest_modelpatch.reporting.records import CheckRecord
-from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.roundtrip.differences import OutputDiff, config_changes, identical_outputs, output_leaves
 from pytest_modelpatch.roundtrip.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint
+
 
 @dataclass
 class RoundtripReport:
@@ -278,7 +279,10 @@ def _model_class(checkpoint: Path) -> type[transformers.PreTrainedModel]:
 
 
 def _load(
-    cls: type[transformers.PreTrainedModel], path: Path, dtype: torch.dtype | str, fusion_config: dict[str, Any] | None,
+    cls: type[transformers.PreTrainedModel],
+    path: Path,
+    dtype: torch.dtype | str,
+    fusion_config: dict[str, Any] | None,
     **load_kwargs: Any,
 ) -> transformers.PreTrainedModel:
     # The fixtures' loader: through the Auto class, and a weight the checkpoint lacks (a patch
@@ -293,7 +297,10 @@ def _load(
 
 
 def _load_patched(
-    cls: type[transformers.PreTrainedModel], path: Path, dtype: torch.dtype | str, fusion_config: dict[str, Any] | None,
+    cls: type[transformers.PreTrainedModel],
+    path: Path,
+    dtype: torch.dtype | str,
+    fusion_config: dict[str, Any] | None,
     choices: LoadChoices,
 ) -> transformers.PreTrainedModel:
     """A patched load as ``patched_model``'s: the load keywords, then the transforms; a wrapper's base model."""

@@ -22,7 +22,6 @@ from pytest_modelpatch.compare.running import evaluating, forward
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "name_or_path"})
 
 
-
 @dataclass
 class OutputDiff:
     """One output tensor of the reference model against the same output after the round-trip.
@@ -40,7 +39,6 @@ class OutputDiff:
         if self.identical:
             return f"{self.name}: identical"
         return f"{self.name}{list(self.shape)}: max abs diff {self.max_abs_diff:.3g}"
-
 
 
 def output_leaves(model: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:

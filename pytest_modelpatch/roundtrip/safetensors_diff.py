@@ -81,7 +81,9 @@ def open_checkpoint(directory: str | Path) -> SafetensorsCheckpoint:
     """
     root = Path(directory)
     if not root.exists():
-        raise CheckpointError(f"checkpoint directory {root} does not exist; pass a directory written by save_pretrained")
+        raise CheckpointError(
+            f"checkpoint directory {root} does not exist; pass a directory written by save_pretrained"
+        )
     if not root.is_dir():
         raise CheckpointError(f"checkpoint {root} is a file, not a directory; pass the directory that holds it")
     index_path = root / INDEX_NAME
@@ -113,7 +115,9 @@ def _read_index(index_path: Path) -> tuple[dict[str, str], dict[str, Any] | None
         index = json.loads(index_path.read_text(encoding="utf-8"))
         weight_map = index["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{index_path} is not a valid safetensors index ({exc}); save the checkpoint again") from exc
+        raise CheckpointError(
+            f"{index_path} is not a valid safetensors index ({exc}); save the checkpoint again"
+        ) from exc
     missing = sorted({shard for shard in weight_map.values() if not (index_path.parent / shard).is_file()})
     if missing:
         example = next(name for name, shard in weight_map.items() if shard == missing[0])
@@ -184,7 +188,9 @@ class TensorDiff:
             return f"{self.name}: shape {list(dst.shape)} saved, {list(src.shape)} in the source"
         values = ""
         if self.max_abs_diff is not None:
-            values = f"; {self.differing_elements}/{self.elements} elements differ, max abs diff {self.max_abs_diff:.3g}"
+            values = (
+                f"; {self.differing_elements}/{self.elements} elements differ, max abs diff {self.max_abs_diff:.3g}"
+            )
         if self.status == "dtype":
             return f"{self.name}: dtype {dst.dtype} saved, {src.dtype} in the source{values}"
         if self.status == "bytes":
@@ -246,7 +252,9 @@ def format_bytes(count: int) -> str:
 # ---------------------------------------------------------------------------
 
 
-def diff_checkpoints(source: str | Path | SafetensorsCheckpoint, saved: str | Path | SafetensorsCheckpoint) -> CheckpointDiff:
+def diff_checkpoints(
+    source: str | Path | SafetensorsCheckpoint, saved: str | Path | SafetensorsCheckpoint
+) -> CheckpointDiff:
     """Compare ``saved`` against ``source``: names, dtypes, shapes, bytes, metadata, one tensor at a time.
 
     Example::

@@ -19,7 +19,9 @@ from pytest_modelpatch.reporting.records import CheckRecord
 CHECKPOINTING = [
     pytest.param({}, id="plain"),
     pytest.param({"gradient_checkpointing": True}, id="non-reentrant"),
-    pytest.param({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}, id="reentrant"),
+    pytest.param(
+        {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}, id="reentrant"
+    ),
 ]
 
 
@@ -35,7 +37,9 @@ def test_correct_autograd_kernels_pass_with_and_without_checkpointing(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_broken_swiglu_passes_the_forward_check_and_fails_backward_naming_the_mlp(pair: Callable[..., Pair], dtype: str) -> None:
+def test_broken_swiglu_passes_the_forward_check_and_fails_backward_naming_the_mlp(
+    pair: Callable[..., Pair], dtype: str
+) -> None:
     reference, patched = pair("llama_swiglu_autograd_broken", dtype=dtype)
     assert assert_equivalent(reference, patched).passed
     with pytest.raises(AssertionError) as failure:
@@ -53,11 +57,16 @@ def test_broken_swiglu_passes_the_forward_check_and_fails_backward_naming_the_ml
 
 
 def test_broken_rmsnorm_fails_naming_the_last_norm_first_reached_by_backward(pair: Callable[..., Pair]) -> None:
-    with pytest.raises(AssertionError, match=r"gradient diverges: model\.norm \(LlamaRMSNorm in the reference, LlamaConstantScaleRMSNorm"):
+    with pytest.raises(
+        AssertionError,
+        match=r"gradient diverges: model\.norm \(LlamaRMSNorm in the reference, LlamaConstantScaleRMSNorm",
+    ):
         assert_backward_equivalent(*pair("llama_rmsnorm_autograd_broken"), gradient_checkpointing=True)
 
 
-def test_training_only_path_passes_eval_check_and_fails_backward_in_the_train_mode_forward(pair: Callable[..., Pair]) -> None:
+def test_training_only_path_passes_eval_check_and_fails_backward_in_the_train_mode_forward(
+    pair: Callable[..., Pair],
+) -> None:
     reference, patched = pair("llama_training_path_mlp")
     assert assert_equivalent(reference, patched).passed
     with pytest.raises(AssertionError) as failure:
@@ -87,7 +96,9 @@ def test_a_gradient_without_counterpart_is_reported(pair: Callable[..., Pair]) -
         patched._weight_conversions = conversions
     message = str(failure.value)
     assert "model.layers.0.self_attn.q_proj.weight: reference is tensor (64, 64) float32, patched is absent" in message
-    assert "model.layers.0.self_attn.qkv_proj.weight: reference is absent, patched is tensor (128, 64) float32" in message
+    assert (
+        "model.layers.0.self_attn.qkv_proj.weight: reference is absent, patched is tensor (128, 64) float32" in message
+    )
 
 
 def test_models_are_left_as_found_training_flags_grads_and_requires_grad(pair: Callable[..., Pair]) -> None:
@@ -246,6 +257,8 @@ def test_a_bf16_models_float32_loss_is_judged_at_bf16_round_off_and_a_real_loss_
     reference, patched = pair("llama_reordered_mlp", dtype="bfloat16")
     report = assert_backward_equivalent(reference, patched)
     ref_loss, pat_loss = report.loss_values
-    assert ref_loss != pat_loss and report.loss.tolerance.rtol == report.gradient_tolerance.for_dtype(torch.bfloat16).rtol
+    assert (
+        ref_loss != pat_loss and report.loss.tolerance.rtol == report.gradient_tolerance.for_dtype(torch.bfloat16).rtol
+    )
     with pytest.raises(AssertionError, match=r"outputs\.logits: shape \(2, 8, 128\) bfloat16: \d+/2048 elements over"):
         assert_backward_equivalent(*pair("llama_reordered_mlp", mapping="BIAS_MAPPING", dtype="bfloat16"))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import Pair
 
-from pytest_modelpatch.compare.backward import GRADIENT_POLICY, gradient_tolerance
 from pytest_modelpatch.compare import batched
+from pytest_modelpatch.compare.backward import GRADIENT_POLICY, gradient_tolerance
 from pytest_modelpatch.compare.batched import compare_flat_batched
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat
 from pytest_modelpatch.compare.running import default_inputs
@@ -51,8 +51,12 @@ def _tensors(dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
     patched["nan_late"] = torch.tensor([1.0 + 1e-6, 1.0, 1.0, 1.0, 1.0, float("nan")]).to(dtype)
     patched["inf"] = torch.tensor([float("inf"), 1.0 + 1e-6]).to(dtype)
     patched["scalar"] = reference["scalar"] + 1e-6
-    patched["ties"] = reference["ties"] + torch.tensor([0.0, 1e-6, 0.0, 1e-6, 1e-6, 0.0]).to(dtype)  # the first tie is the worst
-    patched["largest_first"] = reference["largest_first"] + torch.tensor([0.0, 0.0, 0.0, torch.finfo(dtype).eps]).to(dtype)
+    patched["ties"] = reference["ties"] + torch.tensor([0.0, 1e-6, 0.0, 1e-6, 1e-6, 0.0]).to(
+        dtype
+    )  # the first tie is the worst
+    patched["largest_first"] = reference["largest_first"] + torch.tensor([0.0, 0.0, 0.0, torch.finfo(dtype).eps]).to(
+        dtype
+    )
     patched["shape"] = torch.ones(3)
     patched["only_patched"] = torch.ones(1)
     return reference, patched
@@ -98,9 +102,17 @@ def test_a_path_nested_under_none_is_folded_as_compare_flat_folds_it() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
-    "name", ["llama_swiglu_autograd", "llama_swiglu_autograd_broken", "llama_rmsnorm_autograd", "llama_rmsnorm_autograd_broken"]
+    "name",
+    [
+        "llama_swiglu_autograd",
+        "llama_swiglu_autograd_broken",
+        "llama_rmsnorm_autograd",
+        "llama_rmsnorm_autograd_broken",
+    ],
 )
-def test_batched_comparison_equals_the_detailed_one_on_the_example_patches(pair: Callable[..., Pair], name: str, dtype: str) -> None:
+def test_batched_comparison_equals_the_detailed_one_on_the_example_patches(
+    pair: Callable[..., Pair], name: str, dtype: str
+) -> None:
     reference, patched = pair(name, dtype=dtype)
     inputs = with_labels(reference, default_inputs(reference))
     ref = training_run(reference, inputs, around_backward=pristine)

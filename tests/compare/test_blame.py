@@ -103,7 +103,7 @@ def test_a_norm_without_upcast_in_bf16_passes_or_names_the_norm_first_never_lm_h
     result.assert_outcomes(passed=1, failed=1)
     text = result.stdout.str()
     result.stdout.fnmatch_lines(["PASSED test_blame.py::test_no_upcast[[]bfloat16[]]"], consecutive=False)
-    failure = text[text.index("test_no_upcast_tight"):]
+    failure = text[text.index("test_no_upcast_tight") :]
     blame = _blame_line(failure)
     assert blame.startswith("replaced module whose own output differs, within tolerance alone: model.layers.0."), blame
     assert "NoUpcastNorm" in blame and failure.index(blame) < failure.index("first diverging module: lm_head")
@@ -123,7 +123,7 @@ def test_a_wrong_norm_is_blamed_and_the_correct_fused_mlp_beside_it_is_not(pytes
     text = result.stdout.str()
     for test, kind in (("test_wrong_norm_beside_fused_mlp", "output"), ("test_wrong_norm_backward_beside_fused_mlp",
                                                                         "gradients")):  # fmt: skip
-        blame = _blame_line(text[text.index(f"_ {test} _"):])
+        blame = _blame_line(text[text.index(f"_ {test} _") :])
         assert blame.startswith(f"replaced module whose own {kind} differ"), blame
         assert "layernorm" in blame or "model.norm" in blame, blame
         assert "mlp" not in blame and "FusedSwiGLU" not in blame, blame

@@ -136,7 +136,11 @@ def test_every_broken_example_fails_under_the_default_tolerance_by_a_margin(pyte
     }, "every failing test failed in its check, not before it"  # fmt: skip
     # a check judged on values misses its allowance at some element by this much (one judged on structure, an
     # output the patched model lacks, has no such element)
-    misses = {row["nodeid"]: misses_by(row["detail"]) for row in rows if row["outcome"] == "failed" and row["elements_over_tolerance"]}
+    misses = {
+        row["nodeid"]: misses_by(row["detail"])
+        for row in rows
+        if row["outcome"] == "failed" and row["elements_over_tolerance"]
+    }
     close = {nodeid: round(ratio, 2) for nodeid, ratio in misses.items() if ratio < MARGIN}
     assert not close, f"broken examples within {MARGIN:g}x their allowance under the default tolerance: {close}"
 

@@ -12,11 +12,15 @@ import torch
 from conftest import Pair, load_pair
 
 from fixtures import load_patch, tiny_config
-from pytest_modelpatch import PatchUsageError, assert_equivalent, assert_generates_equivalent, check_generates_equivalent
+from pytest_modelpatch import (
+    PatchUsageError,
+    assert_equivalent,
+    assert_generates_equivalent,
+    check_generates_equivalent,
+)
 from pytest_modelpatch.compare.decoding import default_prompts
-from pytest_modelpatch.models.checkpoints import cached_checkpoint
 from pytest_modelpatch.families.catalog import tiny_config as tiny_config_of
-
+from pytest_modelpatch.models.checkpoints import cached_checkpoint
 
 # ---------------------------------------------------------------------------
 # The loop is generate()'s loop
@@ -25,9 +29,16 @@ from pytest_modelpatch.families.catalog import tiny_config as tiny_config_of
 
 @pytest.mark.parametrize(
     ("name", "cache"),
-    [("llama_fused_qkv", None), ("llama_fused_qkv", "static"), ("mistral_fused_qkv", None), ("mistral_fused_qkv", "static")],
+    [
+        ("llama_fused_qkv", None),
+        ("llama_fused_qkv", "static"),
+        ("mistral_fused_qkv", None),
+        ("mistral_fused_qkv", "static"),
+    ],
 )
-def test_reference_tokens_are_the_tokens_generate_picks(pair: Callable[..., Pair], name: str, cache: str | None) -> None:
+def test_reference_tokens_are_the_tokens_generate_picks(
+    pair: Callable[..., Pair], name: str, cache: str | None
+) -> None:
     reference, patched = pair(name)
     prompts = default_prompts(reference)
     report = assert_generates_equivalent(reference, patched, prompts, cache_implementation=cache, max_new_tokens=6)
@@ -89,12 +100,18 @@ def test_new_kv_only_attention_passes_a_forward_and_fails_at_the_first_decode_st
     assert [(r.outcome, r.output) for r in decode] == [("failed", "step 1 logits")]
 
 
-CACHE_RENAMED = "cache" in __import__("inspect").signature(
-    __import__("transformers").models.llama.modeling_llama.LlamaAttention.forward).parameters
+CACHE_RENAMED = (
+    "cache"
+    in __import__("inspect")
+    .signature(__import__("transformers").models.llama.modeling_llama.LlamaAttention.forward)
+    .parameters
+)
 
 
 @pytest.mark.skipif(not CACHE_RENAMED, reason="transformers < 5.24 passes past_key_values, which this forward takes")
-def test_a_forward_written_before_the_cache_rename_fails_and_the_hint_names_the_rename(pair: Callable[..., Pair]) -> None:
+def test_a_forward_written_before_the_cache_rename_fails_and_the_hint_names_the_rename(
+    pair: Callable[..., Pair],
+) -> None:
     reference, patched = pair("llama_past_key_values_only")
     with pytest.raises(AssertionError) as decoding:
         assert_generates_equivalent(reference, patched)
@@ -262,7 +279,9 @@ def test_decoding_checks_in_a_real_run(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=4, failed=3)
     result.stdout.fnmatch_lines(["*dynamic cache): first diverging step: step 1 (of 8 new tokens), batch row 0"])
     result.stdout.fnmatch_lines(["*static cache): first diverging step: step 1 (of 8 new tokens), batch row 0"])
-    result.stdout.fnmatch_lines(["*at step 1, first diverging module: model.layers.0.self_attn*LlamaDecodeMaskDropAttention*"])
+    result.stdout.fnmatch_lines(
+        ["*at step 1, first diverging module: model.layers.0.self_attn*LlamaDecodeMaskDropAttention*"]
+    )
     rows = json.loads((pytester.path / "report.json").read_text())["rows"]
     decode = sorted((r["nodeid"].split("::")[1], r["outcome"]) for r in rows if r["kind"] == "decode")
     assert decode == [

@@ -11,12 +11,12 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from pytest_modelpatch.compare.equivalence import assert_equivalent
 from pytest_modelpatch.compare.outputs import compare_outputs, flatten_outputs
-from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.compare.tolerance import (
     DtypeTolerance,
     TolerancePolicy,
     resolve_tolerance,
 )
+from pytest_modelpatch.reporting.records import CheckRecord
 
 
 def ids(batch: int = 2, length: int = 12, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -140,7 +140,9 @@ def test_a_reference_with_no_finite_value_fails_instead_of_agreeing_with_anythin
     assert all(c.passed for c in compare_outputs(infinite, infinite.clone(), resolve_tolerance()))
 
 
-@pytest.mark.parametrize("outputs", [None, {"logits": None}, torch.zeros(0, 4), ()], ids=["none", "none-field", "empty", "no-leaf"])
+@pytest.mark.parametrize(
+    "outputs", [None, {"logits": None}, torch.zeros(0, 4), ()], ids=["none", "none-field", "empty", "no-leaf"]
+)
 def test_outputs_with_no_element_to_compare_fail(outputs: object) -> None:
     found = compare_outputs(outputs, outputs, resolve_tolerance())
     assert not all(c.passed for c in found)
@@ -163,9 +165,7 @@ def test_integer_outputs_must_match_exactly() -> None:
     assert result.over == 1
 
 
-def test_one_record_per_check_with_errors_and_tolerance(
-    pair: Callable[..., Pair], records: list[CheckRecord]
-) -> None:
+def test_one_record_per_check_with_errors_and_tolerance(pair: Callable[..., Pair], records: list[CheckRecord]) -> None:
     with pytest.raises(AssertionError):
         assert_equivalent(*pair("llama_fused_qkv_noncausal"), ids())
     (row,) = records

@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 
 GUARD_LINE = next(
@@ -91,7 +90,11 @@ def test_export_and_compile_checks_pass_good_patches_and_locate_the_broken_one(p
         ("export", "passed"), ("export", "passed"), ("compile", "passed"), ("export", "failed"),
         ("compile", "failed"), ("compile", "passed"), ("compile", "failed"), ("export", "failed"),
     ])  # fmt: skip
-    breaks = next(r for r in rows if r["kind"] == "compile" and r["outcome"] == "passed" and "eager" in r["detail"] and "'eager'" in r["detail"])
+    breaks = next(
+        r
+        for r in rows
+        if r["kind"] == "compile" and r["outcome"] == "passed" and "eager" in r["detail"] and "'eager'" in r["detail"]
+    )
     assert "2 graph breaks" in breaks["detail"]
 
 

@@ -16,15 +16,14 @@ from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 
 from fixtures import load_patch
-from pytest_modelpatch.models.checkpoints import cached_checkpoint
 from pytest_modelpatch.compare import property_loop
 from pytest_modelpatch.compare.decoding_properties import check_generates_equivalent
 from pytest_modelpatch.compare.equivalence import assert_equivalent
 from pytest_modelpatch.compare.property_checks import check_equivalent
-from pytest_modelpatch.reporting.records import configure_checks
 from pytest_modelpatch.compare.property_loop import GROUP_SIZE
-from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs, tiny_configs
+from pytest_modelpatch.models.checkpoints import cached_checkpoint
+from pytest_modelpatch.reporting.records import CheckRecord, configure_checks
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,9 @@ def test_good_patches_pass_over_varied_inputs(pair: Callable[[str], Pair], name:
     left_padded = any(bool((e["attention_mask"][:, 0] == 0).any()) for e in seen)
     right_padded = any(bool((e["attention_mask"][:, -1] == 0).any()) for e in seen)
     assert len(shapes) > 5 and left_padded and right_padded
-    assert str(report).startswith(f"check_equivalent(seed=0, max_examples=20): patched {type(patched).__name__} matches")
+    assert str(report).startswith(
+        f"check_equivalent(seed=0, max_examples=20): patched {type(patched).__name__} matches"
+    )
 
 
 def test_noncausal_attention_is_caught_and_shrunk_to_two_tokens(pair: Callable[[str], Pair]) -> None:
@@ -52,7 +53,9 @@ def test_noncausal_attention_is_caught_and_shrunk_to_two_tokens(pair: Callable[[
     message = str(failure.value)
     assert re.match(r"check_equivalent\(seed=0, max_examples=25\): example \d+ of 25 failed; shrunk in \d+", message)
     # One row of two unpadded tokens: the smallest input on which causal and non-causal attention differ.
-    assert re.search(r"\ninputs: input_ids=\[\[\d+, \d+\]\], attention_mask=\[\[1, 1\]\], position_ids=\[\[0, 1\]\]", message)
+    assert re.search(
+        r"\ninputs: input_ids=\[\[\d+, \d+\]\], attention_mask=\[\[1, 1\]\], position_ids=\[\[0, 1\]\]", message
+    )
     assert "  logits: shape (1, 2, 128) float32: " in message
     assert "first diverging module: model.layers.0.self_attn" in message
 
@@ -170,7 +173,7 @@ def test_fused_qkv_is_equivalent_across_head_and_kv_head_layouts(
     assert_equivalent(reference, patched)
 
 
-MASK_IGNORING = '''
+MASK_IGNORING = """
 import pytest
 from transformers.models.llama.modeling_llama import LlamaAttention
 from pytest_modelpatch import assert_equivalent, check_equivalent
@@ -189,7 +192,7 @@ def test_mask(reference_model, patched_model):
     unpadded = {"input_ids": torch.arange(1, 9)[None]}
     assert_equivalent(reference_model, patched_model, unpadded)  # no padding: the bug hides
     check_equivalent(reference_model, patched_model, max_examples=25)
-'''
+"""
 
 
 def test_default_drawn_inputs_reach_padded_attention_masks(pytester: pytest.Pytester) -> None:
@@ -263,7 +266,9 @@ def test_a_users_strategy_still_catches_a_wrong_patch_and_reports_the_minimal_in
     with pytest.raises(AssertionError) as failure:
         check_equivalent(*pair("llama_fused_qkv_noncausal"), inputs=ROUTES[route], max_examples=60)
     message = str(failure.value)
-    assert re.match(r"check_equivalent\(seed=0, max_examples=60\): example \d+ of 60 failed; shrunk in \d+ more runs", message)
+    assert re.match(
+        r"check_equivalent\(seed=0, max_examples=60\): example \d+ of 60 failed; shrunk in \d+ more runs", message
+    )
     # the smallest integer whose batch has two tokens, the fewest on which non-causal attention differs
     minimal = _batch_from_seed(4)["input_ids"].tolist()
     assert f"\ninputs: input_ids={minimal}\n" in message

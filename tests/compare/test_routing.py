@@ -12,8 +12,8 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
 from pytest_modelpatch.compare.outputs import compare_outputs
-from pytest_modelpatch.compare.running import evaluating, forward
 from pytest_modelpatch.compare.routing import RouterCall, compare_routed, find_flips, router_names
+from pytest_modelpatch.compare.running import evaluating, forward
 from pytest_modelpatch.compare.tolerance import resolve_tolerance
 from pytest_modelpatch.models.weights import spread_weights
 
@@ -132,7 +132,9 @@ def test_bf16_mixtral_with_per_expert_loop_passes_200_examples(pytester: pytest.
     pytester.makepyfile(LOOP)
     result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-s", "--modelpatch-report", "r.json")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["routing: * near-tie expert choice(s) flipped in * example(s) *forced to the reference's*"])
+    result.stdout.fnmatch_lines(
+        ["routing: * near-tie expert choice(s) flipped in * example(s) *forced to the reference's*"]
+    )
     row = json.loads((pytester.path / "r.json").read_text())["rows"][0]
     assert row["outcome"] == "passed" and row["routing_near_ties"] > 0 and "near-tie" in row["detail"]
 

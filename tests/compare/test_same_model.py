@@ -7,10 +7,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pytest_modelpatch import assert_equivalent, check_equivalent, assert_module_equivalent
+from pytest_modelpatch import assert_equivalent, assert_module_equivalent, check_equivalent
 from pytest_modelpatch.errors import ModelMismatchError
-from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.families.catalog import tiny_config
+from pytest_modelpatch.models.checkpoints import seeded_model
 
 LLAMA = seeded_model(tiny_config("llama"))
 CHECKS: dict[str, Callable[[torch.nn.Module, torch.nn.Module], object]] = {

@@ -7,9 +7,9 @@ import torch
 
 from pytest_modelpatch import assert_equivalent
 from pytest_modelpatch.compare.running import forward
-from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.families.catalog import tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
+from pytest_modelpatch.models.checkpoints import seeded_model
 
 MAE = tiny_config("vit_mae")
 

@@ -7,17 +7,17 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.compare.tolerance import (
     DEFAULT_POLICY,
     DtypeTolerance,
-    TolerancePolicy,
     ToleranceOverride,
+    TolerancePolicy,
     get_policy,
     resolve_tolerance,
     set_test_tolerance,
     ulp,
 )
+from pytest_modelpatch.errors import PatchUsageError
 
 
 @pytest.fixture
@@ -32,8 +32,12 @@ def set_overrides() -> Iterator[Callable[..., None]]:
 @pytest.mark.parametrize(
     ("dtype", "atol", "rtol", "ulps"),
     # torch.testing's atol and rtol; 4 ulps, and 256 in float32: round-off between correct implementations (docs/tolerance.md)
-    [(torch.float32, 1e-5, 1.3e-6, 256), (torch.float16, 1e-5, 1e-3, 4), (torch.bfloat16, 1e-5, 1.6e-2, 4),
-     (torch.float64, 1e-7, 1e-7, 4)],
+    [
+        (torch.float32, 1e-5, 1.3e-6, 256),
+        (torch.float16, 1e-5, 1e-3, 4),
+        (torch.bfloat16, 1e-5, 1.6e-2, 4),
+        (torch.float64, 1e-7, 1e-7, 4),
+    ],
 )
 def test_default_policy_uses_torch_testing_numbers(dtype: torch.dtype, atol: float, rtol: float, ulps: float) -> None:
     tolerance = resolve_tolerance().for_dtype(dtype)
@@ -106,7 +110,10 @@ def test_ini_strings_are_parsed_and_empty_means_unset() -> None:
 
 
 def test_unknown_policy_name_lists_the_known_ones() -> None:
-    with pytest.raises(PatchUsageError, match=r"unknown tolerance policy 'tight'.*\['default', 'loose', 'oracle', 'sqnr', 'strict'\], 'sqnr:DB'"):
+    with pytest.raises(
+        PatchUsageError,
+        match=r"unknown tolerance policy 'tight'.*\['default', 'loose', 'oracle', 'sqnr', 'strict'\], 'sqnr:DB'",
+    ):
         get_policy("tight")
     with pytest.raises(PatchUsageError, match=r"sqnr='loud' is not a non-negative number"):
         get_policy("sqnr:loud")
@@ -180,7 +187,10 @@ def test_sqnr_policy_has_per_dtype_defaults_and_a_named_threshold() -> None:
     assert resolve_tolerance(policy="sqnr").for_dtype(torch.bfloat16).min_sqnr_db == 25.0
     assert resolve_tolerance(policy="sqnr").for_dtype(torch.float32).min_sqnr_db == 30.0
     assert resolve_tolerance(policy="sqnr:55").for_dtype(torch.float16).min_sqnr_db == 55.0
-    assert str(resolve_tolerance(policy="sqnr:55").for_dtype(torch.float32)) == "SQNR >= 55 dB at float32 (policy 'sqnr:55')"
+    assert (
+        str(resolve_tolerance(policy="sqnr:55").for_dtype(torch.float32))
+        == "SQNR >= 55 dB at float32 (policy 'sqnr:55')"
+    )
 
 
 def test_sqnr_is_ten_log10_of_signal_over_noise() -> None:
@@ -286,7 +296,9 @@ def test_reordered_accumulation_passes_oracle_and_a_small_bias_fails_it(pytester
         "E*logits: shape (2, 8, 256) bfloat16: rmse against float64 0.0*, more than allowed 0.0* "
         "(2 x the reference's 0.00* + 0.001)*",
     ])  # fmt: skip
-    result.stdout.fnmatch_lines(["FAILED test_oracle.py::test_bias[[]float32[]]*", "FAILED test_oracle.py::test_bias[[]float16[]]*"])
+    result.stdout.fnmatch_lines(
+        ["FAILED test_oracle.py::test_bias[[]float32[]]*", "FAILED test_oracle.py::test_bias[[]float16[]]*"]
+    )
 
 
 def test_oracle_policy_numbers_and_names() -> None:

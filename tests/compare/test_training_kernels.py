@@ -161,7 +161,6 @@ def test_a_probability_kept_in_a_partial_is_turned_off_by_the_call_it_makes() ->
 
 def test_a_failure_after_weights_drifted_apart_names_what_the_patch_replaced_not_the_first_module() -> None:
     from fixtures.patches import llama_swiglu_autograd as fused_mlp
-
     from pytest_modelpatch.compare.tolerance import resolve_tolerance
     from pytest_modelpatch.compare.training_steps import _locate
 

@@ -105,7 +105,9 @@ def test_training_catches_each_class_of_bug_and_passes_the_correct_patches(pytes
         "test_a_norm_whose_weight_gets_no_gradient": "failed",
         "test_the_reference_is_left_as_found": "passed",
     }
-    stale = next(r for r in rows if r["nodeid"].endswith("test_a_weight_packed_once_goes_stale") and r["kind"] == "backward")
+    stale = next(
+        r for r in rows if r["nodeid"].endswith("test_a_weight_packed_once_goes_stale") and r["kind"] == "backward"
+    )
     assert stale["outcome"] == "passed"  # the one-step check could not see it
 
 
@@ -124,7 +126,10 @@ def test_tied_groups_and_their_differences() -> None:
     (line,) = tie_differences(tied, untied)
     assert line.startswith("the reference ties model.embed_tokens.weight and lm_head.weight")
     (line,) = tie_differences(untied, tied)
-    assert line == "the patched model ties model.embed_tokens.weight and lm_head.weight (one tensor); the reference does not"
+    assert (
+        line
+        == "the patched model ties model.embed_tokens.weight and lm_head.weight (one tensor); the reference does not"
+    )
 
 
 def test_micro_batches_of_a_step_hold_different_numbers_of_real_tokens() -> None:

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from pytest_modelpatch.errors import ModelPatchError
-from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import InputRequest, example_inputs
 from pytest_modelpatch.families.inputs.audio_lms import AUDIO_TOKENS, spliced_ids
 from pytest_modelpatch.families.shrink.audio import TINY_CODEBOOKS, shrink_audio_level
 from pytest_modelpatch.families.shrink.validator_fit import fit_validator_message
+from pytest_modelpatch.models.checkpoints import seeded_model
 
 
 def _parameters(model: torch.nn.Module) -> int:

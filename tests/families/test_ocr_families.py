@@ -113,6 +113,9 @@ def test_reference_capture_hooks_are_installed_once_under_a_backbone() -> None:
 def test_reference_capture_hooks_still_installed_where_forward_captures() -> None:
     model = _built("vit")
     install_capture_hooks(model)
-    assert all(getattr(m, "_output_capturing_hooks_installed", False) for m in model.modules()
-               if isinstance(m, PreTrainedModel))
+    assert all(
+        getattr(m, "_output_capturing_hooks_installed", False)
+        for m in model.modules()
+        if isinstance(m, PreTrainedModel)
+    )
     assert any(m._forward_hooks for m in model.modules())

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from pytest_modelpatch.compare.equivalence import assert_equivalent
+from pytest_modelpatch.families.catalog import model_class_for, tiny_config
+from pytest_modelpatch.families.inputs import example_inputs
+from pytest_modelpatch.families.shrink.rules.timm import TINY_RESNET_ARGS
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.models.checkpoints import seeded_model
-from pytest_modelpatch.families.catalog import model_class_for, tiny_config
-from pytest_modelpatch.families.shrink.rules.timm import TINY_RESNET_ARGS
-from pytest_modelpatch.families.inputs import example_inputs
 
 
 def _forward(model_type: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], object]:

@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 from transformers import PretrainedConfig
 
-from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.families.catalog import tiny_config
 from pytest_modelpatch.families.strategies import drawn_bytes, model_inputs, positions_from_mask, tiny_configs
+from pytest_modelpatch.models.checkpoints import seeded_model
 
 LLAMA = tiny_config("llama", pad_token_id=0)
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

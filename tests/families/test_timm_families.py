@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.families.inputs.composite import IMAGE_TOKENS_PER_IMAGE
+from pytest_modelpatch.models.checkpoints import seeded_model
 
 PARAMETER_BUDGET = 5_000_000
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.families.inputs.video import TOWER_FRAMES
 from pytest_modelpatch.families.shrink.configs import TINY_WIDTH
+from pytest_modelpatch.models.checkpoints import seeded_model
 
 PARAMETER_BUDGET = 5_000_000
 
@@ -63,7 +63,10 @@ def test_gemma4_tower_patch_grid_pools_by_its_kernel() -> None:
     model, inputs, output = _forward("gemma4_vision")
     kernel = model.config.pooling_kernel_size
     assert inputs["pixel_values"].shape[1] % kernel**2 == 0
-    assert output.last_hidden_state.shape[0] == inputs["pixel_values"].shape[0] * inputs["pixel_values"].shape[1] // kernel**2
+    assert (
+        output.last_hidden_state.shape[0]
+        == inputs["pixel_values"].shape[0] * inputs["pixel_values"].shape[1] // kernel**2
+    )
 
 
 def test_minicpm_merger_insert_layer_is_kept_inside_the_shrunk_stack() -> None:
@@ -88,7 +91,13 @@ def test_video_frames_and_tubelets_shrink_together(model_type: str) -> None:
 def test_video_model_gets_clips_at_its_frame_count_and_runs() -> None:
     model, inputs, _ = _forward("videomae")
     config = model.config
-    assert inputs["pixel_values"].shape == (2, config.num_frames, config.num_channels, config.image_size, config.image_size)
+    assert inputs["pixel_values"].shape == (
+        2,
+        config.num_frames,
+        config.num_channels,
+        config.image_size,
+        config.image_size,
+    )
     assert config.decoder_num_hidden_layers <= 2 and config.decoder_intermediate_size <= 128
 
 
@@ -192,4 +201,6 @@ def test_stages_that_keep_one_width_are_left_at_the_tiny_width() -> None:
 def test_learned_position_grids_are_sized_for_the_tiny_image_not_the_full_one(model_type: str) -> None:
     model = seeded_model(tiny_config(model_type))
     positions = [p.numel() for name, p in model.named_parameters() if "position_embedding" in name]
-    assert positions and max(positions) <= 2 * 128 * TINY_WIDTH  # was 65k positions x 64 (HunYuan-VL), 2 x 10240 x 64 (Gemma 4)
+    assert (
+        positions and max(positions) <= 2 * 128 * TINY_WIDTH
+    )  # was 65k positions x 64 (HunYuan-VL), 2 x 10240 x 64 (Gemma 4)

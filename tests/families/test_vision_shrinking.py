@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.families.shrink.vision import TINY_STAGE_WIDTH
+from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 
 PARAMETER_BUDGET = 5_000_000
 

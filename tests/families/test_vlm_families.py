@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.families.inputs.composite import GRID_IMAGE_FAMILIES, IMAGE_TOKENS_PER_IMAGE, crop_tokens
+from pytest_modelpatch.models.checkpoints import seeded_model
 
 SPLICED_VLMS = [
     "unlimited_ocr", "deepseek_ocr2", "step3p7", "florence2", "chameleon", "emu3", "deepseek_vl_hybrid", "llama4",
@@ -71,7 +71,9 @@ def test_emu3_image_sizes_and_deepseek_vl_hybrid_high_res_view_come_with_the_ima
     _, emu3 = _model_and_inputs("emu3")
     assert emu3["image_sizes"].tolist() == [list(emu3["pixel_values"].shape[-2:])] * 2
     _, hybrid = _model_and_inputs("deepseek_vl_hybrid")
-    assert hybrid["high_res_pixel_values"].shape[-1] == tiny_config("deepseek_vl_hybrid").high_res_vision_config.image_size
+    assert (
+        hybrid["high_res_pixel_values"].shape[-1] == tiny_config("deepseek_vl_hybrid").high_res_vision_config.image_size
+    )
 
 
 @pytest.mark.parametrize("model_type", GRID_VLMS)

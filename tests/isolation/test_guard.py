@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, conversion_mapping, monkey_patching
 from transformers.core_model_loading import WeightRenaming
 from transformers.models.llama import modeling_llama
-from transformers.models.mixtral import modeling_mixtral
 from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.mixtral import modeling_mixtral
 
 from pytest_modelpatch.isolation.guard import PatchStateGuard, isolated_patch_state, without_patches
 

@@ -90,7 +90,9 @@ def test_b_module_patch_is_the_baseline(module_patch, leaks_at_teardown):
     )
     result = pytester.runpytest("-p", "no:randomly", "-o", "modelpatch_leaks=error")  # test_b uses no plugin feature
     result.assert_outcomes(passed=2, errors=1)
-    result.stdout.fnmatch_lines(["*test_b_module_patch_is_the_baseline leaked transformers patch state*", "*LlamaRMSNorm*"])
+    result.stdout.fnmatch_lines(
+        ["*test_b_module_patch_is_the_baseline leaked transformers patch state*", "*LlamaRMSNorm*"]
+    )
     result.stdout.no_fnmatch_line("*fixture 'module_patch' leaked*")
     result.stdout.no_fnmatch_line("*LlamaMLP*registered*")
 
@@ -154,7 +156,9 @@ def test_interrupted():
     result.stdout.fnmatch_lines(["*KeyboardInterrupt*", "MAPPING AT EXIT: []"])
 
 
-RECORDER_LEAK = PATCHED_ATTENTION + """
+RECORDER_LEAK = (
+    PATCHED_ATTENTION
+    + """
 from conftest import LAYERS
 
 
@@ -169,6 +173,7 @@ def test_b_fresh_model_records_every_attention(llama_checkpoint):
     out = _eager(llama_checkpoint)(torch.tensor([[1, 2, 3]]), output_attentions=True)
     assert len(out.attentions or ()) == LAYERS
 """
+)
 
 
 def test_output_recorders_restored_after_patched_from_pretrained(
@@ -239,9 +244,7 @@ def test_c_overriding_builtin_needs_overwrite():
     result.stdout.fnmatch_lines(["*conversions for ?'mixtral'? already exist*Pass overwrite=True*"])
 
 
-def test_leaking_test_is_reported_by_name_and_restored(
-    pytester: pytest.Pytester, xdist_args: tuple[str, ...]
-) -> None:
+def test_leaking_test_is_reported_by_name_and_restored(pytester: pytest.Pytester, xdist_args: tuple[str, ...]) -> None:
     pytester.makepyfile(
         PATCHED_ATTENTION
         + """
@@ -310,7 +313,9 @@ def test_leaky(llama_checkpoint):
     )
     result = pytester.runpytest("-o", "modelpatch_leaks=error")
     result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines(["*LlamaPreTrainedModel._can_record_outputs?'attentions'? is *MyAttention (was *LlamaAttention)"])
+    result.stdout.fnmatch_lines(
+        ["*LlamaPreTrainedModel._can_record_outputs?'attentions'? is *MyAttention (was *LlamaAttention)"]
+    )
 
 
 def test_method_and_context_patches_are_undone(pytester: pytest.Pytester, xdist_args: tuple[str, ...]) -> None:

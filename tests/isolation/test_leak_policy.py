@@ -76,7 +76,9 @@ def test_by_default_plain_tests_warn_and_tests_that_use_the_plugin_fail(pytester
 def test_the_default_is_the_same_under_xdist(pytester: pytest.Pytester) -> None:
     result = _run(pytester, "-n", "2")
     result.assert_outcomes(passed=6, errors=2, warnings=2)
-    result.stdout.fnmatch_lines(["modelpatch: 4 leak(s) of transformers patch state restored: 2 failed their test, 2 warned*"])
+    result.stdout.fnmatch_lines(
+        ["modelpatch: 4 leak(s) of transformers patch state restored: 2 failed their test, 2 warned*"]
+    )
 
 
 @pytest.mark.parametrize("how", ["ini", "option"])
@@ -88,15 +90,21 @@ def test_error_set_explicitly_fails_every_leaking_test(pytester: pytest.Pytester
         result = _run(pytester, "--modelpatch-leaks=error")
     result.assert_outcomes(passed=6, errors=4)
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_1_plain_leaks_like_a_kernel_library*"], consecutive=False)
-    result.stdout.fnmatch_lines(["modelpatch: 4 leak(s) of transformers patch state restored: 4 failed their test, 0 warned*"])
+    result.stdout.fnmatch_lines(
+        ["modelpatch: 4 leak(s) of transformers patch state restored: 4 failed their test, 0 warned*"]
+    )
 
 
 def test_warn_set_explicitly_warns_tests_that_use_the_plugin_too(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\nmodelpatch_leaks = warn\n")
     result = _run(pytester)
     result.assert_outcomes(passed=6, warnings=4)
-    result.stdout.fnmatch_lines(["*test_4_marked_leaks leaked*", "*Set modelpatch_leaks = warn or off to relax this check*"])
-    result.stdout.fnmatch_lines(["modelpatch: 4 leak(s) of transformers patch state restored: 0 failed their test, 4 warned"])
+    result.stdout.fnmatch_lines(
+        ["*test_4_marked_leaks leaked*", "*Set modelpatch_leaks = warn or off to relax this check*"]
+    )
+    result.stdout.fnmatch_lines(
+        ["modelpatch: 4 leak(s) of transformers patch state restored: 0 failed their test, 4 warned"]
+    )
 
 
 def test_the_option_overrides_the_ini(pytester: pytest.Pytester) -> None:

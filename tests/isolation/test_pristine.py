@@ -96,7 +96,9 @@ def patches(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(my_patches=PATCHES)
 
 
-def test_context_patch_that_changes_numbers_fails_and_a_noop_one_passes(pytester: pytest.Pytester, patches: None) -> None:
+def test_context_patch_that_changes_numbers_fails_and_a_noop_one_passes(
+    pytester: pytest.Pytester, patches: None
+) -> None:
     pytester.makepyfile(
         """
 import pytest

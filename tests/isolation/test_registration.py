@@ -79,7 +79,9 @@ def test_bad_conversions_are_usage_errors(patch_registry: PatchRegistry) -> None
 
 def test_unregister_unknown_key_lists_registered_keys(patch_registry: PatchRegistry) -> None:
     patch_registry.register({"LlamaMLP": FusedAttention})
-    with pytest.raises(PatchUsageError, match=r"cannot unregister \['LlamaAttention'\].*Registered keys: \['LlamaMLP'\]"):
+    with pytest.raises(
+        PatchUsageError, match=r"cannot unregister \['LlamaAttention'\].*Registered keys: \['LlamaMLP'\]"
+    ):
         patch_registry.unregister(["LlamaAttention"])
 
 
@@ -87,18 +89,26 @@ MARKER_ERRORS = [
     ("@pytest.mark.patch({'(': Attn})", "*patch key '(' is not a valid regex*re.escape*"),
     ("@pytest.mark.patch({'LlamaAttention': Plain})", "*must subclass torch.nn.Module*"),
     ("@pytest.mark.patch({'LlamaAttention': len})", "*must be a class, got builtin_function_or_method*"),
-    ("@pytest.mark.patch({'LlamaAttention': Attn}, overwirte=True)", "*unknown keyword(s) ?'overwirte'?*It takes mapping*"),
+    (
+        "@pytest.mark.patch({'LlamaAttention': Attn}, overwirte=True)",
+        "*unknown keyword(s) ?'overwirte'?*It takes mapping*",
+    ),
     ("@pytest.mark.patch({'LlamaAttention': Attn}, {'LlamaMLP': Attn})", "*takes one positional argument*"),
     ("@pytest.mark.patch(context=42)", "*context must be a callable returning a context manager*"),
     ("@pytest.mark.patch(context=lambda: 1)", "*must return a context manager, got int*contextmanager*"),
     ("@pytest.mark.patch(methods=[Plain])", "*must declare _PATCHED_CLASS_*_PATCHES_*"),
     ("@pytest.mark.patch(['LlamaAttention'])", "*mapping must be a dict {class name or regex: replacement class}*"),
-    ("@pytest.mark.patch(conversions=[1])", "*conversions must be a dict {model_type: ?WeightConverter, ...?}, got list*"),
+    (
+        "@pytest.mark.patch(conversions=[1])",
+        "*conversions must be a dict {model_type: ?WeightConverter, ...?}, got list*",
+    ),
 ]
 
 
 def test_marker_misuse_is_a_clear_setup_error(pytester: pytest.Pytester) -> None:
-    tests = "\n".join(f"{decorator}\ndef test_misuse_{i}():\n    pass\n" for i, (decorator, _) in enumerate(MARKER_ERRORS))
+    tests = "\n".join(
+        f"{decorator}\ndef test_misuse_{i}():\n    pass\n" for i, (decorator, _) in enumerate(MARKER_ERRORS)
+    )
     pytester.makepyfile(
         f"""
 import pytest

@@ -17,7 +17,9 @@ from pytest_modelpatch.isolation.reversibility import assert_reversible, reversi
 class ScaleByTwo(ConversionOps):
     """A one-way op: multiplies on load and has no reverse_op."""
 
-    def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any) -> dict[str, torch.Tensor]:
+    def convert(
+        self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any
+    ) -> dict[str, torch.Tensor]:
         (tensors,) = input_dict.values()
         return {target_patterns[0]: tensors[0] * 2}
 
@@ -102,4 +104,6 @@ def test_one_way_conversion_in_a_pytest_run_is_a_usage_error_naming_the_op(pytes
     )
     result = pytester.runpytest("-p", "no:randomly")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*PatchUsageError: 1 weight conversion(s) cannot be reversed*", "*operation ScaleByTwo*"])
+    result.stdout.fnmatch_lines(
+        ["*PatchUsageError: 1 weight conversion(s) cannot be reversed*", "*operation ScaleByTwo*"]
+    )

@@ -24,7 +24,9 @@ def test_broad_key_on_bert_fails_with_readable_findings() -> None:
     result = modelpatch("lint", ".*Attention", "--family", "bert")
     assert result.returncode == 1, result.stderr
     assert "FAIL [CONTAINER] pattern '.*Attention' replaces BertAttention" in result.stdout
-    assert "FAIL [NOT_A_MODULE] pattern '.*Attention' replaces BaseModelOutputWithPastAndCrossAttentions" in result.stdout
+    assert (
+        "FAIL [NOT_A_MODULE] pattern '.*Attention' replaces BaseModelOutputWithPastAndCrossAttentions" in result.stdout
+    )
     assert result.stdout.rstrip().splitlines()[-1].startswith("5 findings, 4 failing, for 1 keys in bert")
 
 
@@ -97,4 +99,3 @@ def test_contract_of_a_mapping_from_the_command_line() -> None:
     result = modelpatch(*fused, "--check", "weights", "--conversions", "fixtures.patches.qwen3_moe_router:CONVERSIONS")
     assert result.returncode == 1
     assert "FAIL [WEIGHT_NAMES]" in result.stdout and "No conversion is registered for 'llama'" in result.stdout
-

@@ -8,24 +8,22 @@ used" case is shown on it.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import subprocess
 import sys
 from typing import Any
 
 import pytest
-import inspect
-
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
 from transformers.models.vibevoice_asr.modeling_vibevoice_asr import VibeVoiceAsrMultiModalProjector
 
 from fixtures import PATCH_MODULES, load_patch
 from fixtures.patches import llama_fused_qkv
+from pytest_modelpatch.errors import ModelPatchWarning, PatchUsageError
 from pytest_modelpatch.lint.findings import Kind
 from pytest_modelpatch.lint.patterns import Finding, lint_for_registration, run_lint
-from pytest_modelpatch.errors import ModelPatchWarning, PatchUsageError
 from pytest_modelpatch.models.structure import meta_structures
-
 
 # transformers 5.24 renamed the attention's past_key_values to cache
 CACHE = "cache" if "cache" in inspect.signature(LlamaAttention.forward).parameters else "past_key_values"
@@ -34,16 +32,18 @@ CACHE = "cache" if "cache" in inspect.signature(LlamaAttention.forward).paramete
 class NoPositionIdsAttention(LlamaAttention):
     """No **kwargs: the decoder layer's position_ids= and use_cache= raise TypeError."""
 
-    def forward(self, hidden_states: Any, position_embeddings: Any = None, attention_mask: Any = None,
-                cache: Any = None) -> Any:
+    def forward(
+        self, hidden_states: Any, position_embeddings: Any = None, attention_mask: Any = None, cache: Any = None
+    ) -> Any:
         return super().forward(hidden_states, position_embeddings, attention_mask, cache)
 
 
 class IgnoresCacheAttention(LlamaAttention):
     """The cache falls into **kwargs and is never read: fine for one forward, wrong for generate."""
 
-    def forward(self, hidden_states: Any, position_embeddings: Any = None, attention_mask: Any = None,
-                **kwargs: Any) -> Any:
+    def forward(
+        self, hidden_states: Any, position_embeddings: Any = None, attention_mask: Any = None, **kwargs: Any
+    ) -> Any:
         return super().forward(hidden_states, position_embeddings, attention_mask, None)
 
 
@@ -70,10 +70,12 @@ def kinds(findings: list[Finding]) -> list[str]:
     return [str(f.kind) for f in findings]
 
 
-def contract(mapping: dict[str, type], conversions: dict[str, list[Any]] | None = None,
-             checks: tuple[str, ...] = ("signature", "weights", "plan")) -> list[Finding]:
-    return run_lint(mapping, families=["llama"], conversions=conversions, checks=checks,
-                         structures=meta_structures)
+def contract(
+    mapping: dict[str, type],
+    conversions: dict[str, list[Any]] | None = None,
+    checks: tuple[str, ...] = ("signature", "weights", "plan"),
+) -> list[Finding]:
+    return run_lint(mapping, families=["llama"], conversions=conversions, checks=checks, structures=meta_structures)
 
 
 def test_forward_missing_a_keyword_the_parent_passes_is_a_signature_finding() -> None:
@@ -105,15 +107,21 @@ def test_a_forward_naming_past_key_values_gets_the_cache_rename_named() -> None:
 class RenamedWithoutDecorator(LlamaAttention):
     """A parameter no caller passes while **kwargs swallows the one they do: the rename is guessed."""
 
-    def forward(self, hidden_states: Any, position_embeddings: Any = None, attention_mask: Any = None,
-                kv: Any = None, **kwargs: Any) -> Any:
+    def forward(
+        self,
+        hidden_states: Any,
+        position_embeddings: Any = None,
+        attention_mask: Any = None,
+        kv: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         return super().forward(hidden_states, position_embeddings, attention_mask, kv)
 
 
 def test_a_parameter_no_caller_passes_is_named_as_the_old_spelling() -> None:
     (finding,) = contract({"LlamaAttention": RenamedWithoutDecorator}, checks=("signature",))
     assert finding.kind is Kind.UNUSED_ARGUMENT
-    assert f"its own 'kv' is a parameter LlamaAttention.forward does not take and no caller passes" in finding.message
+    assert "its own 'kv' is a parameter LlamaAttention.forward does not take and no caller passes" in finding.message
     assert f"If 'kv' is what {CACHE!r} was called before, accept {CACHE!r}, or both spellings" in finding.message
 
 
@@ -124,7 +132,9 @@ def test_kwargs_passed_on_to_super_forward_are_not_unused() -> None:
 def test_init_without_layer_idx_is_a_signature_finding() -> None:
     (finding,) = contract({"LlamaAttention": NoLayerIdxAttention}, checks=("signature",))
     assert finding.kind is Kind.SIGNATURE
-    assert "calls it with (config=..., layer_idx=...): got an unexpected keyword argument 'layer_idx'" in finding.message
+    assert (
+        "calls it with (config=..., layer_idx=...): got an unexpected keyword argument 'layer_idx'" in finding.message
+    )
     assert finding.suggestion == "LlamaAttention.__init__(config, layer_idx)"
 
 
@@ -154,7 +164,9 @@ def test_a_conversion_that_does_not_produce_the_names_is_reported() -> None:
 def test_fused_qkv_on_llama_breaks_the_tp_plan_entries_of_q_k_v() -> None:
     findings = contract(llama_fused_qkv.MAPPING, llama_fused_qkv.CONVERSIONS, checks=("plan",))
     assert [f.suggestion for f in findings] == [
-        "layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj", "layers.*.self_attn.v_proj",
+        "layers.*.self_attn.q_proj",
+        "layers.*.self_attn.k_proj",
+        "layers.*.self_attn.v_proj",
     ]
     assert all(f.kind is Kind.PARALLEL_PLAN and "(it has qkv_proj instead)" in f.message for f in findings)
     assert all("prove it sharded with @pytest.mark.parallel('tp')" in f.message for f in findings)
@@ -171,18 +183,29 @@ def test_good_examples_have_a_clean_contract(name: str) -> None:
     patch = load_patch(name)
     if patch.EXPECTED != "equivalent":
         pytest.skip(f"{name} is not a good example ({patch.EXPECTED})")
-    found = run_lint(patch.MAPPING, families=[patch.MODEL_TYPE], conversions=patch.CONVERSIONS,
-                          checks=("signature", "weights"), structures=meta_structures)
+    found = run_lint(
+        patch.MAPPING,
+        families=[patch.MODEL_TYPE],
+        conversions=patch.CONVERSIONS,
+        checks=("signature", "weights"),
+        structures=meta_structures,
+    )
     assert found == []
 
 
 def test_registration_refuses_signature_and_warns_unused() -> None:
     with pytest.raises(PatchUsageError, match=r"\[SIGNATURE\].*layer_idx"):
         lint_for_registration({"LlamaAttention": NoLayerIdxAttention}, families=["llama"], structures=meta_structures)
-    with pytest.warns(ModelPatchWarning, match=r"\[UNUSED_ARGUMENT\].*allow=\{'LlamaAttention': \['UNUSED_ARGUMENT'\]\}"):
+    with pytest.warns(
+        ModelPatchWarning, match=r"\[UNUSED_ARGUMENT\].*allow=\{'LlamaAttention': \['UNUSED_ARGUMENT'\]\}"
+    ):
         lint_for_registration({"LlamaAttention": IgnoresCacheAttention}, families=["llama"], structures=meta_structures)
-    lint_for_registration({"LlamaAttention": IgnoresCacheAttention}, families=["llama"], structures=meta_structures,
-                          allow={"LlamaAttention": ["UNUSED_ARGUMENT"]})
+    lint_for_registration(
+        {"LlamaAttention": IgnoresCacheAttention},
+        families=["llama"],
+        structures=meta_structures,
+        allow={"LlamaAttention": ["UNUSED_ARGUMENT"]},
+    )
 
 
 def test_a_mark_without_its_conversion_fails_at_registration_and_the_good_one_runs(pytester: pytest.Pytester) -> None:
@@ -204,7 +227,9 @@ def test_a_mark_without_its_conversion_fails_at_registration_and_the_good_one_ru
             pass
         """
     )
-    result = pytester.runpytest("-p", "no:xdist", "-p", "no:randomly", "-W", "error::pytest_modelpatch.errors.ModelPatchWarning")
+    result = pytester.runpytest(
+        "-p", "no:xdist", "-p", "no:randomly", "-W", "error::pytest_modelpatch.errors.ModelPatchWarning"
+    )
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*[[]WEIGHT_NAMES[]]*missing keys*qkv_proj*unexpected keys*q_proj*"])
 
@@ -225,10 +250,15 @@ def no_op(family: str, class_name: str) -> type:
 
 
 @pytest.mark.parametrize(("family", "class_name"), PREFIXED_PROJECTORS)
-def test_a_no_op_patch_keeps_the_weight_names_where_conversions_add_the_base_prefix(family: str,
-                                                                                   class_name: str) -> None:
-    assert run_lint({class_name: no_op(family, class_name)}, families=[family], checks=("weights",),
-                         structures=meta_structures) == []
+def test_a_no_op_patch_keeps_the_weight_names_where_conversions_add_the_base_prefix(
+    family: str, class_name: str
+) -> None:
+    assert (
+        run_lint(
+            {class_name: no_op(family, class_name)}, families=[family], checks=("weights",), structures=meta_structures
+        )
+        == []
+    )
 
 
 class RenamedAcousticProjector(VibeVoiceAsrMultiModalProjector):
@@ -241,13 +271,18 @@ class RenamedAcousticProjector(VibeVoiceAsrMultiModalProjector):
 
 
 def test_a_renamed_weight_under_the_base_prefix_is_still_a_weight_names_finding() -> None:
-    (finding,) = run_lint({"VibeVoiceAsrMultiModalProjector": RenamedAcousticProjector},
-                               families=["vibevoice_asr"], checks=("weights",), structures=meta_structures)
+    (finding,) = run_lint(
+        {"VibeVoiceAsrMultiModalProjector": RenamedAcousticProjector},
+        families=["vibevoice_asr"],
+        checks=("weights",),
+        structures=meta_structures,
+    )
     assert finding.kind is Kind.WEIGHT_NAMES
     assert "missing keys (initialised randomly at load): multi_modal_projector.acoustic_in.bias" in finding.message
     # the names from_pretrained(..., output_loading_info=True) reports for this patch
-    assert "unexpected keys (in the checkpoint, ignored): multi_modal_projector.acoustic_linear_1.bias" \
-        in finding.message
+    assert (
+        "unexpected keys (in the checkpoint, ignored): multi_modal_projector.acoustic_linear_1.bias" in finding.message
+    )
     assert finding.suggestion == "WeightRenaming('acoustic_linear_1', 'acoustic_in')"
 
 
@@ -285,8 +320,12 @@ def test_a_no_op_patch_on_vibevoice_asr_runs_and_a_renaming_one_is_refused(pytes
     )
     result = pytester.runpytest("-p", "no:xdist", "-p", "no:randomly")
     result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines(["*ERROR at setup of test_renamed*", "*[[]WEIGHT_NAMES[]]*missing keys*acoustic_in*"
-                                 "unexpected keys*acoustic_linear_1*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_renamed*",
+            "*[[]WEIGHT_NAMES[]]*missing keys*acoustic_in*unexpected keys*acoustic_linear_1*",
+        ]
+    )
 
 
 def test_the_function_the_cli_and_the_marker_give_the_same_findings(pytester: pytest.Pytester) -> None:

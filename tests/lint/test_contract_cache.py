@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from fixtures.patches import llama_fused_qkv
-from pytest_modelpatch.lint.contract import cache as contract_cache, reading as contract_source
+from pytest_modelpatch.lint.contract import cache as contract_cache
+from pytest_modelpatch.lint.contract import reading as contract_source
 from pytest_modelpatch.lint.patterns import Finding, run_lint
 from pytest_modelpatch.lint.scan_index import ScanIndex, load_index
 from pytest_modelpatch.models.structure import meta_structures
@@ -81,9 +82,7 @@ def test_a_corrupt_entry_is_rebuilt_not_trusted(facts_file: Path, index: ScanInd
     assert "layers.0.self_attn.q_proj.weight" in rewritten["originals"]["llama"]["tensors"]
 
 
-def test_a_file_of_another_transformers_or_format_is_ignored_and_replaced(
-    facts_file: Path, index: ScanIndex
-) -> None:
+def test_a_file_of_another_transformers_or_format_is_ignored_and_replaced(facts_file: Path, index: ScanIndex) -> None:
     cold = fused_qkv(index)
     data = json.loads(facts_file.read_text())
     true_module = data["sections"]["modules"][MODELING_LLAMA]

@@ -154,7 +154,9 @@ def test_a_call_the_built_model_never_makes_is_not_judged() -> None:
     mapping = {"^BertAttention$": BertSdpaSelfAttention}
     # BertLayer runs self.crossattention(h, None, enc, enc_mask, cache=..., **kwargs) in a decoder with cross-attention
     (finding,) = [f for f in signature(mapping, "bert") if f.kind is Kind.SIGNATURE]  # no model built: every call
-    assert "calls it with (<0>, <1>, <2>, <3>, cache=..., **...): multiple values for argument 'cache'" in finding.message
+    assert (
+        "calls it with (<0>, <1>, <2>, <3>, cache=..., **...): multiple values for argument 'cache'" in finding.message
+    )
     # the tiny BERT encoder builds no crossattention, so that call is never made
     assert Kind.SIGNATURE not in {f.kind for f in with_models(mapping, families=["bert"], checks=("signature",))}
 
@@ -179,9 +181,14 @@ def test_a_mark_refuses_the_x_attention_at_setup_naming_the_call_site(pytester: 
     )
     result = pytester.runpytest("-p", "no:xdist")
     result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["*ERROR at setup of test_attention*", "*[[]SIGNATURE[]]*Attn*LlamaDecoderLayer "
-                                 "(transformers.models.llama.modeling_llama, line *) calls it with (hidden_states=...*"
-                                 "missing a required argument: 'x'*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_attention*",
+            "*[[]SIGNATURE[]]*Attn*LlamaDecoderLayer "
+            "(transformers.models.llama.modeling_llama, line *) calls it with (hidden_states=...*"
+            "missing a required argument: 'x'*",
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -190,8 +197,21 @@ def test_a_mark_refuses_the_x_attention_at_setup_naming_the_call_site(pytester: 
 
 # deepseek_v4 and lxmert had calls misread as the class's own (two of 12 false findings before #41);
 # blip_2's tiny model cannot be built here, which once read as the replacement's WEIGHT_NAMES failure
-IDENTITY_SAMPLE = ["llama", "gemma", "falcon", "qwen2_moe", "bert", "t5", "llava", "paligemma", "whisper", "mamba",
-                   "deepseek_v4", "lxmert", "blip_2"]
+IDENTITY_SAMPLE = [
+    "llama",
+    "gemma",
+    "falcon",
+    "qwen2_moe",
+    "bert",
+    "t5",
+    "llava",
+    "paligemma",
+    "whisper",
+    "mamba",
+    "deepseek_v4",
+    "lxmert",
+    "blip_2",
+]
 
 
 @pytest.mark.parametrize("family", IDENTITY_SAMPLE)
@@ -205,8 +225,11 @@ def test_classes_replacing_themselves_have_no_contract_finding(family: str) -> N
 def test_across_llama_gemma_and_falcon_every_finding_is_a_run_that_does_not_bind_and_back() -> None:
     outcomes = [(pair, bool(lint_pair(pair)), run_pair(pair)[0]) for pair in role_pairs(["llama", "gemma", "falcon"])]
     decided = [(pair, found, run) for pair, found, run in outcomes if run != "other"]
-    wrong = [f"{pair}: lint {'found' if found else 'passed'}, run {run}" for pair, found, run in decided
-             if found != (run == "binding")]
+    wrong = [
+        f"{pair}: lint {'found' if found else 'passed'}, run {run}"
+        for pair, found, run in decided
+        if found != (run == "binding")
+    ]
     assert wrong == []
     # both sides are in the sample: pairs that do not bind (Falcon's alibi) and pairs that run
     assert {run for _, _, run in decided} == {"binding", "ok"} and len(decided) >= 20

@@ -181,7 +181,9 @@ def test_core_modules_are_those_importing_the_families_loads(built: Built) -> No
         ("sys.version_info >= (3, 12)", {"torch"}, None),
     ],
 )
-def test_if_tests_made_of_availability_checks_are_decided(test: str, installed: set[str], expected: bool | None) -> None:
+def test_if_tests_made_of_availability_checks_are_decided(
+    test: str, installed: set[str], expected: bool | None
+) -> None:
     scanned = SourceFile.read("x = 1\n", installed=lambda name: name in installed)
     node = ast.parse(test, mode="eval").body
     assert scanned.truth(node) is expected

@@ -21,8 +21,8 @@ from pytest_modelpatch.lint.patterns import (
     Kind,
     failing_findings,
     lint_for_registration,
-    run_lint,
     matched_classes,
+    run_lint,
     suggest,
 )
 from pytest_modelpatch.lint.scan_index import INDEX_FORMAT, ScanIndex, _read, changed_packages, index_path, load_index
@@ -293,8 +293,16 @@ def test_containment_covers_the_real_module_tree(index: ScanIndex, family: str) 
     assert checked >= 5
 
 
-@pytest.mark.parametrize(("family", "key"), [("bert", ".*Attention"), ("llama", ".*Layer|.*MLP"), ("t5", ".*Layer"),
-                                             ("qwen2_moe", ".*MoeSparseMoeBlock|.*Experts"), ("clip", ".*Layer|.*MLP")])
+@pytest.mark.parametrize(
+    ("family", "key"),
+    [
+        ("bert", ".*Attention"),
+        ("llama", ".*Layer|.*MLP"),
+        ("t5", ".*Layer"),
+        ("qwen2_moe", ".*MoeSparseMoeBlock|.*Experts"),
+        ("clip", ".*Layer|.*MLP"),
+    ],
+)
 def test_container_findings_hold_in_real_trees(index: ScanIndex, family: str, key: str) -> None:
     model = _meta_model(family)
     seen = {type(m).__name__: m for m in model.modules()}

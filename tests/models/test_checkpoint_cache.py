@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from pytest_modelpatch.errors import CheckpointError
-from pytest_modelpatch.models import checkpoints
-from pytest_modelpatch.models.disk_cache import MANIFEST_FILE, verify_entry
-from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained
 from pytest_modelpatch.families.catalog import tiny_config
+from pytest_modelpatch.models import checkpoints
+from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained
+from pytest_modelpatch.models.disk_cache import MANIFEST_FILE, verify_entry
 
 
 def _fresh(cache: Path) -> Path:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pytest_modelpatch.errors import CheckpointError
-from pytest_modelpatch.models.checkpoints import load_pretrained, seeded_model
 from pytest_modelpatch.families.catalog import tiny_config
+from pytest_modelpatch.models.checkpoints import load_pretrained, seeded_model
 
 
 @pytest.fixture
@@ -23,7 +23,9 @@ def sharded(tmp_path: Path) -> Path:
 def test_an_index_naming_a_missing_shard_names_it(sharded: Path) -> None:
     shard = sorted(sharded.glob("*.safetensors"))[-1]
     shard.unlink()
-    with pytest.raises(CheckpointError, match=rf"model.safetensors.index.json names shard\(s\) .*{shard.name}.*save_pretrained"):
+    with pytest.raises(
+        CheckpointError, match=rf"model.safetensors.index.json names shard\(s\) .*{shard.name}.*save_pretrained"
+    ):
         load_pretrained(sharded)
 
 

@@ -34,7 +34,9 @@ NO_GPU = CudaStatus(available=False, device_count=0)
         ("cpu", FOUR_GPUS, 1, "cpu"),
     ],
 )
-def test_each_xdist_worker_gets_its_own_gpu(requested: str, cuda: CudaStatus, worker: int | None, expected: str) -> None:
+def test_each_xdist_worker_gets_its_own_gpu(
+    requested: str, cuda: CudaStatus, worker: int | None, expected: str
+) -> None:
     assert select_device(requested, cuda, worker) == expected
 
 

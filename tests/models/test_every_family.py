@@ -125,9 +125,9 @@ def test_the_documented_exceptions_are_real_families() -> None:
 def test_sweeps_skip_by_the_tables_docs_families_md_prints() -> None:
     from pytest_modelpatch.families.not_running import NEEDS_TIMM, NOT_RUNNING
 
-    assert {f: f"{stage}: {why}" for f, (stage, why) in NOT_RUNNING.items()} == _documented("Families that do not run here"), (
-        "families/not_running.py's NOT_RUNNING must say what docs/families.md says"
-    )
+    assert {f: f"{stage}: {why}" for f, (stage, why) in NOT_RUNNING.items()} == _documented(
+        "Families that do not run here"
+    ), "families/not_running.py's NOT_RUNNING must say what docs/families.md says"
     assert {f: f"{stage}: {why}" for f, (stage, why) in NEEDS_TIMM.items()} == timm_families()
 
 
@@ -148,9 +148,21 @@ def _coverage(tmp_path: Path, *families: str) -> tuple[str, dict[str, str]]:
     """``model_coverage.py --markdown`` over ``families`` (all when none): its block, and type -> stage."""
     rows = tmp_path / "coverage.json"
     run = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "model_coverage.py"), "--markdown", "--jobs", "2", "--json", str(rows),
-         *families],
-        capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True,
+        [
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "model_coverage.py"),
+            "--markdown",
+            "--jobs",
+            "2",
+            "--json",
+            str(rows),
+            *families,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=True,
     )
     return run.stdout.strip(), {row["model_type"]: row["stage"] for row in json.loads(rows.read_text())}
 
@@ -165,7 +177,9 @@ def test_the_counts_docs_quote_are_what_the_coverage_script_prints(tmp_path: Pat
     assert failing == documented, "the families that fail are not the ones docs/families.md lists (type: stage)"
 
 
-@pytest.mark.skipif(SWEEP != "timm", reason="needs timm and torchvision: MODELPATCH_FAMILY_SWEEP=timm, in CI's vision step")
+@pytest.mark.skipif(
+    SWEEP != "timm", reason="needs timm and torchvision: MODELPATCH_FAMILY_SWEEP=timm, in CI's vision step"
+)
 def test_with_timm_the_timm_families_pass_the_coverage_script_as_docs_quote(tmp_path: Path) -> None:
     assert timm_runs(), "MODELPATCH_FAMILY_SWEEP=timm needs timm to import: bash .ci/setup .venv-vision '' vision"
     block, stages = _coverage(tmp_path, *timm_families())

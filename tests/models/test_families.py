@@ -11,13 +11,18 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from pytest_modelpatch.models.checkpoints import BUILD_INFO_FILE, cached_checkpoint, load_pretrained, parse_dtype, seeded_model
-from pytest_modelpatch.models.specs import resolve_model_spec
-from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.errors import CheckpointError
+from pytest_modelpatch.errors import CheckpointError, PatchUsageError
 from pytest_modelpatch.families.catalog import implicit_rope_defaults, model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs, ordinary_token_ids
 from pytest_modelpatch.isolation.guard import isolated_patch_state
+from pytest_modelpatch.models.checkpoints import (
+    BUILD_INFO_FILE,
+    cached_checkpoint,
+    load_pretrained,
+    parse_dtype,
+    seeded_model,
+)
+from pytest_modelpatch.models.specs import resolve_model_spec
 
 DECODER_FAMILIES = [
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "gemma", "gemma2",
@@ -43,7 +48,9 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 @pytest.mark.parametrize("model_type", DECODER_FAMILIES + ENCODER_FAMILIES)
-def test_family_builds_tiny_runs_forward_and_round_trips_its_cached_checkpoint(model_type: str, cache_dir: Path) -> None:
+def test_family_builds_tiny_runs_forward_and_round_trips_its_cached_checkpoint(
+    model_type: str, cache_dir: Path
+) -> None:
     config = tiny_config(model_type)
     model = seeded_model(config)
     assert sum(p.numel() for p in model.parameters()) < 2_000_000
@@ -192,7 +199,9 @@ def test_unknown_model_type_names_close_matches_and_how_to_list_types() -> None:
         ("llama", "base", "LlamaModel"),
     ],
 )
-def test_model_class_for_prefers_masked_then_causal_lm_then_base(model_type: str, task: str | None, expected: str) -> None:
+def test_model_class_for_prefers_masked_then_causal_lm_then_base(
+    model_type: str, task: str | None, expected: str
+) -> None:
     assert model_class_for(tiny_config(model_type), task).__name__ == expected
 
 

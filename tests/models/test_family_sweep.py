@@ -54,7 +54,9 @@ def test_a_llama_style_norm_passes_on_llama_mistral_llava_and_fails_on_the_gemma
     for family in ("llama", "mistral", "llava"):
         result.stdout.fnmatch_lines([f"PASSED test_sweep.py::test_norm[[]{family}[]]"], consecutive=False)
     for family in ("gemma", "paligemma"):
-        result.stdout.fnmatch_lines([f"FAILED test_sweep.py::test_norm[[]{family}[]] - AssertionError*"], consecutive=False)
+        result.stdout.fnmatch_lines(
+            [f"FAILED test_sweep.py::test_norm[[]{family}[]] - AssertionError*"], consecutive=False
+        )
     result.stdout.fnmatch_lines(["*first diverging module: *layers.0.input_layernorm (GemmaRMSNorm*"])
     assert "SIGNATURE" not in result.stdout.str() and "PatchUsageError" not in result.stdout.str()
 
@@ -116,7 +118,9 @@ def test_families_patched_runs_every_family_the_mapping_reaches_towers_included(
     assert "GemmaRMSNorm" in sweeps["test_patched.py::test_llama_norm"]["gemma"]["divergence"]
 
 
-def test_families_all_runs_every_family_and_skips_the_documented_ones_with_their_reason(pytester: pytest.Pytester) -> None:
+def test_families_all_runs_every_family_and_skips_the_documented_ones_with_their_reason(
+    pytester: pytest.Pytester,
+) -> None:
     from pytest_modelpatch.families.catalog import available_model_types
 
     pytester.makepyfile(
@@ -156,7 +160,9 @@ def test_a_families_sweep_that_cannot_be_resolved_is_a_usage_error_naming_the_te
     result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
     result.assert_outcomes(errors=len(UNRESOLVABLE))
     for case, (_, message) in UNRESOLVABLE.items():
-        result.stdout.fnmatch_lines([f"PatchUsageError: @pytest.mark.model on test_{case}.py::test_swept: {message}"], consecutive=False)
+        result.stdout.fnmatch_lines(
+            [f"PatchUsageError: @pytest.mark.model on test_{case}.py::test_swept: {message}"], consecutive=False
+        )
     assert "_caller.py" not in result.stdout.str()  # the message, not a traceback through pluggy and the plugin
 
 
@@ -231,7 +237,9 @@ def test_xlm_alone(reference_model, patched_model):
     pass
 """
 
-SDPA_REFUSAL = "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention yet"
+SDPA_REFUSAL = (
+    "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention yet"
+)
 
 
 def test_a_refused_implementation_is_not_applicable_in_a_sweep_and_an_error_alone(pytester: pytest.Pytester) -> None:

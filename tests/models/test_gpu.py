@@ -85,7 +85,9 @@ def test_stock(reference_model, patched_model):
 
 def test_report_rows_and_header_carry_this_gpus_name(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(ROW_ON_THE_GPU)
-    result = pytester.runpytest("--modelpatch-device", "cuda", "--modelpatch-require-gpu", "--modelpatch-report", "r.json")
+    result = pytester.runpytest(
+        "--modelpatch-device", "cuda", "--modelpatch-require-gpu", "--modelpatch-report", "r.json"
+    )
     result.assert_outcomes(passed=1)
     data = json.loads((pytester.path / "r.json").read_text())
     name = torch.cuda.get_device_name(0)

@@ -30,7 +30,11 @@ def sweeps_module() -> ModuleType:
 def test_a_few_families_pass_skip_the_refused_and_explain_paligemma() -> None:
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--jobs", "1", "--families", "llama", "xlm", "qwen3_moe", "paligemma", "bark"],
-        capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
@@ -38,12 +42,17 @@ def test_a_few_families_pass_skip_the_refused_and_explain_paligemma() -> None:
     # forward could make it an error); only qwen3_moe has experts
     assert lines[2] == '| `attn_implementation="sdpa"` against eager | 2 | 1 | 2 | 0 | 0 |', run.stdout
     assert lines[3] == '| `experts_implementation="grouped_mm"` against eager | 1 | 0 | 4 | 0 | 0 |', run.stdout
-    assert any(line.startswith("  sdpa: paligemma fails") and "language_model.layers.0.self_attn" in line for line in lines)
+    assert any(
+        line.startswith("  sdpa: paligemma fails") and "language_model.layers.0.self_attn" in line for line in lines
+    )
 
 
 def test_the_job_fails_on_round_off_on_an_unexplained_failure_and_on_a_stale_entry() -> None:
     sweeps = sweeps_module()
-    known = {("paligemma", "sdpa"): "language_model.layers.0.self_attn", ("aimv2", "sdpa"): "text_model.encoder.layers.0.attention"}
+    known = {
+        ("paligemma", "sdpa"): "language_model.layers.0.self_attn",
+        ("aimv2", "sdpa"): "text_model.encoder.layers.0.attention",
+    }
     where = "first diverging module: language_model.layers.0.self_attn (GemmaAttention)"
     result = sweeps.SweepResult("sdpa", {"passed": ["llama", "aimv2"], "failed": ["paligemma", "glm5_next", "mystery"],
                                          "errors": ["broken"]},
@@ -57,7 +66,9 @@ def test_the_job_fails_on_round_off_on_an_unexplained_failure_and_on_a_stale_ent
         "difference for it",
         "sdpa: aimv2 is listed as a known difference but no longer fails: update docs/families.md",
     ]
-    moved = sweeps.SweepResult("sdpa", {"failed": ["paligemma"]}, failures={"paligemma": (2.77, "first diverging module: x.y (Z)")})
+    moved = sweeps.SweepResult(
+        "sdpa", {"failed": ["paligemma"]}, failures={"paligemma": (2.77, "first diverging module: x.y (Z)")}
+    )
     assert sweeps.problems({"sdpa": moved}, {("paligemma", "sdpa"): "language_model.layers.0.self_attn"}) == [
         "sdpa: paligemma now diverges elsewhere (first diverging module: x.y (Z)); docs/families.md names "
         "language_model.layers.0.self_attn"

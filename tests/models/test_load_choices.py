@@ -81,8 +81,14 @@ def test_a_custom_attention_is_judged_against_eager_and_a_wrong_scale_fails(pyte
     assert implementations["patched"]["attention"] == "wrong_scale_attn"
     assert rows["test_attention.py::test_good"]["implementations"]["patched"]["attention"] == "good_attn"
     result.stdout.fnmatch_lines(["FAILED test_attention.py::test_wrong_scale*"])
-    result.stdout.fnmatch_lines(["*test_shared_on_the_model_marker_warns: @pytest.mark.model(attn_implementation='wrong_scale_attn') loads both models*cannot judge it*"])
-    result.stdout.fnmatch_lines(["*attn_implementation='good_atn' is not an attention implementation. Did you mean 'good_attn'*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*test_shared_on_the_model_marker_warns: @pytest.mark.model(attn_implementation='wrong_scale_attn') loads both models*cannot judge it*"
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        ["*attn_implementation='good_atn' is not an attention implementation. Did you mean 'good_attn'*"]
+    )
 
 
 EXPERTS = """
@@ -216,7 +222,9 @@ def test_bad_load_choices_are_usage_errors(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
     result.assert_outcomes(errors=3)
     result.stdout.fnmatch_lines(["*transform must be a callable fn(model) returning a model or None*"])
-    result.stdout.fnmatch_lines(["*experts_implementation='batchd_mm' is not an experts implementation. Did you mean 'batched_mm'*"])
+    result.stdout.fnmatch_lines(
+        ["*experts_implementation='batchd_mm' is not an experts implementation. Did you mean 'batched_mm'*"]
+    )
     result.stdout.fnmatch_lines(["*load_kwargs must be a dict of from_pretrained keywords*"])
 
 
@@ -351,7 +359,9 @@ def test_lora(reference_model, roundtrip):
 """
 
 
-def test_a_roundtrip_saves_the_transformed_model_and_a_transform_that_changes_a_weight_fails(pytester: pytest.Pytester) -> None:
+def test_a_roundtrip_saves_the_transformed_model_and_a_transform_that_changes_a_weight_fails(
+    pytester: pytest.Pytester,
+) -> None:
     pytester.makepyfile(test_roundtrip_choices=ROUNDTRIP)
     result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
     result.assert_outcomes(passed=1, failed=2)
@@ -407,7 +417,9 @@ def test_a_composite_models_implementations_are_reported_per_tower(pytester: pyt
     towers = ("attention", "attention.vision_config", "attention.text_config")
     assert attention == {"reference": dict.fromkeys(towers, "eager"), "patched": dict.fromkeys(towers, "sdpa")}
     # a tower on another implementation than its model is named in the failure
-    result.stdout.fnmatch_lines(["E*implementations: attention eager (reference) vs wrong_scale_attn (vision_config: eager) (patched)"])
+    result.stdout.fnmatch_lines(
+        ["E*implementations: attention eager (reference) vs wrong_scale_attn (vision_config: eager) (patched)"]
+    )
     patched = rows["test_towers.py::test_one_tower_left_on_eager"]["implementations"]["patched"]
     assert (patched["attention.vision_config"], patched["attention.text_config"]) == ("eager", "wrong_scale_attn")
 

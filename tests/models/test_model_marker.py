@@ -65,7 +65,9 @@ def test_attn_implementation_reaches_the_models_it_hides_a_sdpa_only_bug(pyteste
     )
     result = pytester.runpytest(*RUN)
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*_ test_sdpa _*", "*AssertionError: patched LlamaForCausalLM differs from reference*"])
+    result.stdout.fnmatch_lines(
+        ["*_ test_sdpa _*", "*AssertionError: patched LlamaForCausalLM differs from reference*"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -99,8 +101,8 @@ def test_an_alias_from_the_attribute_map_is_a_valid_override() -> None:
 
 
 def test_seed_and_init_are_refused_for_a_checkpoint_with_its_own_weights(tmp_path: Path) -> None:
-    from pytest_modelpatch.models.checkpoints import cached_checkpoint
     from pytest_modelpatch.families.catalog import tiny_config
+    from pytest_modelpatch.models.checkpoints import cached_checkpoint
 
     path = cached_checkpoint(tiny_config("llama"), cache_dir=tmp_path)
     with pytest.raises(PatchUsageError, match=r"seed shape the seeded tiny checkpoints, but .* has its own weights"):
@@ -119,7 +121,9 @@ def test_a_misspelled_override_is_a_setup_error_in_a_real_run(pytester: pytest.P
     )
     result = pytester.runpytest(*RUN)
     result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["*num_hiden_layers=5 is not a field of LlamaConfig*Did you mean 'num_hidden_layers'?*"])
+    result.stdout.fnmatch_lines(
+        ["*num_hiden_layers=5 is not a field of LlamaConfig*Did you mean 'num_hidden_layers'?*"]
+    )
 
 
 # Counts the calls of the name resolve_model_spec reaches tiny_config by, per test item. The

@@ -157,8 +157,12 @@ def test_in_a_sweep_a_key_that_replaces_nothing_anywhere_is_a_usage_error_with_a
     # a usage error found at collection fails its own test at setup, with the message
     result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-q")
     assert result.parseoutcomes().get("errors") == 1, result.stdout.str()
-    result.stdout.fnmatch_lines(["*'^MistralRMSNrom$' replace(s) no class of any family this sweep runs*"
-                                 "@pytest.mark.patch(..., allow={'^MistralRMSNrom$': [[]'NO_MATCH'[]]})*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*'^MistralRMSNrom$' replace(s) no class of any family this sweep runs*"
+            "@pytest.mark.patch(..., allow={'^MistralRMSNrom$': [[]'NO_MATCH'[]]})*"
+        ]
+    )
     pytester.makepyfile(test_typo=TYPO.format(allow=", allow={'^MistralRMSNrom$': ['NO_MATCH']}"))
     followed = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "--collect-only", "-q")
     followed.stdout.fnmatch_lines(["test_typo.py::test_typo[[]mistral[]]"], consecutive=False)

@@ -63,9 +63,13 @@ def test_a_patched_model_with_no_patch_fails_naming_what_is_missing_and_a_real_p
     result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-W", "ignore::pytest.PytestUnknownMarkWarning")
     result.assert_outcomes(passed=4, errors=3)
     for name in ("test_nothing", "test_marked_but_empty"):
-        result.stdout.fnmatch_lines([f"*ERROR at setup of {name}*",
-                                     "*PatchUsageError: *patched_model: nothing patches this model: no class "
-                                     "mapping or conversions are registered, no method or context patch is active*"])
+        result.stdout.fnmatch_lines(
+            [
+                f"*ERROR at setup of {name}*",
+                "*PatchUsageError: *patched_model: nothing patches this model: no class "
+                "mapping or conversions are registered, no method or context patch is active*",
+            ]
+        )
     result.stdout.fnmatch_lines(["*ERROR at setup of test_misspelled*", "*Did you mean @pytest.mark.patch?*"])
     result.stdout.fnmatch_lines(["*@pytest.mark.patch(unpatched=True)*"])
 

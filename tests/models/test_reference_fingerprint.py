@@ -11,8 +11,8 @@ import torch
 
 from fixtures import load_patch
 from pytest_modelpatch.errors import ReferenceNotPristineError
-from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.families.inputs import example_inputs
+from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 from pytest_modelpatch.models.reference import _RECORD
 
 
@@ -67,7 +67,8 @@ def _replace_hook_table(model: torch.nn.Module) -> Callable[[], None]:
 
 
 @pytest.mark.parametrize(
-    "change", [_rebind_mlp_forward, _add_method, _swap_submodule, _reclass_module, _drop_capture_hooks, _replace_hook_table]
+    "change",
+    [_rebind_mlp_forward, _add_method, _swap_submodule, _reclass_module, _drop_capture_hooks, _replace_hook_table],
 )
 def test_the_fast_check_reports_what_the_full_check_reports_after_a_change(
     reference: torch.nn.Module, change: Callable[[torch.nn.Module], Callable[[], None]]

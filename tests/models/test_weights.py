@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained, seeded_model
 from pytest_modelpatch.families.catalog import tiny_config
+from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained, seeded_model
 from pytest_modelpatch.models.weights import spread_weights
 
 RUN = ("-p", "no:randomly", "-p", "no:xdist")
@@ -74,7 +74,7 @@ def test_an_unknown_init_names_the_schemes() -> None:
 
 # -- the bugs transformers' default init hides, caught in real pytest runs ------------
 
-BUGS = '''
+BUGS = """
 import pytest
 import torch
 from torch import nn
@@ -105,7 +105,7 @@ def test_llama_norm(reference_model, patched_model):
 @pytest.mark.patch({{"BertSelfOutput": SelfOutputWithoutBias}})
 def test_bert_bias(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
-'''
+"""
 
 
 def test_a_norm_ignoring_its_weight_and_a_dropped_bias_fail_on_the_default_tiny_models(

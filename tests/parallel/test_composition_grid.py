@@ -76,8 +76,11 @@ SUBJECTS: dict[str, dict[str, Subject]] = {
     where: {
         "stock": STOCK,
         "kernel": Subject("fused SwiGLU MLP", _SWIGLU),
-        "broken": Subject("its twin without the up gradient", _SWIGLU.replace("swiglu.", "swiglu_broken."),
-                          fails=("backward", "trains", "sequence")),
+        "broken": Subject(
+            "its twin without the up gradient",
+            _SWIGLU.replace("swiglu.", "swiglu_broken."),
+            fails=("backward", "trains", "sequence"),
+        ),
     }  # fmt: skip
     for where in ("one", "fsdp", "ddp")
 }
@@ -87,7 +90,7 @@ SUBJECTS["tp"] = {
     "broken": Subject("its twin with the packed plan", _QKV.format("TP_PLAN_PACKED"), fails=tuple(CHECKS)),
 }
 
-INNER_HEAD = f'''
+INNER_HEAD = f"""
 import os
 from pathlib import Path
 
@@ -121,9 +124,9 @@ def run(check, reference, patched, nodeid):
         assert_equivalent(reference, patched)
         assert_trains_equivalent(reference, patched, steps={STEPS})
         assert_equivalent(reference, patched)
-'''
+"""
 
-INNER_TEST = '''
+INNER_TEST = """
 
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize("dtype", {dtypes!r}, indirect=True)
@@ -132,7 +135,7 @@ INNER_TEST = '''
 {parallel}
 def test_{what}_{where}(reference_model, patched_model, check, request):
     run(check, reference_model, patched_model, request.node.nodeid)
-'''
+"""
 
 # the controller's reports, one JSON line each (the ranks' own sessions write nothing)
 INNER_CONFTEST = """

@@ -91,7 +91,9 @@ def test_one_rank():
 """
 
 
-def test_plan_entries_and_parallel_marks_that_cannot_work_are_usage_errors_naming_the_fix(pytester: pytest.Pytester) -> None:
+def test_plan_entries_and_parallel_marks_that_cannot_work_are_usage_errors_naming_the_fix(
+    pytester: pytest.Pytester,
+) -> None:
     pytester.makepyfile(test_misuse=TP_PLAN_MISUSE)
     result = pytester.runpytest()
     result.assert_outcomes(errors=4)

@@ -130,7 +130,12 @@ def test_tensor_parallel_checks_pass_what_shards_right_and_fail_what_does_not(py
     by_test = {(r["nodeid"].rpartition("::")[2], r["kind"]): r for r in rows}
     stock = by_test[("test_stock_llama", "equivalence")]
     assert stock["outcome"] == "passed" and stock["parallel"] == {"kind": "tp", "world_size": 2, "rank": 0}
-    assert {kind for test, kind in by_test if test == "test_stock_llama"} == {"equivalence", "backward", "decode", "compile"}
+    assert {kind for test, kind in by_test if test == "test_stock_llama"} == {
+        "equivalence",
+        "backward",
+        "decode",
+        "compile",
+    }
     packed = by_test[("test_fused_qkv_packed_plan", "equivalence")]
     assert packed["outcome"] == "failed" and packed["max_abs_error"] > 1 and packed["parallel"]["kind"] == "tp"
     assert by_test[("test_fused_qkv_packed_plan_in_one_process", "equivalence")]["max_abs_error"] == 0

@@ -12,7 +12,6 @@ from typing import Any
 from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.reporting.report import row_from_record, write_report
 
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -40,7 +39,10 @@ def test_gate_passes_and_appends_a_markdown_summary(tmp_path: Path) -> None:
     assert result.stdout.startswith("modelpatch gate PASSED: 2 checks against baseline base.json, 0 failures\n")
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("earlier step\n### :white_check_mark: modelpatch gate passed\n")
-    assert "| passed | 1.5e-06 | - | equivalence#1 | LlamaForCausalLM | -@- | `tests/test_patches.py::test_attn` |" in summary
+    assert (
+        "| passed | 1.5e-06 | - | equivalence#1 | LlamaForCausalLM | -@- | `tests/test_patches.py::test_attn` |"
+        in summary
+    )
 
 
 def test_gate_exits_1_naming_a_grown_and_a_missing_check(tmp_path: Path) -> None:

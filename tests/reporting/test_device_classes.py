@@ -37,7 +37,9 @@ A10, H100 = "NVIDIA A10G", "NVIDIA H100 80GB HBM3"
         ("meta", (A10,), 0, "meta"),
     ],
 )
-def test_a_device_class_is_the_gpus_name_or_the_device_type(device: str, names: tuple[str, ...], current: int, expected: str) -> None:
+def test_a_device_class_is_the_gpus_name_or_the_device_type(
+    device: str, names: tuple[str, ...], current: int, expected: str
+) -> None:
     assert device_class(device, names, current) == expected
 
 
@@ -66,7 +68,11 @@ def test_the_header_names_the_default_devices_class_and_every_class_the_rows_ran
     monkeypatch.setattr(session, "gpu_names", lambda: names)
     roundtrip = row_from_record(CheckRecord(kind="roundtrip", outcome="passed", device="cpu"), "t.py::test_a", 1)
     header = report_header(pytestconfig, 0, [roundtrip], default)
-    assert (header["default_device"], header["default_device_class"], header["accelerators"]) == (default, expected, list(names))
+    assert (header["default_device"], header["default_device_class"], header["accelerators"]) == (
+        default,
+        expected,
+        list(names),
+    )
     assert header["device_classes"] == (["cpu", H100] if expected == H100 else ["cpu"])
 
 
@@ -80,7 +86,9 @@ def _v2_report(path: Path, rows: list[dict[str, Any]], accelerators: list[str]) 
 
 
 def _row(nodeid: str, error: float, device: str = "cpu", outcome: str = "passed") -> dict[str, Any]:
-    record = CheckRecord(kind="equivalence", outcome=outcome, model="LlamaForCausalLM", device=device, max_abs_error=error)
+    record = CheckRecord(
+        kind="equivalence", outcome=outcome, model="LlamaForCausalLM", device=device, max_abs_error=error
+    )
     return row_from_record(record, nodeid, 1, (A10,) if device.startswith("cuda") else ())
 
 
@@ -102,7 +110,9 @@ def test_a_version_2_baseline_is_judged_as_the_devices_its_rows_name(tmp_path: P
 def test_a_report_of_a_newer_schema_is_refused_naming_the_upgrade(tmp_path: Path) -> None:
     path = tmp_path / "future.json"
     path.write_text(json.dumps({"schema_version": 99, "header": {}, "rows": []}))
-    with pytest.raises(ReportFileError, match=r"future.json: schema_version 99 is newer than this pytest-modelpatch reads \(4\)"):
+    with pytest.raises(
+        ReportFileError, match=r"future.json: schema_version 99 is newer than this pytest-modelpatch reads \(4\)"
+    ):
         load_report(path)
     path.write_text(json.dumps({"schema_version": "3", "header": {}, "rows": []}))
     with pytest.raises(ReportFileError, match="not a modelpatch JSON report"):

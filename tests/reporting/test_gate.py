@@ -72,7 +72,9 @@ def test_baseline_passes_then_fails_when_the_patch_drifts_or_a_check_is_removed(
     (pytester.path / "test_mlp_suite.py").unlink()
     removed = pytester.runpytest("-p", "no:xdist", *baseline)
     assert removed.ret == pytest.ExitCode.TESTS_FAILED
-    removed.stdout.fnmatch_lines(["FAIL test_mlp_suite.py::test_mlp module#1 (*): in the baseline * but did not run; *"])
+    removed.stdout.fnmatch_lines(
+        ["FAIL test_mlp_suite.py::test_mlp module#1 (*): in the baseline * but did not run; *"]
+    )
 
 
 def test_bad_gate_settings_are_usage_errors_at_startup(pytester: pytest.Pytester) -> None:
@@ -116,7 +118,9 @@ def test_thresholds_and_failed_checks_fail_without_a_baseline() -> None:
 
 def test_new_checks_are_noted_not_failed_and_markdown_shows_the_verdict() -> None:
     verdict = evaluate([_row("a.py::t", 0.0), _row("new.py::t", 0.1)], Thresholds(), [_row("a.py::t", 0.0)], "b.json")
-    assert verdict.passed and verdict.notes == ["1 checks not in the baseline (e.g. new.py::t equivalence#1 (LlamaForCausalLM))"]
+    assert verdict.passed and verdict.notes == [
+        "1 checks not in the baseline (e.g. new.py::t equivalence#1 (LlamaForCausalLM))"
+    ]
     markdown = verdict.markdown([_row("a.py::t", 0.0), _row("new.py::t", 0.1)])
     assert markdown.startswith("### :white_check_mark: modelpatch gate passed\n")
     table = [line for line in markdown.splitlines() if line.startswith("| passed")]
@@ -149,7 +153,9 @@ def test_a_scope_expects_a_baseline_row_only_from_tests_it_selected_on_devices_i
 
     selection = {"paths": ["tests/a"], "selected": ["tests/a/test_x.py::t"], "deselected": ["tests/a/test_x.py::u"]}
     rows = [_on(H100, "tests/a/test_x.py::t", 0.0), _on("cpu", "tests/a/test_x.py::t", 0.0, check="roundtrip")]
-    run = merge_reports([("h100.json", {"header": {"default_device_class": H100}, "rows": rows, "selection": selection})])
+    run = merge_reports(
+        [("h100.json", {"header": {"default_device_class": H100}, "rows": rows, "selection": selection})]
+    )
     assert run.device_classes == {H100, "cpu"}
     # a check that ran here on the GPU is not expected on the CPU, though its test's round trip ran there
     assert run.not_expected(("tests/a/test_x.py::t", "equivalence#1", "cpu")) == "that ran on other devices"
@@ -167,23 +173,32 @@ def test_shards_of_one_device_on_different_versions_warn_and_other_devices_only_
         header = {"default_device_class": device, "versions": {"torch": torch, "transformers": "5.24.0"}}
         return name, {"header": header, "rows": [_on(device, nodeid, 0.0)]}
 
-    run = merge_reports([shard("cpu-1.json", "cpu", "2.13.0+cpu", "a.py::t"), shard("h100.json", H100, "2.13.0+cu128", "a.py::t")])
+    run = merge_reports(
+        [shard("cpu-1.json", "cpu", "2.13.0+cpu", "a.py::t"), shard("h100.json", H100, "2.13.0+cu128", "a.py::t")]
+    )
     assert run.notes == ["versions differ between reports: torch 2.13.0+cpu (cpu-1.json), 2.13.0+cu128 (h100.json)"]
     assert run.warnings == []
-    run = merge_reports([shard("cpu-1.json", "cpu", "2.13.0", "a.py::t"), shard("cpu-2.json", "cpu", "2.12.0", "b.py::t")])
+    run = merge_reports(
+        [shard("cpu-1.json", "cpu", "2.13.0", "a.py::t"), shard("cpu-2.json", "cpu", "2.12.0", "b.py::t")]
+    )
     assert run.warnings == [
         "reports cpu-1.json, cpu-2.json ran on cpu with different versions: torch 2.13.0 (cpu-1.json), 2.12.0 (cpu-2.json); "
         "their figures may differ by version, not by patch: run every shard of one device on the same versions"
     ]
     verdict = evaluate(run.rows, Thresholds(), run=run)
-    assert verdict.passed and str(verdict).splitlines()[1].startswith("WARNING reports cpu-1.json, cpu-2.json ran on cpu")
+    assert verdict.passed and str(verdict).splitlines()[1].startswith(
+        "WARNING reports cpu-1.json, cpu-2.json ran on cpu"
+    )
 
 
 def test_a_check_two_jobs_ran_on_one_device_keeps_the_row_of_the_job_for_that_device() -> None:
     from pytest_modelpatch.reporting.shards import merge_reports, updated_baseline
 
     cpu_job = ("cpu.json", {"header": {"default_device_class": "cpu"}, "rows": [_on("cpu", "a.py::t", 1e-7)]})
-    gpu_job = ("h100.json", {"header": {"default_device_class": H100}, "rows": [_on("cpu", "a.py::t", 3e-7), _on(H100, "b.py::t", 0.0)]})
+    gpu_job = (
+        "h100.json",
+        {"header": {"default_device_class": H100}, "rows": [_on("cpu", "a.py::t", 3e-7), _on(H100, "b.py::t", 0.0)]},
+    )
     run = merge_reports([gpu_job, cpu_job])  # the GPU job ran a.py::t on the CPU too (a test marked cpu): a matrix
     assert len(run.rows) == 3 and evaluate(run.rows, Thresholds(), [_on("cpu", "a.py::t", 1e-7)], run=run).checks == 3
     rows, kept = updated_baseline([_on("cpu", "old.py::t", 0.5), _on("NVIDIA A10G", "a.py::t", 0.5)], run)

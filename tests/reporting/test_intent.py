@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import re
-
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,9 @@ from pytest_modelpatch import assert_equivalent
 BROKEN = pytest.mark.patch(broken.MAPPING, conversions=broken.CONVERSIONS)
 """
 
-MEANT_TO_FAIL = HEADER + """
+MEANT_TO_FAIL = (
+    HEADER
+    + """
 
 @pytest.mark.xfail(strict=True, reason="non-causal attention")
 @pytest.mark.model("llama")
@@ -44,14 +45,18 @@ def test_caught(reference_model, patched_model):
 def test_good(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
 """
+)
 
-REAL_FAILURE = HEADER + """
+REAL_FAILURE = (
+    HEADER
+    + """
 
 @pytest.mark.model("llama")
 @BROKEN
 def test_not_meant_to_fail(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
 """
+)
 
 
 def gate(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -84,7 +89,10 @@ def test_strict_xfail_and_caught_failures_pass_pytest_and_the_gate(pytester: pyt
     assert not rows["test_good"]["expected_failure"]
     checked = gate("r.json", cwd=pytester.path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "note 2 checks in tests meant to fail (xfail or a caught AssertionError), not gated: 2 xfailed" in checked.stdout
+    assert (
+        "note 2 checks in tests meant to fail (xfail or a caught AssertionError), not gated: 2 xfailed"
+        in checked.stdout
+    )
     assert re.search(r"\| xfailed \| \d[\d.e+-]* \|", checked.stdout), checked.stdout  # its real, nonzero error
 
 
@@ -96,7 +104,10 @@ def test_an_uncaught_failing_check_still_fails_pytest_and_the_gate(pytester: pyt
     assert (row["outcome"], row["expected_failure"], row["intent"]) == ("failed", False, "")
     checked = gate("r.json", cwd=pytester.path)
     assert checked.returncode == 1
-    assert re.search(r"FAIL test_real.py::test_not_meant_to_fail equivalence#1 \(LlamaForCausalLM, [^)]+\): the check failed", checked.stdout)
+    assert re.search(
+        r"FAIL test_real.py::test_not_meant_to_fail equivalence#1 \(LlamaForCausalLM, [^)]+\): the check failed",
+        checked.stdout,
+    )
 
 
 def test_baseline_tracks_expected_failures_without_gating_their_figures(pytester: pytest.Pytester) -> None:

@@ -9,11 +9,10 @@ from typing import Any
 
 import pytest
 
-from tests.reporting.test_cli_gate import modelpatch
-
 from pytest_modelpatch.reporting.gate import Thresholds, evaluate
 from pytest_modelpatch.reporting.report import load_report, write_report
 from pytest_modelpatch.reporting.shards import merge_reports
+from tests.reporting.test_cli_gate import modelpatch
 
 SUITE = """
 import pytest
@@ -69,8 +68,9 @@ def test_a_setup_error_without_a_row_fails_the_gate_and_a_clean_report_passes(
     assert "- :x: test_suite.py::test_errors_in_setup: the test errored in setup" in gate.stdout  # the markdown
     assert "4 tests: 1 error, 1 passed, 1 skipped, 1 xfailed" in gate.stdout
 
-    clean = pytester.runpytest("-p", "no:randomly", *xdist_args, "-k", "not errors",
-                               "--modelpatch-report", "clean.json")
+    clean = pytester.runpytest(
+        "-p", "no:randomly", *xdist_args, "-k", "not errors", "--modelpatch-report", "clean.json"
+    )
     clean.assert_outcomes(passed=1, skipped=1, xfailed=1)
     passed = modelpatch("gate", "clean.json", cwd=pytester.path)
     assert passed.returncode == 0, passed.stdout + passed.stderr

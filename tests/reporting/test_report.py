@@ -121,7 +121,11 @@ def _row(nodeid: str, kind: str, error: float | None, index: int = 1) -> dict[st
 
 
 def test_rows_sort_by_test_then_kind_then_order_within_the_test() -> None:
-    rows = [_row("b.py::t", "module", 0.0), _row("a.py::t", "equivalence", 0.0, 10), _row("a.py::t", "equivalence", 0.0, 2)]
+    rows = [
+        _row("b.py::t", "module", 0.0),
+        _row("a.py::t", "equivalence", 0.0, 10),
+        _row("a.py::t", "equivalence", 0.0, 2),
+    ]
     assert [(r["nodeid"], r["check"]) for r in sort_rows(rows)] == [
         ("a.py::t", "equivalence#2"), ("a.py::t", "equivalence#10"), ("b.py::t", "module#1"),
     ]  # fmt: skip
@@ -138,7 +142,9 @@ def test_summary_table_puts_the_worst_error_first_and_caps_its_length() -> None:
 
 def test_summary_table_puts_failures_first_and_orders_figures_as_printed() -> None:
     failed = row_from_record(CheckRecord(kind="equivalence", outcome="failed", max_abs_error=1e-3), "d.py::t", 1)
-    meant = row_from_record(CheckRecord(kind="equivalence", outcome="failed", max_abs_error=5.0, expected_failure=True), "e.py::t", 1)
+    meant = row_from_record(
+        CheckRecord(kind="equivalence", outcome="failed", max_abs_error=5.0, expected_failure=True), "e.py::t", 1
+    )
     # 1.2301 and 1.2299 print alike (1.23): CPU round-off must not reorder them, their ids do
     rows = [_row("b.py::t", "equivalence", 1.2301), _row("a.py::t", "equivalence", 1.2299), failed, meant]
     order = [line.split()[-1] for line in summary_lines(rows)[1:]]

@@ -134,7 +134,11 @@ def test_the_validator_rejects_what_the_schema_forbids(tmp_path: Path) -> None:
     row = row_from_record(CheckRecord(kind="equivalence", outcome="passed", max_abs_error=0.0), "t.py::test_a", 1)
     good = {"schema_version": 4, "header": {"seed": 0}, "rows": [row]}
     assert schema_errors(good, schema, schema) == []
-    for broken in ({**row, "max_abs_error": "Infinity"}, {**row, "outcome": "xfailed"}, {**row, "expected_failure": "yes"}):
+    for broken in (
+        {**row, "max_abs_error": "Infinity"},
+        {**row, "outcome": "xfailed"},
+        {**row, "expected_failure": "yes"},
+    ):
         assert schema_errors({**good, "rows": [broken]}, schema, schema), broken
     assert schema_errors({"header": {}, "rows": []}, schema, schema) == ["$: missing 'schema_version'"]
     with pytest.raises(ValueError, match="bare Infinity"):
@@ -150,7 +154,11 @@ def test_a_report_with_a_family_sweep_is_valid_and_a_wrong_outcome_is_not(tmp_pa
     write_report(tmp_path / "r.json", {"seed": 0}, [row_from_record(record, "t.py::test_norm[gemma]", 1)], sweeps)
     data = assert_valid_report(tmp_path / "r.json")
     assert data["sweeps"]["t.py::test_norm"]["gemma"] == {"outcome": "failed", "divergence": where}
-    assert data["sweeps"]["t.py::test_norm"]["xlm"] == {"outcome": "not applicable", "divergence": "", "reason": refusal}
+    assert data["sweeps"]["t.py::test_norm"]["xlm"] == {
+        "outcome": "not applicable",
+        "divergence": "",
+        "reason": refusal,
+    }
     schema = json.loads(SCHEMA_FILE.read_text())
     data["sweeps"]["t.py::test_norm"]["llama"]["outcome"] = "ok"
     assert schema_errors(data, schema, schema), "an outcome outside the enum must be refused"

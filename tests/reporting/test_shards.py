@@ -106,7 +106,9 @@ def test_two_k_shards_gated_together_pass_and_a_worse_check_in_either_fails(
 
     merged = gate("--markdown", "summary.md")
     assert merged.returncode == 0, merged.stdout + merged.stderr
-    assert merged.stdout.startswith("modelpatch gate PASSED: 2 checks from 2 reports against baseline base.json, 0 failures\n")
+    assert merged.stdout.startswith(
+        "modelpatch gate PASSED: 2 checks from 2 reports against baseline base.json, 0 failures\n"
+    )
     assert "#### cpu: 2 checks, 0 failures\n" in (suite.path / "summary.md").read_text()
 
     for shard, name, test, args in (("shard-1.json", "ATTENTION", ATTENTION, ("-k", "attention")),
@@ -179,7 +181,9 @@ def test_a_cpu_run_is_judged_on_the_cpu_rows_only_and_a_gpu_with_no_rows_is_new_
 
     # a GPU the baseline has no rows for: new, not failed, not judged against the CPU's figures
     write_report(suite.path / "cpu-base.json", {}, exact["rows"])
-    new = modelpatch("gate", "h100-drifted.json", "--baseline", "cpu-base.json", "--markdown", "summary.md", cwd=suite.path)
+    new = modelpatch(
+        "gate", "h100-drifted.json", "--baseline", "cpu-base.json", "--markdown", "summary.md", cwd=suite.path
+    )
     assert new.returncode == 0, new.stdout
     assert f"note new device {H100}: 2 checks not judged against the baseline, which has no rows for it (it has cpu)" \
         in new.stdout  # fmt: skip
@@ -190,10 +194,14 @@ def test_a_cpu_run_is_judged_on_the_cpu_rows_only_and_a_gpu_with_no_rows_is_new_
                       cwd=suite.path).returncode == 1  # fmt: skip
     as_gpu_report(drifted, suite.path / "h100-failed.json", outcome="failed")
     failing = modelpatch("gate", "h100-failed.json", "--baseline", "cpu-base.json", cwd=suite.path)
-    assert failing.returncode == 1 and re.search(rf"FAIL {ATTENTION} .* on |FAIL {ATTENTION} .*: the check failed", failing.stdout)
+    assert failing.returncode == 1 and re.search(
+        rf"FAIL {ATTENTION} .* on |FAIL {ATTENTION} .*: the check failed", failing.stdout
+    )
 
 
-def test_updating_the_baseline_from_a_cpu_run_keeps_the_gpu_rows(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_updating_the_baseline_from_a_cpu_run_keeps_the_gpu_rows(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     exact = report(suite, "exact.json")
     gpu_rows = load_report(as_gpu_report(exact, suite.path / "h100.json", max_abs_error=0.25))["rows"]
     write_report(suite.path / "base.json", {}, exact["rows"] + gpu_rows)

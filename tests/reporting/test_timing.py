@@ -20,7 +20,6 @@ from pytest_modelpatch.compare.timing import (
 )
 from pytest_modelpatch.reporting.gate import Thresholds, evaluate
 from pytest_modelpatch.reporting.report import speedup_cell, summary_lines, write_report
-
 from tests.reporting.test_cli_gate import modelpatch
 from tests.reporting.test_schema import assert_valid_report
 
@@ -155,8 +154,16 @@ def test_a_slowed_patch_reports_speedup_below_one_and_fails_a_min_speedup_gate(p
     rows = _rows(pytester.path / "report.json")
     assert len(report["rows"]) == 3
     slow = rows["test_slow", "equivalence#1"]["timing"]
-    assert set(slow) == {"reference_s", "patched_s", "speedup", "reference_peak_bytes", "patched_peak_bytes",
-                         "reference_spread_s", "patched_spread_s", "measurable"}
+    assert set(slow) == {
+        "reference_s",
+        "patched_s",
+        "speedup",
+        "reference_peak_bytes",
+        "patched_peak_bytes",
+        "reference_spread_s",
+        "patched_spread_s",
+        "measurable",
+    }
     assert slow["measurable"] is True  # 100 ms of sleep is far outside the spread of the repeats
     # two sleeping MLPs per forward: at least 100 ms, against a tiny reference far below that even on a loaded machine
     # (the gate's bar is 0.25x: far above the slow patch's ~0.1x, far below what load does to the neutral one)

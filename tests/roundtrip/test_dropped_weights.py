@@ -63,7 +63,9 @@ def test_a_dropped_weight_saved_in_the_patched_layout_is_the_fixtures_fill(
     # saved and reloaded with the patch, the filled weight is now in the checkpoint: the round-trip holds
     report = assert_roundtrip(model_builder.checkpoint(LLAMA), tmp_path=tmp_path, save_original_format=False)
     assert report.passed and report.outputs
-    saved = {name: tensor for file in sorted(report.saved.glob("*.safetensors")) for name, tensor in load_file(file).items()}
+    saved = {
+        name: tensor for file in sorted(report.saved.glob("*.safetensors")) for name, tensor in load_file(file).items()
+    }
     assert torch.equal(saved[FILLED], patched.state_dict()[FILLED])
 
 

@@ -16,11 +16,11 @@ from transformers.core_model_loading import ConversionOps, WeightConverter
 from fixtures.make_checkpoints import build_model, write_checkpoint
 from fixtures.patches import llama_fused_qkv, qwen2_moe
 from fixtures.patches._fused_qkv import ConcatenateQKV, qkv_sizes
-from pytest_modelpatch.isolation.registration import register_patches
-from pytest_modelpatch.isolation.guard import isolated_patch_state
-from pytest_modelpatch.roundtrip.check import Roundtrip, assert_roundtrip
 from pytest_modelpatch.errors import CheckpointError
 from pytest_modelpatch.families.inputs import example_inputs
+from pytest_modelpatch.isolation.guard import isolated_patch_state
+from pytest_modelpatch.isolation.registration import register_patches
+from pytest_modelpatch.roundtrip.check import Roundtrip, assert_roundtrip
 from pytest_modelpatch.roundtrip.safetensors_diff import diff_checkpoints
 
 torch.set_num_threads(1)
@@ -99,7 +99,9 @@ def test_reference_model_source_is_saved_first_and_compared(patch_registry: Any,
     assert report.outputs and all(row.identical for row in report.outputs)
 
 
-def test_patched_layout_survives_save_and_reload_with_patches(patch_registry: Any, llama_dir: Path, tmp_path: Path) -> None:
+def test_patched_layout_survives_save_and_reload_with_patches(
+    patch_registry: Any, llama_dir: Path, tmp_path: Path
+) -> None:
     register(llama_fused_qkv, patch_registry)
     report = assert_roundtrip(llama_dir, tmp_path=tmp_path, save_original_format=False)
     names = {row.name for row in report.weights.tensors}
@@ -182,7 +184,9 @@ def test_fused_patch_embeddings_match_the_conv3d_model_and_leak_nothing(qwen3_vl
     assert dict(get_patch_mapping()) == before
     inputs = example_inputs(reference.config, model_class=type(reference))
     with evaluating(reference, fused):
-        found = compare_outputs(forward(reference, inputs), forward(fused, inputs), resolve_tolerance(atol=1e-5, rtol=0))
+        found = compare_outputs(
+            forward(reference, inputs), forward(fused, inputs), resolve_tolerance(atol=1e-5, rtol=0)
+        )
     assert "logits" in {c.path for c in found} and not [str(c) for c in found if not c.passed]
 
 
@@ -219,7 +223,9 @@ def test_qwen2_vl_patch_embeddings_fusion_is_caught_dropping_the_conv_weight(tmp
 class ConcatenateInBF16(ConcatenateQKV):
     """Fuses q/k/v but rounds the fused weight through bfloat16: a lossy load."""
 
-    def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any) -> dict[str, torch.Tensor]:
+    def convert(
+        self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any
+    ) -> dict[str, torch.Tensor]:
         fused = super().convert(input_dict, source_patterns, target_patterns, **kwargs)
         return {key: value.to(torch.bfloat16).to(value.dtype) for key, value in fused.items()}
 
@@ -227,7 +233,14 @@ class ConcatenateInBF16(ConcatenateQKV):
 class SplitKVSwapped(ConversionOps):
     """Reverses the fusion but writes the k rows back as v_proj and the v rows as k_proj."""
 
-    def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], config: Any = None, **kwargs: Any) -> dict[str, torch.Tensor]:
+    def convert(
+        self,
+        input_dict: dict[str, Any],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        config: Any = None,
+        **kwargs: Any,
+    ) -> dict[str, torch.Tensor]:
         (tensors,) = input_dict.values()
         q, k, v = torch.split(tensors[0], qkv_sizes(config), dim=0)
         names = [target_patterns[0], target_patterns[2], target_patterns[1]]
@@ -248,7 +261,9 @@ def fused_qkv_with(op: ConversionOps) -> dict[str, list[WeightConverter]]:
     return {"llama": [WeightConverter(["q_proj", "k_proj", "v_proj"], ["qkv_proj"], operations=[op])]}
 
 
-def test_lossy_bf16_fusion_fails_naming_the_rounded_tensors(patch_registry: Any, llama_dir: Path, tmp_path: Path) -> None:
+def test_lossy_bf16_fusion_fails_naming_the_rounded_tensors(
+    patch_registry: Any, llama_dir: Path, tmp_path: Path
+) -> None:
     patch_registry.register(llama_fused_qkv.MAPPING, conversions=fused_qkv_with(ConcatenateInBF16(0)), overwrite=True)
     with pytest.raises(AssertionError) as failure:
         assert_roundtrip(llama_dir, tmp_path=tmp_path)
@@ -258,8 +273,12 @@ def test_lossy_bf16_fusion_fails_naming_the_rounded_tensors(patch_registry: Any,
     assert "max abs diff" in message and "outputs differ" in message
 
 
-def test_conversion_saving_k_as_v_fails_naming_both_tensors(patch_registry: Any, llama_dir: Path, tmp_path: Path) -> None:
-    patch_registry.register(llama_fused_qkv.MAPPING, conversions=fused_qkv_with(ConcatenateSavingSwapped(0)), overwrite=True)
+def test_conversion_saving_k_as_v_fails_naming_both_tensors(
+    patch_registry: Any, llama_dir: Path, tmp_path: Path
+) -> None:
+    patch_registry.register(
+        llama_fused_qkv.MAPPING, conversions=fused_qkv_with(ConcatenateSavingSwapped(0)), overwrite=True
+    )
     with pytest.raises(AssertionError) as failure:
         assert_roundtrip(llama_dir, tmp_path=tmp_path, check_outputs=False)
     message = str(failure.value)
@@ -284,7 +303,10 @@ def test_failure_in_a_pytest_run_shows_the_report(pytester: pytest.Pytester, lla
     result = pytester.runpytest("-p", "no:randomly")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
-        ["*AssertionError: roundtrip FAILED: 15/21 tensors identical*", "*model.layers.0.self_attn.k_proj.weight: bytes differ*"]
+        [
+            "*AssertionError: roundtrip FAILED: 15/21 tensors identical*",
+            "*model.layers.0.self_attn.k_proj.weight: bytes differ*",
+        ]
     )
     assert "def assert_roundtrip" not in result.stdout.str()  # __tracebackhide__: the user's line is shown
 
@@ -299,11 +321,28 @@ def test_diff_reports_missing_unexpected_shape_and_dtype(tmp_path: Path) -> None
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    save_file({"same": torch.ones(3), "gone": torch.ones(2), "shape": torch.ones(4), "dtype": torch.ones(2)}, tmp_path / "a/model.safetensors", metadata={"format": "pt"})
-    save_file({"same": torch.ones(3), "new": torch.ones(2), "shape": torch.ones(2, 2), "dtype": torch.ones(2, dtype=torch.float16)}, tmp_path / "b/model.safetensors", metadata={"format": "np"})
+    save_file(
+        {"same": torch.ones(3), "gone": torch.ones(2), "shape": torch.ones(4), "dtype": torch.ones(2)},
+        tmp_path / "a/model.safetensors",
+        metadata={"format": "pt"},
+    )
+    save_file(
+        {
+            "same": torch.ones(3),
+            "new": torch.ones(2),
+            "shape": torch.ones(2, 2),
+            "dtype": torch.ones(2, dtype=torch.float16),
+        },
+        tmp_path / "b/model.safetensors",
+        metadata={"format": "np"},
+    )
     diff = diff_checkpoints(tmp_path / "a", tmp_path / "b")
     assert {row.name: row.status for row in diff.tensors} == {
-        "same": "identical", "gone": "missing", "new": "unexpected", "shape": "shape", "dtype": "dtype"
+        "same": "identical",
+        "gone": "missing",
+        "new": "unexpected",
+        "shape": "shape",
+        "dtype": "dtype",
     }
     assert diff.summary() == "1/4 tensors identical, 1 unexpected, 1 metadata difference(s), 20 B compared"
     text = str(diff)
@@ -338,7 +377,9 @@ def test_truncated_safetensors_file_is_named(llama_dir: Path, tmp_path: Path) ->
     copy.mkdir()
     data = (llama_dir / "model.safetensors").read_bytes()
     (copy / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=f"{copy / 'model.safetensors'} is not a readable safetensors file.*truncated or corrupt"):
+    with pytest.raises(
+        CheckpointError, match=f"{copy / 'model.safetensors'} is not a readable safetensors file.*truncated or corrupt"
+    ):
         assert_roundtrip(copy)
 
 
@@ -362,7 +403,9 @@ def test_index_naming_an_absent_shard_is_named(sharded_llama_dir: Path, tmp_path
     shards = sorted(sharded_llama_dir.glob("*.safetensors"))
     for path in [*shards[1:], sharded_llama_dir / "model.safetensors.index.json", sharded_llama_dir / "config.json"]:
         os.symlink(path, copy / path.name)
-    with pytest.raises(CheckpointError, match=f"names shard '{shards[0].name}'.*{copy / shards[0].name} does not exist"):
+    with pytest.raises(
+        CheckpointError, match=f"names shard '{shards[0].name}'.*{copy / shards[0].name} does not exist"
+    ):
         assert_roundtrip(copy)
 
 

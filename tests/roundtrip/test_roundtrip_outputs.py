@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from fixtures.make_checkpoints import build_model
@@ -26,7 +25,9 @@ def leaves(output: Any) -> dict[str, Any]:
 
 def test_identical_outputs_reaches_nested_outputs_and_names_them_by_path() -> None:
     pooled = torch.tensor([0.5, -1.0])
-    reference = leaves({"logits": torch.ones(2, 3), "vision": {"pooled": pooled, "layers": (pooled, None)}, "loss": None})
+    reference = leaves(
+        {"logits": torch.ones(2, 3), "vision": {"pooled": pooled, "layers": (pooled, None)}, "loss": None}
+    )
     moved = pooled.clone()
     moved[1] = -1.25
     actual = leaves({"logits": torch.ones(2, 3), "vision": {"pooled": moved, "layers": (pooled, None)}, "loss": None})
@@ -43,7 +44,13 @@ def test_identical_outputs_is_exact_and_fails_a_tensor_on_one_side_or_of_another
         leaves({"a": tiny, "b": tiny, "c": tiny, "d": None}),
         leaves({"a": tiny + 1e-7, "b": tiny.double(), "c": tiny[:1], "d": tiny, "e": tiny}),
     )
-    assert [(row.name, row.identical) for row in rows] == [("a", False), ("b", False), ("c", False), ("d", False), ("e", False)]
+    assert [(row.name, row.identical) for row in rows] == [
+        ("a", False),
+        ("b", False),
+        ("c", False),
+        ("d", False),
+        ("e", False),
+    ]
     assert 0 < rows[0].max_abs_diff < 1e-6  # one float32 ulp at 2.0 is not identical
     assert all(row.max_abs_diff == float("inf") for row in rows[1:])
 

@@ -19,12 +19,18 @@ import torch
 
 from pytest_modelpatch.compare.graph.dynamo_state import fresh_dynamo
 from pytest_modelpatch.compare.graph.parity import (
-    LogitsOnly, ParityReport, compare_traced, finish, logits_inputs, skip_without, start_report,
+    LogitsOnly,
+    ParityReport,
+    compare_traced,
+    finish,
+    logits_inputs,
+    skip_without,
+    start_report,
 )  # fmt: skip
+from pytest_modelpatch.compare.graph.trace_failures import SourceLocation, describe_failure, locate, user_frames
 from pytest_modelpatch.compare.running import evaluating
 from pytest_modelpatch.compare.same_model import check_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
-from pytest_modelpatch.compare.graph.trace_failures import SourceLocation, describe_failure, locate, user_frames
 from pytest_modelpatch.errors import ModelPatchError
 
 _COMPILERS = ("g++", "c++", "clang++", "cc", "gcc", "clang")
@@ -69,7 +75,10 @@ def default_backend() -> tuple[str, str]:
     """``("inductor", "")`` when a C++ compiler is on PATH (inductor needs one on CPU), else ``("aot_eager", note)``."""
     if any(shutil.which(name) for name in _COMPILERS):
         return "inductor", ""
-    return "aot_eager", "backend aot_eager: no C++ compiler on PATH for inductor (install g++ to test inductor's kernels)"
+    return (
+        "aot_eager",
+        "backend aot_eager: no C++ compiler on PATH for inductor (install g++ to test inductor's kernels)",
+    )
 
 
 class GraphRecorder:
@@ -179,5 +188,7 @@ def assert_compiles_equivalent(
     first = logits_inputs(reference, inputs)
     with fresh_dynamo(), evaluating(patched):
         # in a function of its own, so the compiled module is gone before dynamo is reset
-        compile_and_compare(report, reference, patched, first, inner_backend(backend, mode, dynamic), fullgraph, dynamic)
+        compile_and_compare(
+            report, reference, patched, first, inner_backend(backend, mode, dynamic), fullgraph, dynamic
+        )
     return finish(report, start)

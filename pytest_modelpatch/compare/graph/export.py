@@ -18,7 +18,13 @@ import torch
 
 from pytest_modelpatch.compare.graph.dynamo_state import fresh_dynamo
 from pytest_modelpatch.compare.graph.parity import (
-    LogitsOnly, ParityReport, compare_traced, finish, logits_inputs, skip_without, start_report,
+    LogitsOnly,
+    ParityReport,
+    compare_traced,
+    finish,
+    logits_inputs,
+    skip_without,
+    start_report,
 )  # fmt: skip
 from pytest_modelpatch.compare.graph.trace_failures import describe_failure
 from pytest_modelpatch.compare.running import evaluating, model_device
@@ -119,7 +125,9 @@ def assert_exports_equivalent(
     report = start_report(ExportReport, how, reference, patched, resolve_tolerance(atol, rtol, policy))
     # strict export traces with dynamo, which leaves compiled code and module globals behind
     with fresh_dynamo() if strict else nullcontext(), evaluating(patched):
-        export_and_compare(report, reference, patched, shapes, dynamic_shapes(reference, first) if dynamic else None, strict)
+        export_and_compare(
+            report, reference, patched, shapes, dynamic_shapes(reference, first) if dynamic else None, strict
+        )
     return finish(report, start)
 
 

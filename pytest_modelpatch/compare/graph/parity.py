@@ -40,7 +40,9 @@ class LogitsOnly(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
 
-def logits_inputs(reference: torch.nn.Module, inputs: Mapping[str, Any] | torch.Tensor | None) -> dict[str, torch.Tensor]:
+def logits_inputs(
+    reference: torch.nn.Module, inputs: Mapping[str, Any] | torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """``input_ids`` and ``attention_mask`` on the model's device: from ``inputs``, else drawn from the config."""
     from pytest_modelpatch.errors import PatchUsageError
     from pytest_modelpatch.families.inputs import example_inputs
@@ -113,7 +115,9 @@ class ParityReport(CheckReport):
     dtype: str = ""
     failure: TraceFailure | None = None
     notes: list[str] = field(default_factory=list)
-    eager_patched: str = ""  # on a mismatch: whether the eager patched model matched, to tell a trace bug from a patch bug
+    eager_patched: str = (
+        ""  # on a mismatch: whether the eager patched model matched, to tell a trace bug from a patch bug
+    )
     duration_s: float = 0.0
 
     @property

@@ -122,7 +122,11 @@ def locate(frames: Iterable[traceback.FrameSummary], model: torch.nn.Module) -> 
     if frame is None or frame.lineno is None:
         return None
     return SourceLocation(
-        frame.filename, frame.lineno, frame.name, (frame.line or "").strip(), _owner(frame.filename, frame.lineno, model)
+        frame.filename,
+        frame.lineno,
+        frame.name,
+        (frame.line or "").strip(),
+        _owner(frame.filename, frame.lineno, model),
     )
 
 

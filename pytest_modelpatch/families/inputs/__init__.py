@@ -26,10 +26,10 @@ from pytest_modelpatch.families.inputs.documents import DOCUMENT_INPUT_BUILDERS
 from pytest_modelpatch.families.inputs.layout import layout_inputs
 from pytest_modelpatch.families.inputs.request import InputRequest, forward_parameters, required
 from pytest_modelpatch.families.inputs.series import series_inputs
-from pytest_modelpatch.families.inputs.towers import grid_tower_inputs, patch_sequence_inputs
-from pytest_modelpatch.families.inputs.video import video_inputs
 from pytest_modelpatch.families.inputs.text import ordinary_token_ids, text_companions, text_inputs, text_request_inputs
+from pytest_modelpatch.families.inputs.towers import grid_tower_inputs, patch_sequence_inputs
 from pytest_modelpatch.families.inputs.trajectories import trajectory_inputs
+from pytest_modelpatch.families.inputs.video import video_inputs
 from pytest_modelpatch.families.inputs.vision import (
     grid_image_inputs,
     is_contrastive,
@@ -68,10 +68,15 @@ def generic_token_inputs(request: InputRequest) -> dict[str, torch.Tensor] | Non
     """Perceiver's ``inputs`` is any preprocessed modality; its masked-LM head also takes ``input_ids``."""
     return text_request_inputs(request) if request.takes("input_ids") else None
 
+
 # Inputs whose shape the forward's own parameters name (grid metadata, videos, layout
 # boxes), tried in order before the main input's builder; each returns None if not its kind.
 SIGNATURE_BUILDERS: tuple[Builder, ...] = (
-    grid_tower_inputs, patch_sequence_inputs, video_inputs, layout_inputs, single_stream_inputs,
+    grid_tower_inputs,
+    patch_sequence_inputs,
+    video_inputs,
+    layout_inputs,
+    single_stream_inputs,
 )
 
 # model type -> a builder for inputs no modality rule derives, one table per modality module

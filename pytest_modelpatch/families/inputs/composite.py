@@ -15,7 +15,6 @@ from fractions import Fraction
 import torch
 from transformers import PretrainedConfig
 
-from pytest_modelpatch.families.shrink.rules.timm import FASTVIT_MCI_STRIDE, PE_PATCH
 from pytest_modelpatch.families.inputs.prompts import (
     class_list_inputs,
     point_prompt_inputs,
@@ -27,6 +26,7 @@ from pytest_modelpatch.families.inputs.prompts import (
 from pytest_modelpatch.families.inputs.request import InputRequest
 from pytest_modelpatch.families.inputs.text import text_companions, text_inputs, text_request_inputs
 from pytest_modelpatch.families.inputs.vision import pixel_values
+from pytest_modelpatch.families.shrink.rules.timm import FASTVIT_MCI_STRIDE, PE_PATCH
 
 Builder = Callable[[InputRequest], "dict[str, torch.Tensor]"]
 
@@ -155,7 +155,9 @@ def query_embed_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
 
 def _takes_codepoints(request: InputRequest) -> bool:
     config = request.config
-    return "input_ids" in request.params and hasattr(config, "num_hash_buckets") and not getattr(config, "vocab_size", 0)
+    return (
+        "input_ids" in request.params and hasattr(config, "num_hash_buckets") and not getattr(config, "vocab_size", 0)
+    )
 
 
 def codepoint_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
@@ -342,7 +344,9 @@ def _image_sizes(request: InputRequest, pixels: torch.Tensor) -> dict[str, torch
 def _high_res_view(request: InputRequest, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
     # DeepSeek-VL hybrid: the same picture again at the SAM tower's size, for its high-res branch
     high = request.config.high_res_vision_config
-    return {"high_res_pixel_values": request.randn(pixels.shape[0], high.num_channels, high.image_size, high.image_size)}
+    return {
+        "high_res_pixel_values": request.randn(pixels.shape[0], high.num_channels, high.image_size, high.image_size)
+    }
 
 
 def _one_tile(request: InputRequest, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -400,8 +404,14 @@ def _hunyuan_tokens(config: PretrainedConfig) -> int:
 GRID_IMAGE_FAMILIES: dict[str, tuple[Callable[[PretrainedConfig], int], Callable[[PretrainedConfig], int]]] = {
     "hunyuan_vl": (lambda c: c.vision_config.num_channels * c.vision_config.patch_size**2, _hunyuan_tokens),
     # Muse Spark's patch embedding is a linear over patch_temporal RGB frames of a patch
-    "muse_spark": (lambda c: c.vision_config.patch_temporal * 3 * c.vision_config.patch_size**2, lambda c: _merged(c)[0] * _merged(c)[1]),
-    "dots3_note": (lambda c: c.vision_config.num_channels * c.vision_config.patch_size**2, lambda c: _merged(c)[0] * _merged(c)[1]),
+    "muse_spark": (
+        lambda c: c.vision_config.patch_temporal * 3 * c.vision_config.patch_size**2,
+        lambda c: _merged(c)[0] * _merged(c)[1],
+    ),
+    "dots3_note": (
+        lambda c: c.vision_config.num_channels * c.vision_config.patch_size**2,
+        lambda c: _merged(c)[0] * _merged(c)[1],
+    ),
 }
 
 

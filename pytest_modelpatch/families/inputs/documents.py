@@ -54,6 +54,6 @@ def document_image(request: InputRequest) -> dict[str, torch.Tensor] | None:
     return {"pixel_values": request.randn(request.batch_size, channels, height, width)}
 
 
-DOCUMENT_INPUT_BUILDERS: dict[str, Callable[[InputRequest], "dict[str, torch.Tensor] | None"]] = {
+DOCUMENT_INPUT_BUILDERS: dict[str, Callable[[InputRequest], dict[str, torch.Tensor] | None]] = {
     model_type: document_image for model_type in (*DOCUMENT_IMAGE_SIZES, "depth_pro")
 }

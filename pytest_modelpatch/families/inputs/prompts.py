@@ -93,4 +93,3 @@ def class_list_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
         "tasks_attention_mask": tasks["attention_mask"],
         "classes_structure": torch.full((batch,), CLASSES_PER_IMAGE, dtype=torch.long),
     }
-

@@ -47,7 +47,8 @@ def required(model_class: type[PreTrainedModel], name: str) -> bool:
 def required_parameters(model_class: type[PreTrainedModel]) -> list[str]:
     """The forward's parameters without a default, in order (``self`` excluded)."""
     return [
-        name for name, p in list(_signature(model_class.forward).parameters.items())[1:]
+        name
+        for name, p in list(_signature(model_class.forward).parameters.items())[1:]
         if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
 

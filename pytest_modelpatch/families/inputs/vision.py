@@ -120,8 +120,11 @@ def single_stream_inputs(request: InputRequest) -> dict[str, torch.Tensor] | Non
     """
     config = request.config
     single = (
-        request.takes("input_ids") and request.takes("pixel_values") and request.takes("pixel_mask")
-        and getattr(config, "vision_config", None) is None and isinstance(getattr(config, "image_size", None), int)
+        request.takes("input_ids")
+        and request.takes("pixel_values")
+        and request.takes("pixel_mask")
+        and getattr(config, "vision_config", None) is None
+        and isinstance(getattr(config, "image_size", None), int)
     )
     if not single:
         return None

@@ -10,38 +10,44 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.shrink.rules import apply_config_rule
 from pytest_modelpatch.families.shrink.audio import shrink_audio_level
+from pytest_modelpatch.families.shrink.consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
 from pytest_modelpatch.families.shrink.layers import resize_per_layer_lists, shrink_layers, shrink_uncounted_layer_list
+from pytest_modelpatch.families.shrink.rules import apply_config_rule
 from pytest_modelpatch.families.shrink.sizes import (  # noqa: F401  (re-exported: tests and callers read them here)
     EXPERT_KEYS,
     FFN_KEYS,
     HEAD_KEYS,
     KV_HEAD_KEYS,
     MOE_FFN_KEYS,
+    TINY_EXPERTS,
+    TINY_HEADS,
+    TINY_IMAGE,
+    TINY_INTERMEDIATE,
+    TINY_LAYERS,
+    TINY_LORA_RANK,
+    TINY_MOE_INTERMEDIATE,
+    TINY_PATCH,
+    TINY_POSITIONS,
+    TINY_SLIDING_WINDOW,
+    TINY_TOP_K,
+    TINY_VOCAB,
+    TINY_WIDTH,
     TOP_K_KEYS,
     WIDTH_KEYS,
-    TINY_WIDTH,
-    TINY_HEADS,
-    TINY_LAYERS,
-    TINY_INTERMEDIATE,
-    TINY_MOE_INTERMEDIATE,
-    TINY_VOCAB,
-    TINY_POSITIONS,
-    TINY_EXPERTS,
-    TINY_TOP_K,
-    TINY_SLIDING_WINDOW,
-    TINY_IMAGE,
-    TINY_PATCH,
-    TINY_LORA_RANK,
-    shrink_int,
     is_int,
+    shrink_int,
 )
 from pytest_modelpatch.families.shrink.vision import (
-    fit_windows, follow_channels, replace_timm_backbone, shrink_stage_widths, fit_layout_embeddings,
-    fit_stage_widths, shrink_vision_sizes,
+    fit_layout_embeddings,
+    fit_stage_widths,
+    fit_windows,
+    follow_channels,
+    replace_timm_backbone,
+    shrink_stage_widths,
+    shrink_vision_sizes,
 )
-from pytest_modelpatch.families.shrink.consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
+
 
 def _is_config_dict(key: Any, value: Any) -> bool:
     return isinstance(value, dict) and ("model_type" in value or str(key).endswith("_config"))
@@ -133,9 +139,11 @@ def _derive_head_sizes(
         return
     head_dim = width // heads
     expand = before.get("expand")
-    if is_int(expand) and before.get(heads_key, 0) * (before.get("head_dim") or 0) == before.get(
-        next(k for k in WIDTH_KEYS if k in before), 0
-    ) * expand:
+    if (
+        is_int(expand)
+        and before.get(heads_key, 0) * (before.get("head_dim") or 0)
+        == before.get(next(k for k in WIDTH_KEYS if k in before), 0) * expand
+    ):
         head_dim = width * expand // heads  # Mamba2: heads * head_dim == hidden_size * expand
     for key in ("head_dim", "d_kv", "attention_head_size", "query_pre_attn_scalar"):
         if is_int(before.get(key)) and before[key] > 0 and key not in fixed:

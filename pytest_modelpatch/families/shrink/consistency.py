@@ -56,7 +56,7 @@ def _into_depth(value: Any, depth: int) -> Any:
     if all(v < depth for v in value):
         return value
     ranks = sorted({v for v in value if v >= 0})
-    slots = list(range(depth))[-len(ranks):] if len(ranks) <= depth else [depth - 1] * len(ranks)
+    slots = list(range(depth))[-len(ranks) :] if len(ranks) <= depth else [depth - 1] * len(ranks)
     mapped = {v: slots[min(i, len(slots) - 1)] for i, v in enumerate(ranks)}
     return [mapped.get(v, v) for v in value]
 
@@ -66,4 +66,3 @@ def _depth(level: dict[str, Any]) -> int | None:
         if is_int(level.get(key)):
             return int(level[key])
     return None
-

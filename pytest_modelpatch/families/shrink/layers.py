@@ -6,14 +6,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_modelpatch.families.shrink.sizes import HEAD_KEYS, KV_HEAD_KEYS, LAYER_KEYS, TINY_LAYERS, shrink_int, is_int
+from pytest_modelpatch.families.shrink.sizes import HEAD_KEYS, KV_HEAD_KEYS, LAYER_KEYS, TINY_LAYERS, is_int, shrink_int
 
 
 def shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
     """Cut the layer count; keep one layer of each kind named in per-layer lists."""
     stages = before.get("depths")
     counts = {
-        k: v for k, v in before.items() if k in LAYER_KEYS and is_int(v) and v > TINY_LAYERS
+        k: v
+        for k, v in before.items()
+        if k in LAYER_KEYS
+        and is_int(v)
+        and v > TINY_LAYERS
         # a hierarchical backbone's stage count: detection heads expect every level
         and not (isinstance(stages, (list, tuple)) and v == len(stages))
     }

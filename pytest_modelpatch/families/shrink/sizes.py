@@ -29,41 +29,102 @@ def is_int(value: Any) -> bool:
 
 
 LAYER_KEYS = (
-    "num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
-     "num_encoder_layers", "num_decoder_layers", "depth",
+    "num_hidden_layers",
+    "num_layers",
+    "n_layer",
+    "n_layers",
+    "encoder_layers",
+    "decoder_layers",
+    "num_encoder_layers",
+    "num_decoder_layers",
+    "depth",
 )
 HEAD_KEYS = (
-    "num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
-     "decoder_attention_heads", "decoder_num_attention_heads", "mamba_n_heads",
+    "num_attention_heads",
+    "n_head",
+    "num_heads",
+    "n_heads",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "decoder_num_attention_heads",
+    "mamba_n_heads",
 )
 KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
 WIDTH_KEYS = (
-    "hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "model_dim", "word_embed_proj_dim",
-     "projection_dim", "out_hidden_size", "text_hidden_size", "encoder_hidden_size", "decoder_hidden_size",
-     "output_hidden_size", "projector_hidden_size", "embedding_size", "vision_output_dim",
-    "attention_hidden_size", "embedding_dim", "lru_width", "projection_size",
-    "encoder_hidden_dim", "mask_feature_size", "fpn_feature_size", "fpn_hidden_size",  # detection / segmentation
-    "adapter_in_dim", "adapter_out_dim", "adapter_input_size",  # projectors between towers (Dots3)
+    "hidden_size",
+    "d_model",
+    "n_embd",
+    "n_embed",
+    "embed_dim",
+    "dim",
+    "model_dim",
+    "word_embed_proj_dim",
+    "projection_dim",
+    "out_hidden_size",
+    "text_hidden_size",
+    "encoder_hidden_size",
+    "decoder_hidden_size",
+    "output_hidden_size",
+    "projector_hidden_size",
+    "embedding_size",
+    "vision_output_dim",
+    "attention_hidden_size",
+    "embedding_dim",
+    "lru_width",
+    "projection_size",
+    "encoder_hidden_dim",
+    "mask_feature_size",
+    "fpn_feature_size",
+    "fpn_hidden_size",  # detection / segmentation
+    "adapter_in_dim",
+    "adapter_out_dim",
+    "adapter_input_size",  # projectors between towers (Dots3)
     "downsample_hidden_size",  # Qwen-Omni / Dots3 audio conv stem channels
-    "projector_input_dim", "projector_output_dim", "image_token_embed_dim",
-    "entity_emb_size", "pronunciation_embed_dim", "shape_embed_dim",  # LUKE, RoCBert side embeddings
+    "projector_input_dim",
+    "projector_output_dim",
+    "image_token_embed_dim",
+    "entity_emb_size",
+    "pronunciation_embed_dim",
+    "shape_embed_dim",  # LUKE, RoCBert side embeddings
 )
 # distilbert's ``hidden_dim`` is its feed-forward size
 FFN_KEYS = (
-    "intermediate_size", "ffn_dim", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "hidden_dim",
-     "mlp_dim", "ffn_hidden_size", "intermediate_dim", "dim_feedforward", "encoder_feedforward_dim",
-    "d_inner", "intermediate_size_mlp", "projection_intermediate_size", "alignment_intermediate_size",
+    "intermediate_size",
+    "ffn_dim",
+    "n_inner",
+    "d_ff",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+    "hidden_dim",
+    "mlp_dim",
+    "ffn_hidden_size",
+    "intermediate_dim",
+    "dim_feedforward",
+    "encoder_feedforward_dim",
+    "d_inner",
+    "intermediate_size_mlp",
+    "projection_intermediate_size",
+    "alignment_intermediate_size",
 )
 MOE_FFN_KEYS = (
-    "moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
-     "shared_intermediate_size", "moe_ffn_hidden_size",
-    "expert_ffn_hidden_size", "moe_hidden_size", "shared_experts_intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "expert_intermediate_size",
+    "shared_intermediate_size",
+    "moe_ffn_hidden_size",
+    "expert_ffn_hidden_size",
+    "moe_hidden_size",
+    "shared_experts_intermediate_size",
 )
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "zero_expert_num")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k", "moe_k")
 SHARED_EXPERT_KEYS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 POSITION_KEYS = (
-    "max_position_embeddings", "n_positions", "n_ctx", "max_source_positions", "max_target_positions",
+    "max_position_embeddings",
+    "n_positions",
+    "n_ctx",
+    "max_source_positions",
+    "max_target_positions",
 )
 # Multi-head latent attention (DeepSeek V2/V3, ...) and linear attention (Qwen3-Next) sizes.
 FIXED_SIZES: dict[str, int] = {

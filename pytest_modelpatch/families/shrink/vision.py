@@ -9,8 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_modelpatch.families.shrink.sizes import (
-    TINY_HEADS, TINY_IMAGE, TINY_INTERMEDIATE, TINY_LAYERS, TINY_PATCH, TINY_POSITIONS, TINY_VOCAB, TINY_WIDTH,
-    WIDTH_KEYS, is_int,
+    TINY_HEADS,
+    TINY_IMAGE,
+    TINY_INTERMEDIATE,
+    TINY_LAYERS,
+    TINY_PATCH,
+    TINY_POSITIONS,
+    TINY_VOCAB,
+    TINY_WIDTH,
+    WIDTH_KEYS,
+    is_int,
 )
 
 # Video models and the small heads beside a tower (VideoMAE's decoder, V-JEPA 2's
@@ -22,18 +30,28 @@ TOWER_SIZE_KEYS: dict[str, int] = {
     "crop_size": TINY_IMAGE,  # V-JEPA 2's image size
     "max_img_size": TINY_IMAGE,  # TVP: its frame padding (visual_prompt_size) must fit twice
     "visual_prompt_size": TINY_IMAGE // 8,
-    "decoder_num_hidden_layers": TINY_LAYERS, "pred_num_hidden_layers": TINY_LAYERS,
-    "mit_num_hidden_layers": TINY_LAYERS, "num_spatial_layers": TINY_LAYERS,
-    "num_temporal_layers": TINY_LAYERS, "num_auxiliary_layers": TINY_LAYERS, "num_pooler_layers": TINY_LAYERS,
-    "pred_hidden_size": TINY_WIDTH, "mit_hidden_size": TINY_WIDTH, "pooler_output_size": TINY_WIDTH,
-    "decoder_intermediate_size": TINY_INTERMEDIATE, "mit_intermediate_size": TINY_INTERMEDIATE,
-    "pred_num_attention_heads": TINY_HEADS, "mit_num_attention_heads": TINY_HEADS,
+    "decoder_num_hidden_layers": TINY_LAYERS,
+    "pred_num_hidden_layers": TINY_LAYERS,
+    "mit_num_hidden_layers": TINY_LAYERS,
+    "num_spatial_layers": TINY_LAYERS,
+    "num_temporal_layers": TINY_LAYERS,
+    "num_auxiliary_layers": TINY_LAYERS,
+    "num_pooler_layers": TINY_LAYERS,
+    "pred_hidden_size": TINY_WIDTH,
+    "mit_hidden_size": TINY_WIDTH,
+    "pooler_output_size": TINY_WIDTH,
+    "decoder_intermediate_size": TINY_INTERMEDIATE,
+    "mit_intermediate_size": TINY_INTERMEDIATE,
+    "pred_num_attention_heads": TINY_HEADS,
+    "mit_num_attention_heads": TINY_HEADS,
     # NaFlex towers: a learned table of patch positions, resized to each image's grid
-    "num_patches": (TINY_IMAGE // TINY_PATCH) ** 2, "position_embedding_size": TINY_POSITIONS,
+    "num_patches": (TINY_IMAGE // TINY_PATCH) ** 2,
+    "position_embedding_size": TINY_POSITIONS,
     # HunYuan-VL: a learned (max_image_size / patch)**2 position grid, interpolated per image
     "max_image_size": 2 * TINY_IMAGE,
     # MGP-STR's subword heads predict over GPT-2's and BERT's vocabularies
-    "num_bpe_labels": TINY_VOCAB, "num_wordpiece_labels": TINY_VOCAB,
+    "num_bpe_labels": TINY_VOCAB,
+    "num_wordpiece_labels": TINY_VOCAB,
 }
 
 
@@ -80,8 +98,15 @@ def fit_stage_widths(out: dict[str, Any], fixed: set[str]) -> None:
 
 # Per-stage channel lists of hierarchical vision backbones (ResNet, ConvNeXt, PVT, ...).
 STAGE_WIDTH_KEYS = (
-    "hidden_sizes", "embed_dim", "embed_dims", "dims", "hidden_dims", "stage_in_channels", "stage_mid_channels",
-    "stage_out_channels", "embed_dim_per_stage",
+    "hidden_sizes",
+    "embed_dim",
+    "embed_dims",
+    "dims",
+    "hidden_dims",
+    "stage_in_channels",
+    "stage_mid_channels",
+    "stage_out_channels",
+    "embed_dim_per_stage",
 )
 # Widest stage a tiny backbone keeps: ResNet-50's [256, ..., 2048] become [32, ..., 256]
 # (bottlenecks a quarter as wide: 8 channels), about 0.4M parameters.
@@ -109,7 +134,10 @@ def shrink_stage_widths(out: dict[str, Any], fixed: set[str]) -> None:
 # be installed beside a given torch); DETR-style configs build either. Stage indices
 # mean the same in both ("stem", then stages 1-4).
 TINY_RESNET_BACKBONE: dict[str, Any] = {
-    "model_type": "resnet", "embedding_size": 32, "hidden_sizes": [32, 64, 128, 256], "depths": [1, 1, 1, 1],
+    "model_type": "resnet",
+    "embedding_size": 32,
+    "hidden_sizes": [32, 64, 128, 256],
+    "depths": [1, 1, 1, 1],
 }
 
 
@@ -119,8 +147,11 @@ def replace_timm_backbone(out: dict[str, Any], fixed: set[str]) -> None:
     if "backbone_config" in fixed or not (isinstance(backbone, dict) and backbone.get("model_type") == "timm_backbone"):
         return
     indices = backbone.get("out_indices") or [4]
-    out["backbone_config"] = {**TINY_RESNET_BACKBONE, "num_channels": backbone.get("num_channels", 3),
-                              "out_indices": list(indices)}
+    out["backbone_config"] = {
+        **TINY_RESNET_BACKBONE,
+        "num_channels": backbone.get("num_channels", 3),
+        "out_indices": list(indices),
+    }
     if "use_timm_backbone" in out:
         out["use_timm_backbone"] = False
     if out.get("backbone") is not None:

@@ -107,7 +107,12 @@ def _merge_mark(spec: PatchSpec, mark: pytest.Mark, where: str) -> None:
             f"{', '.join(_KEYWORDS)}; extra keywords are only allowed with context=factory, which receives them."
         )
     for keyword, kind, target, shape in (
-        ("mapping", "patch", spec.mapping, "{class name or regex: replacement class}, e.g. {'LlamaAttention': MyAttention}"),
+        (
+            "mapping",
+            "patch",
+            spec.mapping,
+            "{class name or regex: replacement class}, e.g. {'LlamaAttention': MyAttention}",
+        ),
         ("conversions", "conversions", spec.conversions, "{model_type: [WeightConverter, ...]}"),
     ):
         given = kwargs.get(keyword) or {}

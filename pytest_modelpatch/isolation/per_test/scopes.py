@@ -101,7 +101,9 @@ class IsolationScopes:
         marker) is kept for the end of setup: raised inside pytest_fixture_setup, before the
         fixture ran, it would leave pytest's fixture cache inconsistent for every later test.
         """
-        scope = item.stash[_SCOPE] = ItemScope(LeakGuard(self.mode, reuse=self._reusable) if self.mode != "off" else None, item)
+        scope = item.stash[_SCOPE] = ItemScope(
+            LeakGuard(self.mode, reuse=self._reusable) if self.mode != "off" else None, item
+        )
         self._open = scope
         item.addfinalizer(lambda: self.close(scope))
         try:

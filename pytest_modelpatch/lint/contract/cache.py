@@ -60,8 +60,9 @@ class FactsCache:
         sections = data.get("sections")
         return {k: v for k, v in sections.items() if isinstance(v, dict)} if isinstance(sections, dict) else {}
 
-    def get(self, section: str, key: str, decode: Callable[[Any], T], compute: Callable[[], T],
-            encode: Callable[[T], Any]) -> T:
+    def get(
+        self, section: str, key: str, decode: Callable[[Any], T], compute: Callable[[], T], encode: Callable[[T], Any]
+    ) -> T:
         """The decoded entry, or (missing or corrupt) ``compute()``, stored for the next run."""
         entry = self.data.get(section, {}).get(key)
         if entry is not None:

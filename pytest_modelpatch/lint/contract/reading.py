@@ -46,8 +46,14 @@ class Params:
     def signature(self) -> inspect.Signature:
         """These parameters as an ``inspect.Signature`` to bind calls against (a default stands in as None)."""
         kind = inspect.Parameter
-        params = [kind(n, kind.POSITIONAL_OR_KEYWORD if i < self.positional else kind.KEYWORD_ONLY,
-                       default=kind.empty if n in self.required else None) for i, n in enumerate(self.names)]
+        params = [
+            kind(
+                n,
+                kind.POSITIONAL_OR_KEYWORD if i < self.positional else kind.KEYWORD_ONLY,
+                default=kind.empty if n in self.required else None,
+            )
+            for i, n in enumerate(self.names)
+        ]
         if self.var_positional:
             params.insert(self.positional, kind("_args", kind.VAR_POSITIONAL))
         if self.var_keyword:
@@ -109,24 +115,54 @@ class ModuleFacts:
 
     def to_json(self) -> dict[str, Any]:
         def sites(table: dict[str, list[CallSite]]) -> dict[str, list[list[Any]]]:
-            return {name: [[s.parent, s.module, s.line, s.positional, list(s.keywords), s.unpacks, s.attribute]
-                           for s in found] for name, found in table.items()}
+            return {
+                name: [
+                    [s.parent, s.module, s.line, s.positional, list(s.keywords), s.unpacks, s.attribute] for s in found
+                ]
+                for name, found in table.items()
+            }
 
-        return {"constructions": sites(self.calls.constructions), "forwards": sites(self.calls.forwards),
-                "no_split": self.no_split,
-                "params": {k: [list(p.names), list(p.required), p.var_keyword, sorted(p.read),
-                               [list(pair) for pair in p.renamed], p.positional, p.var_positional]
-                           for k, p in self.params.items()}}
+        return {
+            "constructions": sites(self.calls.constructions),
+            "forwards": sites(self.calls.forwards),
+            "no_split": self.no_split,
+            "params": {
+                k: [
+                    list(p.names),
+                    list(p.required),
+                    p.var_keyword,
+                    sorted(p.read),
+                    [list(pair) for pair in p.renamed],
+                    p.positional,
+                    p.var_positional,
+                ]
+                for k, p in self.params.items()
+            },
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModuleFacts:
         def sites(table: dict[str, list[list[Any]]]) -> dict[str, list[CallSite]]:
-            return {str(name): [CallSite(str(p), str(m), int(line), int(n), tuple(map(str, kw)), bool(u), str(a))
-                                for p, m, line, n, kw, u, a in found] for name, found in table.items()}
+            return {
+                str(name): [
+                    CallSite(str(p), str(m), int(line), int(n), tuple(map(str, kw)), bool(u), str(a))
+                    for p, m, line, n, kw, u, a in found
+                ]
+                for name, found in table.items()
+            }
 
-        params = {str(k): Params(tuple(map(str, names)), tuple(map(str, required)), bool(var), frozenset(map(str, read)),
-                                 tuple((str(old), str(new)) for old, new in renamed), int(positional), bool(var_positional))
-                  for k, (names, required, var, read, renamed, positional, var_positional) in data["params"].items()}
+        params = {
+            str(k): Params(
+                tuple(map(str, names)),
+                tuple(map(str, required)),
+                bool(var),
+                frozenset(map(str, read)),
+                tuple((str(old), str(new)) for old, new in renamed),
+                int(positional),
+                bool(var_positional),
+            )
+            for k, (names, required, var, read, renamed, positional, var_positional) in data["params"].items()
+        }
         no_split = {str(k): [str(v) for v in names] for k, names in data["no_split"].items()}
         return cls(ModuleCalls(sites(data["constructions"]), sites(data["forwards"])), no_split, params)
 
@@ -134,16 +170,19 @@ class ModuleFacts:
 @functools.lru_cache(maxsize=256)
 def module_facts(module: str) -> ModuleFacts:
     """The facts of a ``transformers.*`` module: from the facts cache, else read from its source."""
-    return facts_cache().get("modules", module, ModuleFacts.from_json, lambda: read_module(module),
-                             ModuleFacts.to_json)
+    return facts_cache().get("modules", module, ModuleFacts.from_json, lambda: read_module(module), ModuleFacts.to_json)
 
 
 def read_module(module: str) -> ModuleFacts:
     """Parse a module's source (once) into its :class:`ModuleFacts`."""
     tree = _tree(module)
     classes = _classes(tree)
-    params = {f"{name}.{method}": found for name in classes for method in METHODS
-              if (found := _method_params(classes, name, method)) is not None}
+    params = {
+        f"{name}.{method}": found
+        for name in classes
+        for method in METHODS
+        if (found := _method_params(classes, name, method)) is not None
+    }
     return ModuleFacts(_module_calls(module, classes, _lookup_tables(tree)), _no_split_modules(classes), params)
 
 
@@ -196,16 +235,27 @@ def params_of(function: ast.FunctionDef) -> Params:
         n.value for statement in function.body for n in ast.walk(statement)
         if isinstance(n, ast.Constant) and isinstance(n.value, str)
     )  # fmt: skip
-    return Params(tuple(a.arg for a in named), tuple(required), args.kwarg is not None, read, _renamed(function),
-                  max(len(positional) - 1, 0), args.vararg is not None)
+    return Params(
+        tuple(a.arg for a in named),
+        tuple(required),
+        args.kwarg is not None,
+        read,
+        _renamed(function),
+        max(len(positional) - 1, 0),
+        args.vararg is not None,
+    )
 
 
 def _renamed(function: ast.FunctionDef) -> tuple[tuple[str, str], ...]:
     """``(old, new)`` of each ``@deprecate_kwarg("old", "version", new_name="new")`` decorator."""
     found = []
     for decorator in function.decorator_list:
-        if not (isinstance(decorator, ast.Call) and getattr(decorator.func, "id", getattr(decorator.func, "attr", ""))
-                == "deprecate_kwarg" and decorator.args and isinstance(decorator.args[0], ast.Constant)):
+        if not (
+            isinstance(decorator, ast.Call)
+            and getattr(decorator.func, "id", getattr(decorator.func, "attr", "")) == "deprecate_kwarg"
+            and decorator.args
+            and isinstance(decorator.args[0], ast.Constant)
+        ):
             continue
         new = next((k.value for k in decorator.keywords if k.arg == "new_name"), None)
         if isinstance(new, ast.Constant) and isinstance(new.value, str) and isinstance(decorator.args[0].value, str):

@@ -26,7 +26,6 @@ from typing import Any, Protocol
 from pytest_modelpatch.lint.contract import reading as source
 from pytest_modelpatch.lint.findings import Finding, Kind
 
-
 CallSite = source.CallSite
 
 
@@ -52,8 +51,9 @@ class StructureBuilder(Protocol):
     With ``original=False`` the original is not built (the lint has it cached) and comes back None.
     """
 
-    def __call__(self, model_type: str, replacements: Mapping[str, tuple[type, tuple[str, ...]]], *,
-                 original: bool = True) -> tuple[BuiltStructure | None, BuiltStructure]: ...
+    def __call__(
+        self, model_type: str, replacements: Mapping[str, tuple[type, tuple[str, ...]]], *, original: bool = True
+    ) -> tuple[BuiltStructure | None, BuiltStructure]: ...
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,9 @@ class Replaced:
 # ---------------------------------------------------------------------------
 
 
-def signature_findings(replaced: Replaced, scope_modules: Iterable[str],
-                       models: Sequence[Mapping[str, str]] = ()) -> list[Finding]:
+def signature_findings(
+    replaced: Replaced, scope_modules: Iterable[str], models: Sequence[Mapping[str, str]] = ()
+) -> list[Finding]:
     """The calls of the original in the scope that the replacement's ``__init__``/``forward`` would not bind.
 
     ``models``: the module classes (path -> class name) of the scope's tiny models, when built. A
@@ -101,8 +102,10 @@ def made(run: CallSite, name: str, models: Sequence[Mapping[str, str]]) -> bool:
     for modules, path in parents:
         held = f"{path}.{run.attribute}" if path else run.attribute
         # the attribute itself, or the items of a ModuleList in it (a loop over self.layers)
-        if any(cls == name and (p == held or (p.startswith(f"{held}.") and p[len(held) + 1:].isdigit()))
-               for p, cls in modules.items()):
+        if any(
+            cls == name and (p == held or (p.startswith(f"{held}.") and p[len(held) + 1 :].isdigit()))
+            for p, cls in modules.items()
+        ):
             return True
     return False
 
@@ -137,38 +140,54 @@ def _call_findings(replaced: Replaced, method: str, sites: list[CallSite]) -> li
     if not readable and original is not None:
         error = _bind_error(signature, original.required_call(replaced.name, replaced.module))
         if error:
-            problems.append(f"no call of {replaced.name} can be read in the family's modules (from_pretrained, "
-                            f"a registry), and passing what {replaced.name}.{method} requires "
-                            f"({', '.join(original.required)}) by position fails: {error}")
+            problems.append(
+                f"no call of {replaced.name} can be read in the family's modules (from_pretrained, "
+                f"a registry), and passing what {replaced.name}.{method} requires "
+                f"({', '.join(original.required)}) by position fails: {error}"
+            )
     if not problems:
         return _renamed_notes(replaced, method, signature, original, readable)
     names = ", ".join(original.names) if original is not None else ""
     if method == "__init__":
         wanted = f"{replaced.name}.__init__({names})" if original else f"{replaced.name}.__init__"
-        message = (f"__init__{signature} cannot be built the way transformers builds {replaced.name}: "
-                   f"{'; '.join(problems)}. Give it the signature of {wanted} (extra parameters need defaults).")
+        message = (
+            f"__init__{signature} cannot be built the way transformers builds {replaced.name}: "
+            f"{'; '.join(problems)}. Give it the signature of {wanted} (extra parameters need defaults)."
+        )
     else:
         wanted = f"{replaced.name}.forward({names}, **kwargs)" if original else "**kwargs"
-        message = f"forward{signature} would raise TypeError: {'; '.join(problems)}. Accept the same parameters ({wanted})."
+        message = (
+            f"forward{signature} would raise TypeError: {'; '.join(problems)}. Accept the same parameters ({wanted})."
+        )
     return [finding(Kind.SIGNATURE, replaced, f"{who(replaced)}: {message}", suggestion=wanted)]
 
 
-def _renamed_notes(replaced: Replaced, method: str, signature: inspect.Signature, original: source.Params | None,
-                   sites: list[CallSite]) -> list[Finding]:
+def _renamed_notes(
+    replaced: Replaced, method: str, signature: inspect.Signature, original: source.Params | None, sites: list[CallSite]
+) -> list[Finding]:
     """A note for positional parameters named differently from the original's that no site passes by keyword."""
     if original is None:
         return []
     ours = [n for n, p in signature.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     by_keyword = {k for site in sites for k in site.keywords}
-    renamed = [(theirs, mine) for theirs, mine in zip(original.names[: original.positional], ours)
-               if theirs != mine and theirs not in by_keyword]
+    renamed = [
+        (theirs, mine)
+        for theirs, mine in zip(original.names[: original.positional], ours)
+        if theirs != mine and theirs not in by_keyword
+    ]
     if not renamed:
         return []
     pairs = ", ".join(f"{mine!r} where {replaced.name}.{method} has {theirs!r}" for theirs, mine in renamed)
     how = "every call the lint reads passes it by position" if sites else "no call can be read; by position it lines up"
-    return [finding(Kind.RENAMED_PARAMETER, replaced, f"{who(replaced)}: {method} names {pairs}: {how}, so it binds. "
-                    f"Code that passes {renamed[0][0]}=... by keyword would raise TypeError.",
-                    suggestion=renamed[0][0])]
+    return [
+        finding(
+            Kind.RENAMED_PARAMETER,
+            replaced,
+            f"{who(replaced)}: {method} names {pairs}: {how}, so it binds. "
+            f"Code that passes {renamed[0][0]}=... by keyword would raise TypeError.",
+            suggestion=renamed[0][0],
+        )
+    ]
 
 
 def _unused_findings(replaced: Replaced, original: source.Params, runs: list[CallSite]) -> list[Finding]:
@@ -179,8 +198,11 @@ def _unused_findings(replaced: Replaced, original: source.Params, runs: list[Cal
     if mentioned is None:
         return []  # forward is transformers' own, or its source cannot be read
     by_position = _passed_by_position(original, signature, runs)
-    swallowed = [n for n in original.names if n in original.read and n not in signature.parameters
-                 and n not in mentioned and n not in by_position]
+    swallowed = [
+        n
+        for n in original.names
+        if n in original.read and n not in signature.parameters and n not in mentioned and n not in by_position
+    ]
     return [_unused_finding(replaced, name, *_old_name(name, signature, original, runs)) for name in swallowed]
 
 
@@ -209,20 +231,28 @@ def _old_name(
 def _unused_finding(replaced: Replaced, name: str, old: str | None, renamed: bool) -> Finding:
     head = f"{who(replaced)}: forward accepts {name!r} through **kwargs but never reads it"
     effect = "A forward over the whole sequence still matches; generation with a cache may not."
-    both = (f"`def forward(self, ..., {name}=None, {old}=None, **kwargs)` and "
-            f"`{name} = {name} if {name} is not None else {old}`")
+    both = (
+        f"`def forward(self, ..., {name}=None, {old}=None, **kwargs)` and "
+        f"`{name} = {name} if {name} is not None else {old}`"
+    )
     if old is None:
-        message = (f"{head}, while {replaced.name}.forward uses it ({replaced.module}). {effect} Take {name} as "
-                   f"a parameter and use it as {replaced.name} does.")
+        message = (
+            f"{head}, while {replaced.name}.forward uses it ({replaced.module}). {effect} Take {name} as "
+            f"a parameter and use it as {replaced.name} does."
+        )
     elif renamed:
-        message = (f"{who(replaced)}: forward names {old!r}, which transformers renamed to {name!r}: "
-                   f"{replaced.name}.forward ({replaced.module}) takes {name!r} and its callers pass {name}=..., "
-                   f"which this forward accepts through **kwargs and never reads, while its {old!r} stays None. "
-                   f"{effect} Accept {name!r}, or both spellings to support older transformers: {both}.")
+        message = (
+            f"{who(replaced)}: forward names {old!r}, which transformers renamed to {name!r}: "
+            f"{replaced.name}.forward ({replaced.module}) takes {name!r} and its callers pass {name}=..., "
+            f"which this forward accepts through **kwargs and never reads, while its {old!r} stays None. "
+            f"{effect} Accept {name!r}, or both spellings to support older transformers: {both}."
+        )
     else:
-        message = (f"{head}, while {replaced.name}.forward uses it ({replaced.module}); its own {old!r} is a "
-                   f"parameter {replaced.name}.forward does not take and no caller passes. {effect} If {old!r} is "
-                   f"what {name!r} was called before, accept {name!r}, or both spellings: {both}.")
+        message = (
+            f"{head}, while {replaced.name}.forward uses it ({replaced.module}); its own {old!r} is a "
+            f"parameter {replaced.name}.forward does not take and no caller passes. {effect} If {old!r} is "
+            f"what {name!r} was called before, accept {name!r}, or both spellings: {both}."
+        )
     return finding(Kind.UNUSED_ARGUMENT, replaced, message, suggestion=name)
 
 
@@ -235,8 +265,13 @@ def _mentioned(cls: type) -> set[str] | None:
         tree = ast.parse(textwrap.dedent(inspect.getsource(vars(owner)["forward"])))
     except (OSError, TypeError, SyntaxError):
         return None
-    body = [n for f in tree.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for s in f.body
-            for n in ast.walk(s)]
+    body = [
+        n
+        for f in tree.body
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for s in f.body
+        for n in ast.walk(s)
+    ]
     if any(_passes_on_to_super(n) for n in body):
         return None  # super().forward(..., **kwargs) hands the original everything it was given
     return {n.id for n in body if isinstance(n, ast.Name)} | {
@@ -245,9 +280,15 @@ def _mentioned(cls: type) -> set[str] | None:
 
 
 def _passes_on_to_super(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "forward"
-            and isinstance(node.func.value, ast.Call) and isinstance(node.func.value.func, ast.Name)
-            and node.func.value.func.id == "super" and any(k.arg is None for k in node.keywords))
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "forward"
+        and isinstance(node.func.value, ast.Call)
+        and isinstance(node.func.value.func, ast.Name)
+        and node.func.value.func.id == "super"
+        and any(k.arg is None for k in node.keywords)
+    )
 
 
 def _forward_owner(cls: type) -> type:
@@ -275,8 +316,11 @@ def _signature(obj: Any, *, drop_self: bool = False) -> inspect.Signature | None
 def _passed_by_position(original: source.Params, signature: inspect.Signature, sites: list[CallSite]) -> set[str]:
     """The original's parameters that every call passes by position: they bind whatever the replacement names them."""
     params = signature.parameters.values()
-    slots = len(params) if any(p.kind is p.VAR_POSITIONAL for p in params) else sum(
-        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    slots = (
+        len(params)
+        if any(p.kind is p.VAR_POSITIONAL for p in params)
+        else sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    )
     reach = min(s.positional for s in sites) if sites else sum(n in original.required for n in original.names)
     return set(original.names[: min(reach, slots, original.positional)])
 
@@ -288,8 +332,11 @@ def _accepts(signature: inspect.Signature) -> Callable[[str], bool]:
 
 
 def _required(signature: inspect.Signature) -> list[str]:
-    return [n for n, p in signature.parameters.items() if p.default is p.empty
-            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return [
+        n
+        for n, p in signature.parameters.items()
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
 
 
 def _bind_error(signature: inspect.Signature, site: CallSite, original: inspect.Signature | None = None) -> str:
@@ -321,8 +368,10 @@ def _bind_error(signature: inspect.Signature, site: CallSite, original: inspect.
             return ""  # the original needs something from the unpacked arguments too: they may supply it
     except TypeError:
         return ""  # the original does not bind what is written out: nothing to compare with
-    return (f"missing a required argument: {missing[0]!r} (the arguments it writes out do not pass it, and the "
-            f"original takes all it requires from them)")
+    return (
+        f"missing a required argument: {missing[0]!r} (the arguments it writes out do not pass it, and the "
+        f"original takes all it requires from them)"
+    )
 
 
 def _unbound(signature: inspect.Signature, site: CallSite) -> list[str]:
@@ -354,8 +403,15 @@ def no_split_findings(replaced: Replaced, scope_modules: Iterable[str]) -> list[
         for owner, names in source.no_split_modules(module).items():
             new = replaced.replacement.__name__
             if replaced.name in names and new not in names:
-                findings.append(finding(Kind.PARALLEL_PLAN, replaced, f"{owner}._no_split_modules names "
-                                f"{replaced.name}, which {who(replaced)} replaces: accelerate matches class names, so "
-                                f"device_map='auto' may split {new} across devices. Name the replacement class "
-                                f"{replaced.name}, or add {new!r} to {owner}._no_split_modules.", suggestion=new))
+                findings.append(
+                    finding(
+                        Kind.PARALLEL_PLAN,
+                        replaced,
+                        f"{owner}._no_split_modules names "
+                        f"{replaced.name}, which {who(replaced)} replaces: accelerate matches class names, so "
+                        f"device_map='auto' may split {new} across devices. Name the replacement class "
+                        f"{replaced.name}, or add {new!r} to {owner}._no_split_modules.",
+                        suggestion=new,
+                    )
+                )
     return findings

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_modelpatch.lint.contract.sources import BuiltStructure, Replaced, Structure, StructureBuilder, finding, who
 from pytest_modelpatch.lint.contract.cache import facts_cache
+from pytest_modelpatch.lint.contract.sources import BuiltStructure, Replaced, Structure, StructureBuilder, finding, who
 from pytest_modelpatch.lint.findings import Finding, Kind
 
 
@@ -42,21 +42,37 @@ class OriginalModel:
     def of(cls, model_type: str, structure: BuiltStructure) -> OriginalModel:
         builtin = _builtin_conversions(model_type, structure.model_class)
         checkpoint = _renamed_all(structure.tensors, [t.reverse_transform() for t in builtin])
-        return cls({n: tuple(s) for n, s in structure.tensors.items()}, dict(structure.modules),
-                   dict(structure.tp_plan), dict(structure.pp_plan), tuple(checkpoint),
-                   tuple(_renamed_all(checkpoint, builtin)))
+        return cls(
+            {n: tuple(s) for n, s in structure.tensors.items()},
+            dict(structure.modules),
+            dict(structure.tp_plan),
+            dict(structure.pp_plan),
+            tuple(checkpoint),
+            tuple(_renamed_all(checkpoint, builtin)),
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"tensors": {n: list(s) for n, s in self.tensors.items()}, "modules": dict(self.modules),
-                "tp_plan": dict(self.tp_plan), "pp_plan": dict(self.pp_plan), "checkpoint": list(self.checkpoint),
-                "loaded": list(self.loaded)}
+        return {
+            "tensors": {n: list(s) for n, s in self.tensors.items()},
+            "modules": dict(self.modules),
+            "tp_plan": dict(self.tp_plan),
+            "pp_plan": dict(self.pp_plan),
+            "checkpoint": list(self.checkpoint),
+            "loaded": list(self.loaded),
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> OriginalModel:
         tensors = {str(n): tuple(int(d) for d in s) for n, s in data["tensors"].items()}
         modules = {str(n): str(c) for n, c in data["modules"].items()}
-        return cls(tensors, modules, dict(data["tp_plan"]), dict(data["pp_plan"]),
-                   tuple(map(str, data["checkpoint"])), tuple(map(str, data["loaded"])))
+        return cls(
+            tensors,
+            modules,
+            dict(data["tp_plan"]),
+            dict(data["pp_plan"]),
+            tuple(map(str, data["checkpoint"])),
+            tuple(map(str, data["loaded"])),
+        )
 
 
 def original_model(model_type: str, structures: StructureBuilder) -> OriginalModel | None:
@@ -74,8 +90,13 @@ def original_model(model_type: str, structures: StructureBuilder) -> OriginalMod
     return original
 
 
-def weight_findings(replaced: list[Replaced], model_type: str, original: OriginalModel, patched: BuiltStructure,
-                    conversions: list[Any] | None) -> list[Finding]:
+def weight_findings(
+    replaced: list[Replaced],
+    model_type: str,
+    original: OriginalModel,
+    patched: BuiltStructure,
+    conversions: list[Any] | None,
+) -> list[Finding]:
     """Names the checkpoint holds (renamed as loading renames them) that the patched model lacks, and back.
 
     Loading applies ``conversions`` when the patch registers some for the family (they replace
@@ -87,30 +108,53 @@ def weight_findings(replaced: list[Replaced], model_type: str, original: Origina
     exact = {n for n in expected if "*" not in n}
     wild = {n: _pattern(n) for n in expected if "*" in n}
     unexpected = sorted(n for n in exact if n not in patched.tensors) + sorted(
-        n for n, p in wild.items() if not any(p.fullmatch(t) for t in patched.tensors))
+        n for n, p in wild.items() if not any(p.fullmatch(t) for t in patched.tensors)
+    )
     missing = sorted(n for n in patched.tensors if n not in exact and not any(p.fullmatch(n) for p in wild.values()))
-    reshaped = sorted(n for n, shape in patched.tensors.items()
-                      if n in exact and n in original.tensors and tuple(original.tensors[n]) != tuple(shape))
+    reshaped = sorted(
+        n
+        for n, shape in patched.tensors.items()
+        if n in exact and n in original.tensors and tuple(original.tensors[n]) != tuple(shape)
+    )
     if not (unexpected or missing or reshaped):
         return []
-    owners = _owners(replaced, original, [*unexpected, *reshaped]) or _owners(replaced, patched, missing) or replaced[:1]
+    owners = (
+        _owners(replaced, original, [*unexpected, *reshaped]) or _owners(replaced, patched, missing) or replaced[:1]
+    )
     registered = ", ".join(_describe(t) for t in conversions or [])
-    covered = (f"The registered conversions for {model_type!r} ({registered}) do not produce these names."
-               if conversions else f"No conversion is registered for {model_type!r}.")
+    covered = (
+        f"The registered conversions for {model_type!r} ({registered}) do not produce these names."
+        if conversions
+        else f"No conversion is registered for {model_type!r}."
+    )
     parts = []
     if missing:
         parts.append(f"missing keys (initialised randomly at load): {_short(missing)}")
     if unexpected:
         parts.append(f"unexpected keys (in the checkpoint, ignored): {_short(unexpected)}")
     if reshaped:
-        parts.append("different shapes: " + _short(
-            [f"{n} {tuple(original.tensors[n])} -> {tuple(patched.tensors[n])}" for n in reshaped]))
+        parts.append(
+            "different shapes: "
+            + _short([f"{n} {tuple(original.tensors[n])} -> {tuple(patched.tensors[n])}" for n in reshaped])
+        )
     fix = suggest_conversion(unexpected, missing)
-    advice = (f" Register one with the patch, e.g. conversions={{{model_type!r}: [{fix}]}}." if fix
-              else " Keep the original's parameter names and shapes, or register a conversion for them.")
-    return [Finding(Kind.WEIGHT_NAMES, r.key, r.name, r.family, r.module,
-                    f"{who(r)}: loading a {model_type} checkpoint would report {'; '.join(parts)}. {covered}{advice}",
-                    fix) for r in owners]
+    advice = (
+        f" Register one with the patch, e.g. conversions={{{model_type!r}: [{fix}]}}."
+        if fix
+        else " Keep the original's parameter names and shapes, or register a conversion for them."
+    )
+    return [
+        Finding(
+            Kind.WEIGHT_NAMES,
+            r.key,
+            r.name,
+            r.family,
+            r.module,
+            f"{who(r)}: loading a {model_type} checkpoint would report {'; '.join(parts)}. {covered}{advice}",
+            fix,
+        )
+        for r in owners
+    ]
 
 
 def _builtin_conversions(model_type: str, model_class: str) -> list[Any]:
@@ -151,8 +195,8 @@ def _fitted(name: str, prefix: str, present: Callable[[str], bool]) -> str:
     # strip first, as transformers does: a ForXxx checkpoint loaded into its base model
     if not prefix:
         return name
-    if name.startswith(prefix) and present(name[len(prefix):]):
-        return name[len(prefix):]
+    if name.startswith(prefix) and present(name[len(prefix) :]):
+        return name[len(prefix) :]
     if present(prefix + name):
         return prefix + name
     return name
@@ -216,14 +260,19 @@ def plan_findings(replaced: list[Replaced], original: Structure, patched: Struct
                 for r in owner:
                     news = _new_names(entry, original, patched)
                     hint = f" (it has {', '.join(news)} instead)" if news else ""
-                    findings.append(finding(
-                        Kind.PARALLEL_PLAN, r,
-                        f"{who(r)}: the config's {plan_name} entry {entry!r}: {plan[entry]!r} no longer resolves in "
-                        f"the patched model{hint}, so tensor/pipeline-parallel loading will not shard it. Give the "
-                        f"replacement a _tp_plan for its own submodules (or a matching {plan_name} entry), or keep "
-                        f"the original names through a conversion back; plan its modules with "
-                        f"@pytest.mark.patch(tp_plan={{{entry!r}: None, ...}}) and prove it sharded with "
-                        f"@pytest.mark.parallel('tp')", suggestion=entry))
+                    findings.append(
+                        finding(
+                            Kind.PARALLEL_PLAN,
+                            r,
+                            f"{who(r)}: the config's {plan_name} entry {entry!r}: {plan[entry]!r} no longer resolves in "
+                            f"the patched model{hint}, so tensor/pipeline-parallel loading will not shard it. Give the "
+                            f"replacement a _tp_plan for its own submodules (or a matching {plan_name} entry), or keep "
+                            f"the original names through a conversion back; plan its modules with "
+                            f"@pytest.mark.patch(tp_plan={{{entry!r}: None, ...}}) and prove it sharded with "
+                            f"@pytest.mark.parallel('tp')",
+                            suggestion=entry,
+                        )
+                    )
     return findings
 
 

@@ -34,8 +34,15 @@ def _efficientloftr(level: dict[str, Any]) -> None:
     level.update(out_features=[16, 16, 32, 64], stage_num_blocks=[1, 1, 2, 2], num_attention_heads=8)
     # to_dict() carries the per-block channel lists the config derives from out_features;
     # dropped, so the config derives them again from the tiny values
-    for key in ("stage_in_channels", "stage_block_stride", "stage_block_out_channels", "stage_block_in_channels",
-                "fine_fusion_dims", "intermediate_size", "num_key_value_heads"):
+    for key in (
+        "stage_in_channels",
+        "stage_block_stride",
+        "stage_block_out_channels",
+        "stage_block_in_channels",
+        "fine_fusion_dims",
+        "intermediate_size",
+        "num_key_value_heads",
+    ):
         level.pop(key, None)
 
 
@@ -158,10 +165,15 @@ def _omdet_turbo(level: dict[str, Any]) -> None:
     text_width = (level.get("text_config") or {}).get("hidden_size", 64)
     width = text_width // 2
     level.update(
-        d_model=width, decoder_hidden_dim=width, decoder_num_heads=4,
-        decoder_dim_feedforward=2 * width, encoder_dim_feedforward=2 * width,
-        task_encoder_hidden_dim=2 * width, class_embed_dim=text_width,
-        text_projection_in_dim=text_width, text_projection_out_dim=text_width,
+        d_model=width,
+        decoder_hidden_dim=width,
+        decoder_num_heads=4,
+        decoder_dim_feedforward=2 * width,
+        encoder_dim_feedforward=2 * width,
+        task_encoder_hidden_dim=2 * width,
+        class_embed_dim=text_width,
+        text_projection_in_dim=text_width,
+        text_projection_out_dim=text_width,
         vision_features_channels=[width] * len(level.get("vision_features_channels") or [0, 0, 0]),
         # the layer norms turn timm Swin's channels-last maps into channels-first ones; the
         # tiny transformers backbone that replaces timm already returns channels-first maps
@@ -178,8 +190,10 @@ def _lw_detr_projector(level: dict[str, Any]) -> None:
     scales = [2.0, 0.5]
     width = level.get("d_model", 64)
     level.update(
-        projector_scale_factors=scales, num_feature_levels=len(scales),
-        projector_in_channels=[width] * len(scales), projector_out_channels=width,
+        projector_scale_factors=scales,
+        num_feature_levels=len(scales),
+        projector_in_channels=[width] * len(scales),
+        projector_out_channels=width,
     )
 
 
@@ -284,7 +298,12 @@ def _pinpoints_in_tiles(level: dict[str, Any]) -> None:
 # enough for the 2-D rope's 4 frequency bands), the attention pool 2 heads too, and 16-px
 # frames in 8-px patches: a 2x2 patch grid per frame.
 TINY_PE_FRAME_ENCODER: dict[str, Any] = {
-    "embed_dim": 32, "depth": 2, "num_heads": 2, "attn_pool_num_heads": 2, "patch_size": 8, "img_size": 16,
+    "embed_dim": 32,
+    "depth": 2,
+    "num_heads": 2,
+    "attn_pool_num_heads": 2,
+    "patch_size": 8,
+    "img_size": 16,
 }
 
 
@@ -364,8 +383,15 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # conv_dim as in the released checkpoints: otherwise the transformer module projects with
     # Conv2d layers it keeps in a plain list, unregistered, so from_pretrained leaves them on
     # the meta device and every forward reads uninitialised memory
-    "oneformer": {"task_seq_len": 8, "text_encoder_context_length": 8, "text_encoder_vocab_size": 256,
-                  "text_encoder_width": 64, "conv_dim": 64, "mask_dim": 64, "hidden_dim": 64},
+    "oneformer": {
+        "task_seq_len": 8,
+        "text_encoder_context_length": 8,
+        "text_encoder_vocab_size": 256,
+        "text_encoder_width": 64,
+        "conv_dim": 64,
+        "mask_dim": 64,
+        "hidden_dim": 64,
+    },
     "mobilevitv2": {"image_size": 64, "width_multiplier": 0.5},
     "time_series_transformer": _time_features,
     "informer": _time_features,
@@ -403,8 +429,11 @@ CONFIG_RULES: dict[str, ConfigRule] = {
     # Perceiver's latent array has sizes of its own: 256 latents x 1280 wide, 26 self-attention
     # layers per block (260M parameters); heads must divide both d_latents and d_model
     "perceiver": {
-        "num_latents": 16, "d_latents": 64, "num_self_attends_per_block": 2,
-        "num_self_attention_heads": 4, "num_cross_attention_heads": 4,
+        "num_latents": 16,
+        "d_latents": 64,
+        "num_self_attends_per_block": 2,
+        "num_self_attention_heads": 4,
+        "num_cross_attention_heads": 4,
     },
     # transformers 5.23: the decoder layer reads config.num_key_value_heads, which
     # MoonshineStreamingConfig does not define, so even the default config cannot build;

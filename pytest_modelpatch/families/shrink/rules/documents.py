@@ -26,7 +26,10 @@ def _lcnet_v4(level: dict[str, Any]) -> None:
     if not (isinstance(blocks, list) and isinstance(stem, list) and len(stem) == 3):
         return
     level["block_configs"] = [
-        [[kernel, cin // 2, cout // 2, stride, se] for kernel, cin, cout, stride, se in stage[:LCNET_V4_BLOCKS_PER_STAGE]]
+        [
+            [kernel, cin // 2, cout // 2, stride, se]
+            for kernel, cin, cout, stride, se in stage[:LCNET_V4_BLOCKS_PER_STAGE]
+        ]
         for stage in blocks
     ]
     level["stem_channels"] = [stem[0], stem[1] // 2, stem[2] // 2]
@@ -63,7 +66,8 @@ def _ppocr_intraclass_neck(level: dict[str, Any]) -> None:
     _ppocr_det_backbone(level)
     if level.get("intraclass_block_config") is None:
         level["intraclass_block_config"] = {
-            "reduce_channel": [1, 1, 0], "return_channel": [1, 1, 0],
+            "reduce_channel": [1, 1, 0],
+            "return_channel": [1, 1, 0],
             "vertical_long_to_small_conv_longratio": [[7, 1], 1, [3, 0]],
             "vertical_long_to_small_conv_midratio": [[5, 1], 1, [2, 0]],
             "vertical_long_to_small_conv_shortratio": [[3, 1], 1, [1, 0]],

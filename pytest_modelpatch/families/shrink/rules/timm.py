@@ -44,7 +44,11 @@ FASTVIT_MCI_IMAGE = 2 * FASTVIT_MCI_STRIDE
 # PLM checkpoints build vit_pe_core_* without its attention-pool head (global_pool "") and
 # without the last norm; 16-wide heads keep the 2-D rope's four quarter-sections non-empty
 TINY_PE_ARGS: dict[str, Any] = {
-    "embed_dim": 64, "depth": 2, "num_heads": 4, "global_pool": "", "use_post_transformer_norm": False,
+    "embed_dim": 64,
+    "depth": 2,
+    "num_heads": 4,
+    "global_pool": "",
+    "use_post_transformer_norm": False,
 }
 PE_ARCHITECTURE = "vit_pe_core_large_patch14_336"  # Perception-LM-1B/3B/8B's tower
 PE_PATCH = 14
