@@ -118,13 +118,21 @@ def sharding_line(model: torch.nn.Module) -> str:
     return f"sharded: {kind} over {dist.get_world_size()} ranks ({dist.get_backend()}), seen on rank {dist.get_rank()}"
 
 
+def _fsdp_module_class() -> Any:
+    """FSDP2's module class; ``None`` on torch releases without it (before 2.6), where no model is FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
+
+
 def sharding_kind(model: torch.nn.Module) -> str | None:
     """How ``model`` is sharded: ``"DistributedDataParallel"``, ``"FSDP2"``, ``"tensor parallel"``, or ``None``."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return "DistributedDataParallel"
-    from torch.distributed.fsdp import FSDPModule
-
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+    fsdp_module = _fsdp_module_class()
+    if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules()):
         return "FSDP2"
     if any(_is_dtensor(p) for p in model.parameters()):
         return "tensor parallel"
@@ -141,10 +149,11 @@ def resharded(model: torch.nn.Module) -> None:
     """
     if _distributed() is None:
         return
-    from torch.distributed.fsdp import FSDPModule
-
+    fsdp_module = _fsdp_module_class()
+    if fsdp_module is None:
+        return
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if isinstance(module, fsdp_module):
             module.reshard()
 
 

@@ -65,13 +65,15 @@ class Subject:
     """What a row of the grid checks: its name in the table, its patch marker, and what it must fail."""
 
     label: str
-    patch: str  # the decorator line, or "" for the stock model
+    patch: str  # the decorator line
     fails: tuple[str, ...] = ()  # the checks that must catch it
 
 
 _SWIGLU = "@pytest.mark.patch(swiglu.MAPPING)"
 _QKV = "@pytest.mark.patch(qkv.MAPPING, conversions=qkv.CONVERSIONS, tp_plan=qkv.{})"
-STOCK = Subject("stock model", "")
+STOCK = Subject(
+    "stock model", "@pytest.mark.patch(unpatched=True)"
+)  # a baseline on purpose (where the sharding is no patch)
 SUBJECTS: dict[str, dict[str, Subject]] = {
     where: {
         "stock": STOCK,
