@@ -225,5 +225,8 @@ def test_ctrl_c_returns_at_once_and_a_killed_controllers_folder_goes_with_the_ne
     output = interrupted.communicate(timeout=60)[0].decode(errors="replace")
     elapsed = time.monotonic() - start
     assert "KeyboardInterrupt" in output, output
-    assert elapsed < 5, f"Ctrl-C took {elapsed:.1f} s to return"
+    # the ranks die at once; the controller's own exit (its terminal summary, interpreter shutdown) takes
+    # 1-2 s alone and up to 9 s on a loaded 2-core machine: the bound catches a wait on the ranks (30 s) and
+    # no timing of a busy CI host; docs/distributed.md quotes the unloaded figure
+    assert elapsed < 20, f"Ctrl-C took {elapsed:.1f} s to return"
     assert not _ranks_of(interrupted.pid) and not own.exists()
