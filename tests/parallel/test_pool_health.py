@@ -165,7 +165,12 @@ def _controller(path: Path, started: Path) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "pytest", *plugins, "-q", "test_sleeps.py"]
     env = {**os.environ, "MODELPATCH_TEST_STARTED": str(started),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
-    return subprocess.Popen(command, cwd=path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # Ctrl-C as a terminal sends it: a child inherits an ignored SIGINT (an xdist worker's, on some Pythons),
+    # and Python then installs no KeyboardInterrupt handler
+    return subprocess.Popen(
+        command, cwd=path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
 
 
 def _wait_for(started: Path, controller: subprocess.Popen[bytes]) -> None:
@@ -204,29 +209,38 @@ def test_ctrl_c_returns_at_once_and_a_killed_controllers_folder_goes_with_the_ne
 ) -> None:
     pytester.makepyfile(test_sleeps=SLEEPS)
     started = pytester.path / "started"
-    killed = _controller(pytester.path, started)
-    _wait_for(started, killed)
-    left = _pool_folder(killed.pid)
-    killed.kill()  # SIGKILL: no teardown runs; its ranks die with it, its folder stays
-    killed.communicate()
-    deadline = time.monotonic() + 20
-    while _ranks_of(killed.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _ranks_of(killed.pid), "the ranks outlived their killed controller"
-    assert left.exists()
+    controllers: list[subprocess.Popen[bytes]] = []
+    try:
+        killed = _controller(pytester.path, started)
+        controllers.append(killed)
+        _wait_for(started, killed)
+        left = _pool_folder(killed.pid)
+        killed.kill()  # SIGKILL: no teardown runs; its ranks die with it, its folder stays
+        killed.communicate()
+        deadline = time.monotonic() + 20
+        while _ranks_of(killed.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _ranks_of(killed.pid), "the ranks outlived their killed controller"
+        assert left.exists()
 
-    started.unlink()
-    interrupted = _controller(pytester.path, started)
-    _wait_for(started, interrupted)
-    assert not left.exists(), "the next pool did not remove the folder of a dead controller"
-    own = _pool_folder(interrupted.pid)
-    start = time.monotonic()
-    interrupted.send_signal(signal.SIGINT)
-    output = interrupted.communicate(timeout=60)[0].decode(errors="replace")
-    elapsed = time.monotonic() - start
-    assert "KeyboardInterrupt" in output, output
-    # the ranks die at once; the controller's own exit (its terminal summary, interpreter shutdown) takes
-    # 1-2 s alone and up to 9 s on a loaded 2-core machine: the bound catches a wait on the ranks (30 s) and
-    # no timing of a busy CI host; docs/distributed.md quotes the unloaded figure
-    assert elapsed < 20, f"Ctrl-C took {elapsed:.1f} s to return"
-    assert not _ranks_of(interrupted.pid) and not own.exists()
+        started.unlink()
+        interrupted = _controller(pytester.path, started)
+        controllers.append(interrupted)
+        _wait_for(started, interrupted)
+        assert not left.exists(), "the next pool did not remove the folder of a dead controller"
+        own = _pool_folder(interrupted.pid)
+        start = time.monotonic()
+        interrupted.send_signal(signal.SIGINT)
+        output = interrupted.communicate(timeout=60)[0].decode(errors="replace")
+        elapsed = time.monotonic() - start
+        assert "KeyboardInterrupt" in output, output
+        # the ranks die at once; the controller's own exit (its terminal summary, interpreter shutdown) takes
+        # 1-2 s alone and up to 9 s on a loaded 2-core machine: the bound catches a wait on the ranks (30 s) and
+        # no timing of a busy CI host
+        assert elapsed < 20, f"Ctrl-C took {elapsed:.1f} s to return"
+        assert not _ranks_of(interrupted.pid) and not own.exists()
+    finally:  # a failed assertion leaves no controller (its ranks die with it) behind
+        for controller in controllers:
+            if controller.poll() is None:
+                controller.kill()
+                controller.communicate()
