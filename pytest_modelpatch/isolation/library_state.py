@@ -284,6 +284,19 @@ _MODELING_NAMES: set[str] = set()
 _CLASS_KEYS: dict[str, list[str]] = {}
 
 
+def watch_imports() -> None:
+    """Record each modeling module as importing produces it, from now on (``as_imported``)."""
+    _install_import_hook()
+
+
+def as_imported(module: types.ModuleType) -> tuple[dict[str, Any], list[tuple[type, dict[str, Any]]]] | None:
+    """``module``'s globals and its classes' ``__dict__``s as importing left them, if the hook saw it executed."""
+    record = _IMPORTED.get(module.__name__)
+    if record is None or record.module is not module or module.__dict__.get("__spec__") is not record.spec:
+        return None
+    return record.globals, list(record.classes.values())
+
+
 def executions() -> int:
     """A counter that moves whenever a watched module is imported or reloaded: snapshots go stale."""
     return _HOOK.executions

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from pytest_modelpatch.isolation.library_state import as_imported, watch_imports
+
 _MISSING: Any = object()
 _WATCHED_PREFIX = "transformers."
 
@@ -109,13 +111,30 @@ class PristineScope:
     """The test's patches, reversible on demand: ``with scope.pristine(): reference(**inputs)``."""
 
     def __init__(self) -> None:
+        watch_imports()
         self._before = _namespaces()
         self.delta = NamespaceDelta()
         self._depth = 0
 
     def settle(self) -> None:
-        """Record what the test's method and context patches changed since this scope was opened."""
-        self.delta = NamespaceDelta.between(self._before)
+        """Record what the test's method and context patches changed since this scope was opened.
+
+        A patch may import the modeling module it rebinds (Liger-Kernel's ``apply_liger_kernel_to_*``
+        does, inside the test's ``context=``): that module's "before" is what importing it built, or
+        the reference would be built from the patch and compared with itself.
+        """
+        before = dict(self._before)
+        for module in _watched_modules():
+            if id(module) in before:
+                continue
+            imported = as_imported(module)
+            if imported is None:
+                continue
+            namespace, classes = imported
+            before[id(module)] = (module, namespace)
+            for klass, own in classes:
+                before.setdefault(id(klass), (klass, own))
+        self.delta = NamespaceDelta.between(before)
 
     @contextmanager
     def pristine(self) -> Iterator[None]:

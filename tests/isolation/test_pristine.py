@@ -317,3 +317,49 @@ def test_a_reference_call_runs_unpatched_while_the_tests_registries_stay_in_plac
     assert torch.equal(ours.logits, expected.logits) and torch.equal(ours.logits, full.logits)
     assert len(ours.hidden_states) == len(expected.hidden_states) == reference.config.num_hidden_layers + 1
     assert not torch.allclose(theirs.logits, expected.logits)  # the method patch reached the patched model
+
+
+FIRST_IMPORT = """
+import contextlib
+import importlib
+
+import pytest
+import torch
+from pytest_modelpatch import assert_equivalent
+
+
+@contextlib.contextmanager
+def norm(scale):
+    # as Liger-Kernel's apply_liger_kernel_to_* do: the modeling module is imported by the patch itself
+    modeling = importlib.import_module("transformers.models.llama.modeling_llama")
+
+    class ScaledRMSNorm(modeling.LlamaRMSNorm):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) * scale
+
+    modeling.LlamaRMSNorm = ScaledRMSNorm
+    yield
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(context=norm, scale={scale})
+def test_first_in_the_session(reference_model, patched_model):
+    assert type(reference_model.model.norm).__name__ == "LlamaRMSNorm"
+    assert type(patched_model.model.norm).__name__ == "ScaledRMSNorm"
+    assert_equivalent(reference_model, patched_model)
+"""
+
+
+@pytest.mark.fresh_interpreter  # a new interpreter: no modeling module is imported before the patch imports it
+@pytest.mark.parametrize(("scale", "outcome"), [(1.5, "failed"), (1.0, "passed")])
+def test_a_context_that_imports_the_modeling_module_it_rebinds_still_leaves_the_reference_unpatched(
+    pytester: pytest.Pytester, scale: float, outcome: str
+) -> None:
+    pytester.makepyfile(FIRST_IMPORT.replace("{scale}", str(scale)))
+    result = pytester.runpytest("-p", "no:randomly")
+    # before: the reference was built from the patched module (so the wrong scale passed), and the
+    # context's rebinding was then reported as the test's own leak at teardown
+    result.assert_outcomes(**{outcome: 1})
+    assert "leaked" not in result.stdout.str()
+    if outcome == "failed":
+        result.stdout.fnmatch_lines(["*differs from reference*"])
