@@ -158,8 +158,8 @@ class Bias:
 def biases(patched: list[tuple[float, float]], figures: DriftFigures) -> list[Bias]:
     """The loss's and the gradient norm's lean over the steps (none under :data:`BIAS_MIN_STEPS` steps).
 
-    Each figure is judged over the first :data:`BIAS_MIN_STEPS` steps and over all of them, and the
-    first window that fails is reported. Late in a run, once the loss has fallen near zero, a
+    Each figure is judged over all the steps and over the first :data:`BIAS_MIN_STEPS`; a failing
+    window is reported (all the steps first). Late in a run, once the loss has fallen near zero, a
     bfloat16 gradient norm's round-off grows (on an H200 one step's was 2.4, the first eight's under
     0.1): over 16 steps a bfloat16 cross-entropy's lean drowned in it (t -3.0), over its first 8 it
     showed (t beyond -3.5). Two windows, not every one: each more would be another chance for a
@@ -170,8 +170,8 @@ def biases(patched: list[tuple[float, float]], figures: DriftFigures) -> list[Bi
         return []
     found = []
     for index, what in enumerate(("loss", "gradient norm")):
-        leans = [_lean(patched, figures, index, what, n) for n in sorted({BIAS_MIN_STEPS, steps})]
-        found.append(next((lean for lean in leans if not lean.passed), leans[-1]))
+        leans = [_lean(patched, figures, index, what, n) for n in sorted({BIAS_MIN_STEPS, steps}, reverse=True)]
+        found.append(next((lean for lean in leans if not lean.passed), leans[0]))
     return found
 
 
