@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from pytest_modelpatch.errors import PatchUsageError, RankPoolError
+from pytest_modelpatch.parallel.launcher import launched_rank
 from pytest_modelpatch.parallel.marker import ParallelSpec
 from pytest_modelpatch.parallel.outcomes import merge
 from pytest_modelpatch.parallel.pool import RankOutcome, RankPool
@@ -24,8 +25,8 @@ RANK_ENV = "MODELPATCH_RANK"  # set in every rank process: the plugin there runs
 
 
 def in_rank() -> bool:
-    """This process is a rank of a parallel test's pool."""
-    return os.environ.get(RANK_ENV) is not None
+    """This process is a rank of a parallel test's pool, or of a launcher's job (torchrun, srun)."""
+    return os.environ.get(RANK_ENV) is not None or launched_rank() is not None
 
 
 def parallel_spec(item: pytest.Item) -> ParallelSpec | None:
