@@ -237,6 +237,11 @@ def pytest_configure(config: pytest.Config) -> None:
     except PatchUsageError as exc:
         raise pytest.UsageError(str(exc)) from None
     if launched is not None:  # under torchrun or srun: this session is one rank of the launcher's group
+        if config.getoption("numprocesses", None):
+            raise pytest.UsageError(
+                f"-n {config.getoption('numprocesses')} under a launcher ({launched}): each of the launcher's "
+                "processes is one rank and runs its tests itself; drop -n (xdist's workers would all be that rank)"
+            )
         keep_outputs_on_rank_zero(config, launched)
     session.configure(config, default_device)
     config.pluginmanager.register(LeakTally(leaks), "modelpatch-leak-tally")

@@ -275,3 +275,13 @@ def test_a_launcher_is_recognised_by_its_environment(environ: dict[str, str], ex
 def test_a_wrong_launcher_environment_is_a_usage_error() -> None:
     with pytest.raises(PatchUsageError, match=r"RANK=2 is outside WORLD_SIZE=2"):
         launched_rank({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+
+
+def test_xdist_under_a_launcher_is_a_usage_error(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MODELPATCH_RANK", raising=False)
+    pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    result = pytester.runpytest("-n", "2", "-p", "no:randomly")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*-n 2 under a launcher (rank 0 of 2): each of the launcher's processes is one rank*"])
