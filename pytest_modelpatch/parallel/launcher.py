@@ -33,7 +33,7 @@ import pytest
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.parallel.marker import ParallelSpec
-from pytest_modelpatch.parallel.outcomes import merge
+from pytest_modelpatch.parallel.outcomes import log_test, merge
 from pytest_modelpatch.parallel.pool import RankOutcome
 
 # what a launcher sets (torchrun, torch.distributed.launch, srun with them exported): env:// init reads these
@@ -156,11 +156,7 @@ class LauncherSession:
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
         if item.get_closest_marker("parallel") is None:
             return None
-        ihook = item.ihook
-        ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        for report in self._reports(item, nextitem):
-            ihook.pytest_runtest_logreport(report=report)
-        ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        log_test(item, self._reports(item, nextitem))
         if self.broken:
             item.session.shouldstop = self.broken
         return True

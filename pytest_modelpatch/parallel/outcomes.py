@@ -105,6 +105,15 @@ def merge(
     return _failure_reports(item, text)
 
 
+def log_test(item: pytest.Item, reports: list[pytest.TestReport]) -> None:
+    """Log ``reports`` as the test's, between its logstart and logfinish, as pytest's own runner does."""
+    ihook = item.ihook
+    ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in reports:
+        ihook.pytest_runtest_logreport(report=report)
+    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+
+
 def _stamp_rows(reports: list[pytest.TestReport], spec: ParallelSpec, rank: int) -> None:
     for report in reports:
         for name, value in report.user_properties:
