@@ -35,6 +35,7 @@ from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.parallel.marker import ParallelSpec
 from pytest_modelpatch.parallel.outcomes import log_test, merge
 from pytest_modelpatch.parallel.pool import RankOutcome
+from pytest_modelpatch.parallel.rank import group_problem
 
 # what a launcher sets (torchrun, torch.distributed.launch, srun with them exported): env:// init reads these
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -42,6 +43,11 @@ POOL_RANK_ENV = "MODELPATCH_RANK"  # a rank of the plugin's own pool sets RANK t
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 MEET_TIMEOUT = timedelta(hours=6)  # the other ranks wait here while rank 0 runs the single-process tests
 END = "(the end of its session)"
+GROUP_ADVICE = (
+    "the ranks' process group is the launcher's and serves every parallel test after this one: a test must not call "
+    "destroy_process_group() or init_process_group(); make a group of its own with dist.new_group(...) and destroy "
+    "that one. The session stopped: no later parallel test can run in these ranks."
+)
 # options whose outputs rank 0 writes alone (another rank writing them would overwrite them)
 RANK_ZERO_ONLY = ("modelpatch_report", "modelpatch_baseline", "modelpatch_update_baseline", "modelpatch_html")
 
@@ -104,6 +110,7 @@ class LauncherSession:
         self.check = check
         self.meet_group: Any = None
         self.verdict_groups: dict[float, Any] = {}
+        self.world: Any = None
         self.broken = ""  # why the ranks can no longer meet (one hung, or their tests differ): nothing more to wait for
 
     # -- the group ---------------------------------------------------------------------------------
@@ -119,6 +126,7 @@ class LauncherSession:
         if not dist.is_initialized():
             dist.init_process_group(self.backend, init_method="env://", timeout=MEET_TIMEOUT)
         self.meet_group = dist.new_group(backend="gloo", timeout=MEET_TIMEOUT)
+        self.world = dist.group.WORLD  # every test must leave it as it found it
 
     def _verdict_group(self, timeout: float) -> Any:
         # every rank runs the same parallel tests in the same order, so every rank creates the same groups
@@ -209,6 +217,12 @@ class LauncherSession:
         _forget_current_test()
         config = self.config
         mine = [config.hook.pytest_report_to_serializable(config=config, report=r) for r in reports]
+        problem = group_problem(self.world)
+        if problem:  # nothing left to gather over: this rank says what the test did, and the session stops
+            self.broken = f"{item.nodeid} {problem}"
+            _say(f"{self.launched}: {self.broken}")
+            broke = RankOutcome(self.launched.rank, reports=mine, group=problem)
+            return merge(item, spec, self.backend, [broke], self._deserialize, GROUP_ADVICE)
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.launched.world_size

@@ -63,7 +63,12 @@ def _skip_reason(report: dict[str, Any]) -> str:
 
 
 def merge(
-    item: pytest.Item, spec: ParallelSpec, backend: str, outcomes: list[RankOutcome], deserialize: Deserialize
+    item: pytest.Item,
+    spec: ParallelSpec,
+    backend: str,
+    outcomes: list[RankOutcome],
+    deserialize: Deserialize,
+    group_advice: str = GROUP_ADVICE,
 ) -> list[pytest.TestReport]:
     """The reports to log for ``item`` from every rank's outcome."""
     kinds = {category(o) for o in outcomes}
@@ -83,7 +88,7 @@ def merge(
         return reports
     lines = [describe(o) for o in outcomes]
     if any(o.group for o in outcomes):
-        lines.append(GROUP_ADVICE)
+        lines.append(group_advice)
     if kinds == {"skipped", "passed"} or ("skipped" in kinds and len(kinds) > 1):
         lines.append(
             "a rank must not decide on its own to skip: skip on every rank or on none (decide from what all ranks see)"

@@ -116,6 +116,21 @@ def test_never_reached():
     pass
 """
 
+A_TEST_DESTROYS_THE_GROUP = """
+import pytest
+import torch.distributed as dist
+
+
+@pytest.mark.parallel()
+def test_destroys_the_group():
+    dist.destroy_process_group()
+
+
+@pytest.mark.parallel()
+def test_never_reached():
+    pass
+"""
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -285,3 +300,13 @@ def test_xdist_under_a_launcher_is_a_usage_error(pytester: pytest.Pytester, monk
     result = pytester.runpytest("-n", "2", "-p", "no:randomly")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*-n 2 under a launcher (rank 0 of 2): each of the launcher's processes is one rank*"])
+
+
+def test_a_test_that_destroys_the_group_fails_naming_it_and_stops_the_session(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_destroys=A_TEST_DESTROYS_THE_GROUP)
+    code, output = _one_node(pytester, "test_destroys.py")
+    assert code != 0, output
+    assert output.count("1 failed in") == 1, output
+    assert "  rank 0: the test destroyed the process group (torch.distributed.destroy_process_group())" in output
+    assert "make a group of its own with dist.new_group(...)" in output, output
+    assert "test_never_reached" not in output, output
