@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 
 from pytest_modelpatch.errors import PatchUsageError, RankPoolError
-from pytest_modelpatch.parallel.launcher import RANK_ZERO_ONLY, launched_rank
+from pytest_modelpatch.parallel.launcher import POOL_RANK_ENV, RANK_ZERO_ONLY, launched_rank
 from pytest_modelpatch.parallel.marker import ParallelSpec
 from pytest_modelpatch.parallel.outcomes import log_test, merge
 from pytest_modelpatch.parallel.pool import RankOutcome, RankPool
 
-RANK_ENV = "MODELPATCH_RANK"  # set in every rank process: the plugin there runs tests, it does not dispatch them
+RANK_ENV = POOL_RANK_ENV  # set in every rank process: the plugin there runs tests, it does not dispatch them
 
 
 def in_rank() -> bool:
