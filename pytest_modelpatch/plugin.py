@@ -39,6 +39,7 @@ from pytest_modelpatch.isolation.per_test.patch_spec import PATCH_MARKER_HELP, c
 from pytest_modelpatch.isolation.per_test.scopes import IsolationScopes, leak_mode
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.memory_cache import parse_model_cache
+from pytest_modelpatch.parallel.launcher import LauncherSession, keep_outputs_on_rank_zero, launched_rank
 from pytest_modelpatch.parallel.marker import PARALLEL_MARKER_HELP, ParallelSpec
 from pytest_modelpatch.parallel.session import ParallelSession, in_rank
 from pytest_modelpatch.reporting import session
@@ -232,8 +233,16 @@ def pytest_configure(config: pytest.Config) -> None:
         leaks = leak_mode(config)
         parse_model_cache(config.getini("modelpatch_model_cache"))
         default_device = devices.requested_device(config.getoption("modelpatch_device"))
+        launched = launched_rank()
     except PatchUsageError as exc:
         raise pytest.UsageError(str(exc)) from None
+    if launched is not None:  # under torchrun or srun: this session is one rank of the launcher's group
+        if config.getoption("numprocesses", None):
+            raise pytest.UsageError(
+                f"-n {config.getoption('numprocesses')} under a launcher ({launched}): each of the launcher's "
+                "processes is one rank and runs its tests itself; drop -n (xdist's workers would all be that rank)"
+            )
+        keep_outputs_on_rank_zero(config, launched)
     session.configure(config, default_device)
     config.pluginmanager.register(LeakTally(leaks), "modelpatch-leak-tally")
     scopes = IsolationScopes(
@@ -242,7 +251,12 @@ def pytest_configure(config: pytest.Config) -> None:
     )  # fmt: skip
     config.pluginmanager.register(scopes, "modelpatch-isolation")
     config.stash[_ISOLATION] = scopes  # its report part runs inside pytest_runtest_makereport below
-    if not in_rank():  # a rank runs the tests it is sent; the process that sent them runs them in ranks
+    if launched is not None:
+        backend = "nccl" if devices.needs_gpu(default_device) else "gloo"
+        config.pluginmanager.register(
+            LauncherSession(config, launched, backend, check_before_ranks), "modelpatch-launcher"
+        )
+    elif not in_rank():  # a rank runs the tests it is sent; the process that sent them runs them in ranks
         rank_env = lambda: {CHECKPOINTS_ENV: str(checkpoint_root(config._tmp_path_factory))}  # noqa: E731
         config.pluginmanager.register(
             ParallelSession(config, session.session_seed(config), _parallel_backend, rank_env, check_before_ranks),

@@ -63,7 +63,12 @@ def _skip_reason(report: dict[str, Any]) -> str:
 
 
 def merge(
-    item: pytest.Item, spec: ParallelSpec, backend: str, outcomes: list[RankOutcome], deserialize: Deserialize
+    item: pytest.Item,
+    spec: ParallelSpec,
+    backend: str,
+    outcomes: list[RankOutcome],
+    deserialize: Deserialize,
+    group_advice: str = GROUP_ADVICE,
 ) -> list[pytest.TestReport]:
     """The reports to log for ``item`` from every rank's outcome."""
     kinds = {category(o) for o in outcomes}
@@ -83,7 +88,7 @@ def merge(
         return reports
     lines = [describe(o) for o in outcomes]
     if any(o.group for o in outcomes):
-        lines.append(GROUP_ADVICE)
+        lines.append(group_advice)
     if kinds == {"skipped", "passed"} or ("skipped" in kinds and len(kinds) > 1):
         lines.append(
             "a rank must not decide on its own to skip: skip on every rank or on none (decide from what all ranks see)"
@@ -103,6 +108,15 @@ def merge(
     head = "the test broke the ranks' process group" if broke_group else "the ranks did not agree or did not all finish"
     text = "\n".join([f"{where}: {head}:", *(f"  {line}" for line in lines), *details])
     return _failure_reports(item, text)
+
+
+def log_test(item: pytest.Item, reports: list[pytest.TestReport]) -> None:
+    """Log ``reports`` as the test's, between its logstart and logfinish, as pytest's own runner does."""
+    ihook = item.ihook
+    ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in reports:
+        ihook.pytest_runtest_logreport(report=report)
+    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
 
 
 def _stamp_rows(reports: list[pytest.TestReport], spec: ParallelSpec, rank: int) -> None:

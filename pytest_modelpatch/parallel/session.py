@@ -16,16 +16,17 @@ from typing import Any
 import pytest
 
 from pytest_modelpatch.errors import PatchUsageError, RankPoolError
+from pytest_modelpatch.parallel.launcher import POOL_RANK_ENV, RANK_ZERO_ONLY, launched_rank
 from pytest_modelpatch.parallel.marker import ParallelSpec
-from pytest_modelpatch.parallel.outcomes import merge
+from pytest_modelpatch.parallel.outcomes import log_test, merge
 from pytest_modelpatch.parallel.pool import RankOutcome, RankPool
 
-RANK_ENV = "MODELPATCH_RANK"  # set in every rank process: the plugin there runs tests, it does not dispatch them
+RANK_ENV = POOL_RANK_ENV  # set in every rank process: the plugin there runs tests, it does not dispatch them
 
 
 def in_rank() -> bool:
-    """This process is a rank of a parallel test's pool."""
-    return os.environ.get(RANK_ENV) is not None
+    """This process is a rank of a parallel test's pool, or of a launcher's job (torchrun, srun)."""
+    return os.environ.get(RANK_ENV) is not None or launched_rank() is not None
 
 
 def parallel_spec(item: pytest.Item) -> ParallelSpec | None:
@@ -38,9 +39,7 @@ def parallel_spec(item: pytest.Item) -> ParallelSpec | None:
 
 # options that write the session's outputs: the process that sends the tests writes them, from the rows the
 # ranks send back (a rank writing them would overwrite them); the seed is sent as this session's own
-CONTROLLER_ONLY = frozenset(
-    {"modelpatch_report", "modelpatch_baseline", "modelpatch_update_baseline", "modelpatch_html", "modelpatch_seed"}
-)
+CONTROLLER_ONLY = frozenset({*RANK_ZERO_ONLY, "modelpatch_seed"})
 _RANK_PLUGINS = ("xdist", "randomly", "cacheprovider")  # turned off in the ranks
 
 
@@ -113,11 +112,7 @@ class ParallelSession:
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
         if item.get_closest_marker("parallel") is None:
             return None
-        ihook = item.ihook
-        ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        for report in self._reports(item):
-            ihook.pytest_runtest_logreport(report=report)
-        ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        log_test(item, self._reports(item))
         return True
 
     def _reports(self, item: pytest.Item) -> list[pytest.TestReport]:
