@@ -362,9 +362,10 @@ def sharded_choices(
         structure = model_builder.patched_structure(model_request, dtype=dtype)
         plan = sharding.resolve_tp_plan(marks.tp_plan if marks is not None else {}, structure, reference)
         if plan.empty:
+            sharded = "parallel('tp')" if spec.kind == "tp" else str(spec)
             pytest.skip(
                 f"{type(reference).__name__} has no tensor-parallel plan (its config's base_model_tp_plan is empty): "
-                f"{spec} cannot shard it; give one with @pytest.mark.patch(tp_plan={{...}})"
+                f"{sharded} cannot shard it; give one with @pytest.mark.patch(tp_plan={{...}})"
             )
         load = sharding.tp_load_kwargs(plan) if spec.kind == "tp" else sharding.mesh_load_kwargs(plan, spec.mesh)
         if load is None:
