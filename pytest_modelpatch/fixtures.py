@@ -408,7 +408,7 @@ def check_before_ranks(item: pytest.Item, spec: ParallelSpec) -> None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not (getattr(text, "base_model_tp_plan", None) or (marks is not None and marks.tp_plan)):
         return  # nothing to shard: the rank skips the test, saying so
-    sharding.check_tp_heads(config, spec.tp_size, model_class.__name__)
+    sharding.check_tp_heads(config, spec.tp_size, model_class.__name__, str(spec) if spec.kind == MESH else "")
     if marks is None or not (marks.tp_plan or marks.mapping):
         return
     import torch

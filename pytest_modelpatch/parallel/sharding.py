@@ -91,8 +91,11 @@ def _base_prefix(model: torch.nn.Module) -> str:
     return prefix if prefix and getattr(model, "base_model", model) is not model else ""
 
 
-def check_tp_heads(config: Any, world_size: int, model: str) -> None:
+def check_tp_heads(config: Any, world_size: int, model: str, sharded: str = "") -> None:
     """Refuse a world size that does not divide the attention heads or the key/value heads: a usage error.
+
+    ``world_size`` is the tensor-parallel size (the mesh's ``tp``); ``sharded`` the marker as written, when
+    not ``parallel('tp', world_size=N)``.
 
     transformers' colwise plan gives each rank ``heads / world_size`` heads; otherwise the shapes
     fail deep inside its attention, on every rank.
@@ -105,10 +108,12 @@ def check_tp_heads(config: Any, world_size: int, model: str) -> None:
         return
     divisors = [d for d in range(2, (heads or 2) + 1) if all(isinstance(n, int) and not n % d for n, _ in named)]
     have = " and ".join(f"{n} ({what})" for n, what in named)
+    size = "a 'tp' size" if sharded else "a world size"
+    sharded = sharded or f"parallel('tp', world_size={world_size})"
     raise PatchUsageError(
-        f"parallel('tp', world_size={world_size}) cannot shard {model}: tensor parallelism gives each rank an equal "
-        f"share of the attention heads, and its heads, {have}, do not divide by {world_size}. Use a world size that "
-        f"divides both ({', '.join(map(str, divisors)) or 'none above 1'}), or give the model heads that divide: "
+        f"{sharded} cannot shard {model}: tensor parallelism gives each rank an equal share of the attention heads, "
+        f"and its heads, {have}, do not divide by {world_size}. Use {size} that divides both "
+        f"({', '.join(map(str, divisors)) or 'none above 1'}), or give the model heads that divide: "
         "@pytest.mark.model(..., num_attention_heads=..., num_key_value_heads=...)."
     )
 

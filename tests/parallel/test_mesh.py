@@ -46,6 +46,12 @@ def test_broken_rmsnorm(reference_model, patched_model):
 @pytest.mark.parallel("tp", mesh={"fsdp": 2, "tp": 2})
 def test_kind_and_mesh(patched_model):
     pass
+
+
+@pytest.mark.model("llama")
+@pytest.mark.parallel(mesh={"fsdp": 2, "tp": 3})
+def test_tp_size_that_does_not_divide_the_heads(patched_model):
+    pass
 """
 
 
@@ -61,13 +67,15 @@ def _distributed_config_takes_sizes() -> bool:
 def test_mesh_passes_a_right_patch_and_fails_its_broken_twin_on_four_ranks(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_mesh=MESH_TESTS)
     result = pytester.runpytest("-p", "no:randomly")
-    result.assert_outcomes(passed=1, failed=1, errors=1)  # the usage error fails the setup, before any rank
+    result.assert_outcomes(passed=1, failed=1, errors=2)  # the usage errors fail the setup, before any rank
     result.stdout.fnmatch_lines_random([
         "*AssertionError: patched FSDPLlamaForCausalLM differs from reference LlamaForCausalLM in training*",
         "*replaced module whose own gradients differ: model.norm*",
         "parallel(mesh={'fsdp': 2, 'tp': 2}) on gloo: failed on rank 0 of 4 (the report above is its); "
         "rank 1 failed, rank 2 failed, rank 3 failed",
         "*PatchUsageError: @pytest.mark.parallel on test_mesh.py::test_kind_and_mesh: give either a kind or mesh=*",
+        "PatchUsageError: parallel(mesh={'fsdp': 2, 'tp': 3}) cannot shard LlamaForCausalLM: *do not divide by 3. "
+        "Use a 'tp' size that divides both (2, 4)*",
     ])  # fmt: skip
 
 
