@@ -22,6 +22,7 @@ from pytest_modelpatch.errors import NotApplicableError, PatchUsageError
 from pytest_modelpatch.isolation.per_test.scopes import patch_spec
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.memory_cache import parse_model_cache
+from pytest_modelpatch.parallel.marker import MESH
 from pytest_modelpatch.parallel.session import in_rank, parallel_spec
 from pytest_modelpatch.reporting.session import NOT_APPLICABLE_PROPERTY, note_implementations
 
@@ -306,10 +307,11 @@ def patched_model(
             choices, kind = sharded_choices(request, model_builder, model_request, dtype, device)
             model = _load_patched(request, model_builder, model_request, dtype, device, choices)
         note_implementations(request.node, "patched", model)
-        if kind == "tp":  # its activations and caches hold this rank's slice: gathered for each comparison
+        if kind in ("tp", MESH):  # its activations and caches hold its TP rank's slice: gathered for each comparison
             from pytest_modelpatch.compare.sharded import gathering_shards
+            from pytest_modelpatch.parallel.sharding import tensor_parallel_group
 
-            with gathering_shards():
+            with gathering_shards(tensor_parallel_group(model) if kind == MESH else None):
                 yield model
         else:
             yield model
@@ -355,18 +357,27 @@ def sharded_choices(
     reference = model_builder.reference(model_request, dtype=dtype, device=device, choices=choices)
     kwargs = dict(choices.kwargs) if choices is not None else {}
     transforms = tuple(choices.transforms) if choices is not None else ()
-    if spec.kind == "tp":
+    if spec.kind in ("tp", MESH):
         marks = patch_spec(request.node)
         structure = model_builder.patched_structure(model_request, dtype=dtype)
         plan = sharding.resolve_tp_plan(marks.tp_plan if marks is not None else {}, structure, reference)
         if plan.empty:
+            sharded = "parallel('tp')" if spec.kind == "tp" else str(spec)
             pytest.skip(
                 f"{type(reference).__name__} has no tensor-parallel plan (its config's base_model_tp_plan is empty): "
-                "parallel('tp') cannot shard it; give one with @pytest.mark.patch(tp_plan={...})"
+                f"{sharded} cannot shard it; give one with @pytest.mark.patch(tp_plan={{...}})"
             )
-        kwargs.update(sharding.tp_load_kwargs(plan))
+        load = sharding.tp_load_kwargs(plan) if spec.kind == "tp" else sharding.mesh_load_kwargs(plan, spec.mesh)
+        if load is None:
+            import transformers
+
+            pytest.skip(
+                f"{spec} needs DistributedConfig(fsdp_size=...), which transformers {transformers.__version__} lacks"
+            )
+        kwargs.update(load)
     elif spec.kind == "fsdp":
-        transforms += (sharding.fully_shard_layers(sharding.decoder_layer_paths(reference)),)
+        paths = sharding.decoder_layer_paths(reference)
+        transforms += (sharding.fully_shard_layers(paths, per_module=spec.layout == "per_module"),)
     else:
         transforms += (sharding.data_parallel,)
     return LoadChoices(kwargs, transforms), spec.kind
@@ -380,7 +391,7 @@ def check_before_ranks(item: pytest.Item, spec: ParallelSpec) -> None:
     transformers' that shards a module the patch replaced. The ranks check the plan again against
     the model they load.
     """
-    if spec.kind != "tp":
+    if spec.kind not in ("tp", MESH):
         return  # nothing to resolve: the process that sends the tests imports neither torch nor transformers
     model_request = item_model_request(item)
     if model_request is None:
@@ -397,7 +408,7 @@ def check_before_ranks(item: pytest.Item, spec: ParallelSpec) -> None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not (getattr(text, "base_model_tp_plan", None) or (marks is not None and marks.tp_plan)):
         return  # nothing to shard: the rank skips the test, saying so
-    sharding.check_tp_heads(config, spec.world_size, model_class.__name__)
+    sharding.check_tp_heads(config, spec.tp_size, model_class.__name__, str(spec) if spec.kind == MESH else "")
     if marks is None or not (marks.tp_plan or marks.mapping):
         return
     import torch

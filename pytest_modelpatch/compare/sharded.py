@@ -23,16 +23,20 @@ from typing import Any
 
 import torch
 
-_GATHER_SLICES: ContextVar[bool] = ContextVar("modelpatch_gather_slices", default=False)
+_NOT_GATHERING = object()
+# the process group whose ranks hold slices of one tensor (None: the whole world), or _NOT_GATHERING
+_GATHER_SLICES: ContextVar[Any] = ContextVar("modelpatch_gather_slices", default=_NOT_GATHERING)
 
 
 @contextmanager
-def gathering_shards() -> Iterator[None]:
+def gathering_shards(group: Any = None) -> Iterator[None]:
     """Within the block, a patched tensor that is one rank's slice of the reference's is gathered whole first.
 
+    ``group``: the ranks that split a tensor among them, the tensor-parallel dimension of a 2-D mesh
+    (``mesh["tp"].get_group()``); ``None`` for every rank.
     Example (in every rank): ``with gathering_shards(): assert_equivalent(reference, tp_model)``.
     """
-    token = _GATHER_SLICES.set(True)
+    token = _GATHER_SLICES.set(group)
     try:
         yield
     finally:
@@ -57,13 +61,14 @@ def whole(reference: Mapping[str, Any], patched: Mapping[str, Any]) -> Mapping[s
     dist = _distributed()
     if dist is None:
         return patched
-    slices = _GATHER_SLICES.get() and dist.get_world_size() > 1
+    group = _GATHER_SLICES.get()
+    slices = group is not _NOT_GATHERING and dist.get_world_size(group) > 1
     if not slices and not any(_is_dtensor(v) for v in patched.values()):
         return patched
     local = {p: tuple(v.shape) for p, v in patched.items() if isinstance(v, torch.Tensor) and not _is_dtensor(v)}
-    every: list[Any] = [None] * dist.get_world_size()
+    every: list[Any] = [None] * (dist.get_world_size(group) if slices else 1)
     if slices:
-        dist.all_gather_object(every, local)  # one collective: every rank then decides the same gathers
+        dist.all_gather_object(every, local, group=group)  # one collective: the group then decides the same gathers
     out = dict(patched)
     for path, value in patched.items():
         if _is_dtensor(value):
@@ -74,7 +79,7 @@ def whole(reference: Mapping[str, Any], patched: Mapping[str, Any]) -> Mapping[s
             continue
         dim = _split_dim(tuple(ref.shape), [shapes.get(path) for shapes in every])
         if dim is not None:
-            out[path] = _all_gather(value, dim, [shapes[path][dim] for shapes in every], dist)
+            out[path] = _all_gather(value, dim, [shapes[path][dim] for shapes in every], dist, group)
     return out
 
 
@@ -91,7 +96,7 @@ def _split_dim(full: tuple[int, ...], shapes: list[tuple[int, ...] | None]) -> i
     return dim if sum(s[dim] for s in shapes) == full[dim] else None  # type: ignore[index]
 
 
-def _all_gather(value: torch.Tensor, dim: int, sizes: list[int], dist: Any) -> torch.Tensor:
+def _all_gather(value: torch.Tensor, dim: int, sizes: list[int], dist: Any, group: Any = None) -> torch.Tensor:
     """Every rank's slice along ``dim``, concatenated in rank order (slices may differ in size: padded to send)."""
     largest = max(sizes)
     padded = value.detach().contiguous()
@@ -100,7 +105,7 @@ def _all_gather(value: torch.Tensor, dim: int, sizes: list[int], dist: Any) -> t
         pad[dim] = largest - padded.shape[dim]
         padded = torch.cat([padded, padded.new_zeros(pad)], dim=dim)
     pieces = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(pieces, padded)
+    dist.all_gather(pieces, padded, group=group)
     return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes)], dim=dim)
 
 
@@ -115,7 +120,18 @@ def sharding_line(model: torch.nn.Module) -> str:
     kind = sharding_kind(model)
     if kind is None:
         return ""
-    return f"sharded: {kind} over {dist.get_world_size()} ranks ({dist.get_backend()}), seen on rank {dist.get_rank()}"
+    over = f"{dist.get_world_size()} ranks{_mesh_text(model)}"
+    return f"sharded: {kind} over {over} ({dist.get_backend()}), seen on rank {dist.get_rank()}"
+
+
+def _mesh_text(model: torch.nn.Module) -> str:
+    """``", mesh fsdp=2 x tp=2"`` when the model's parameters lie on a mesh of several named dimensions, else ``""``."""
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if _is_dtensor(param) and mesh is not None and mesh.ndim > 1 and mesh.mesh_dim_names:
+            dims = " x ".join(f"{n}={s}" for n, s in zip(mesh.mesh_dim_names, mesh.shape))
+            return f", mesh {dims}"
+    return ""
 
 
 def _fsdp_module_class() -> Any:
@@ -133,10 +149,19 @@ def sharding_kind(model: torch.nn.Module) -> str | None:
         return "DistributedDataParallel"
     fsdp_module = _fsdp_module_class()
     if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules()):
-        return "FSDP2"
+        return "FSDP2 over tensor parallel" if _tensor_parallel(model) else "FSDP2"
     if any(_is_dtensor(p) for p in model.parameters()):
         return "tensor parallel"
     return None
+
+
+def _tensor_parallel(model: torch.nn.Module) -> bool:
+    """Whether a parameter is also split on a mesh dimension named ``tp`` (FSDP2 applied over tensor parallelism)."""
+    for param in model.parameters():
+        names = getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ()
+        if _is_dtensor(param) and "tp" in names:
+            return True
+    return False
 
 
 def resharded(model: torch.nn.Module) -> None:

@@ -2,8 +2,12 @@
 
 - ``"tp"``: transformers' own tensor parallelism at load, ``distributed_config=DistributedConfig(tp_plan=...)``
   (``tp_plan=`` on releases without it), with the patch marks' ``tp_plan`` entries merged in;
-- ``"fsdp"``: torch's ``fully_shard`` on each decoder layer, then on the model, as accelerate and trl do;
-- ``"ddp"``: ``DistributedDataParallel`` around the model.
+- ``"fsdp"``: torch's ``fully_shard`` on each decoder layer, then on the model, as accelerate and trl do
+  (``layout="root"``); with ``layout="per_module"`` on the input embeddings and ``lm_head`` as well, as
+  torchtitan does;
+- ``"ddp"``: ``DistributedDataParallel`` around the model;
+- ``mesh={"fsdp": 2, "tp": 2}``: both at load, by transformers' ``DistributedConfig(tp_size=, fsdp_size=)``,
+  which builds the 2-D mesh and applies FSDP2 with the model's own FSDP plan over tensor parallelism.
 
 Before a TP load the plan is checked against the patched model's own structure (built on the
 meta device with the test's patches): an entry that names nothing, or a plan entry of transformers'
@@ -87,8 +91,11 @@ def _base_prefix(model: torch.nn.Module) -> str:
     return prefix if prefix and getattr(model, "base_model", model) is not model else ""
 
 
-def check_tp_heads(config: Any, world_size: int, model: str) -> None:
+def check_tp_heads(config: Any, world_size: int, model: str, sharded: str = "") -> None:
     """Refuse a world size that does not divide the attention heads or the key/value heads: a usage error.
+
+    ``world_size`` is the tensor-parallel size (the mesh's ``tp``); ``sharded`` the marker as written, when
+    not ``parallel('tp', world_size=N)``.
 
     transformers' colwise plan gives each rank ``heads / world_size`` heads; otherwise the shapes
     fail deep inside its attention, on every rank.
@@ -101,10 +108,12 @@ def check_tp_heads(config: Any, world_size: int, model: str) -> None:
         return
     divisors = [d for d in range(2, (heads or 2) + 1) if all(isinstance(n, int) and not n % d for n, _ in named)]
     have = " and ".join(f"{n} ({what})" for n, what in named)
+    size = "a 'tp' size" if sharded else "a world size"
+    sharded = sharded or f"parallel('tp', world_size={world_size})"
     raise PatchUsageError(
-        f"parallel('tp', world_size={world_size}) cannot shard {model}: tensor parallelism gives each rank an equal "
-        f"share of the attention heads, and its heads, {have}, do not divide by {world_size}. Use a world size that "
-        f"divides both ({', '.join(map(str, divisors)) or 'none above 1'}), or give the model heads that divide: "
+        f"{sharded} cannot shard {model}: tensor parallelism gives each rank an equal share of the attention heads, "
+        f"and its heads, {have}, do not divide by {world_size}. Use {size} that divides both "
+        f"({', '.join(map(str, divisors)) or 'none above 1'}), or give the model heads that divide: "
         "@pytest.mark.model(..., num_attention_heads=..., num_key_value_heads=...)."
     )
 
@@ -117,6 +126,23 @@ def tp_load_kwargs(plan: TensorParallelPlan) -> dict[str, Any]:
     except ImportError:  # transformers before DistributedConfig took the plan: tp_plan= on from_pretrained
         return {"tp_plan": override}
     return {"distributed_config": DistributedConfig(tp_plan=override)}
+
+
+def mesh_load_kwargs(plan: TensorParallelPlan, mesh: tuple[tuple[str, int], ...]) -> dict[str, Any] | None:
+    """The ``from_pretrained`` keywords that shard the model on ``mesh`` (tensor parallel on ``tp``, FSDP2 on the rest).
+
+    transformers (5.21 on) builds the mesh itself from the sizes (``init_device_mesh`` with the dimension
+    names ``pp, dp_replicate, fsdp, tp``) and ignores a ``device_mesh=`` given beside a ``DistributedConfig``:
+    the sizes are how it takes a mesh. ``None`` on a release whose ``DistributedConfig`` has no ``fsdp_size``.
+    """
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return None
+    if "fsdp_size" not in getattr(DistributedConfig, "__dataclass_fields__", {}):
+        return None
+    sizes = {f"{name}_size": size for name, size in mesh}
+    return {"distributed_config": DistributedConfig(tp_plan=plan.override or "auto", **sizes)}
 
 
 def decoder_layer_paths(reference: torch.nn.Module) -> list[str]:
@@ -132,8 +158,15 @@ def decoder_layer_paths(reference: torch.nn.Module) -> list[str]:
     return found
 
 
-def fully_shard_layers(layer_paths: list[str]) -> Callable[[torch.nn.Module], torch.nn.Module]:
-    """A transform: ``fully_shard`` each module at ``layer_paths``, then the model (FSDP2, as accelerate applies it)."""
+def fully_shard_layers(
+    layer_paths: list[str], per_module: bool = False
+) -> Callable[[torch.nn.Module], torch.nn.Module]:
+    """A transform: ``fully_shard`` each module at ``layer_paths``, then the model (FSDP2, as accelerate applies it).
+
+    ``per_module``: the input embeddings and the output embeddings (``lm_head``) are units of their own
+    first, as torchtitan's ``parallelize_llama`` shards them; tied, they are one unit, as transformers'
+    FSDP plan folds them. Their weights are then ``DTensor`` shards outside their own modules' forwards.
+    """
 
     def shard(model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -142,11 +175,34 @@ def fully_shard_layers(layer_paths: list[str]) -> Callable[[torch.nn.Module], to
         for path in layer_paths:
             if path in modules:
                 fully_shard(modules[path])
+        if per_module:
+            for unit in embedding_units(model):
+                fully_shard(unit if len(unit) > 1 else unit[0])
         fully_shard(model)
         return model
 
     shard.__name__ = "fully_shard"
     return shard
+
+
+def embedding_units(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """The input and output embeddings as FSDP units: one each, or one together when they share their weight."""
+    found = [getter() for getter in (getattr(model, "get_input_embeddings", None),
+                                     getattr(model, "get_output_embeddings", None)) if getter is not None]  # fmt: skip
+    found = [m for m in found if isinstance(m, torch.nn.Module) and any(True for _ in m.parameters())]
+    if len(found) == 2 and found[0] is not found[1]:
+        tied = {id(p) for p in found[0].parameters()} & {id(p) for p in found[1].parameters()}
+        return [found] if tied else [[found[0]], [found[1]]]
+    return [found[:1]] if found else []
+
+
+def tensor_parallel_group(model: torch.nn.Module) -> Any:
+    """The process group of this rank's tensor-parallel dimension, from a parameter on a named mesh; else ``None``."""
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None and "tp" in (getattr(mesh, "mesh_dim_names", None) or ()):
+            return mesh["tp"].get_group() if mesh.ndim > 1 else mesh.get_group()
+    return None
 
 
 def data_parallel(model: torch.nn.Module) -> torch.nn.Module:
