@@ -16,7 +16,7 @@ Slices are gathered only within :func:`gathering_shards` (the ``patched_model`` 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -80,15 +80,16 @@ def whole(reference: Mapping[str, Any], patched: Mapping[str, Any]) -> Mapping[s
 
 def _split_dim(full: tuple[int, ...], shapes: list[tuple[int, ...] | None]) -> int | None:
     """The one dimension along which the ranks' shapes split ``full`` (sizes summing to it), else ``None``."""
-    if any(s is None or len(s) != len(full) for s in shapes) or all(s == full for s in shapes):
+    known = [s for s in shapes if s is not None]
+    if len(known) != len(shapes) or any(len(s) != len(full) for s in known) or all(s == full for s in known):
         return None
-    differing = {d for s in shapes for d, (a, b) in enumerate(zip(s, full)) if a != b}  # type: ignore[arg-type]
+    differing = {d for s in known for d, (a, b) in enumerate(zip(s, full)) if a != b}
     if len(differing) != 1:
         return None
     (dim,) = differing
-    if any(s[:dim] + s[dim + 1 :] != full[:dim] + full[dim + 1 :] for s in shapes):  # type: ignore[index]
+    if any(s[:dim] + s[dim + 1 :] != full[:dim] + full[dim + 1 :] for s in known):
         return None
-    return dim if sum(s[dim] for s in shapes) == full[dim] else None  # type: ignore[index]
+    return dim if sum(s[dim] for s in known) == full[dim] else None
 
 
 def _all_gather(value: torch.Tensor, dim: int, sizes: list[int], dist: Any) -> torch.Tensor:
@@ -226,7 +227,7 @@ def logical_tensors(model: torch.nn.Module, tensors: Mapping[str, Any]) -> dict[
 
 def _shard_dim(value: Any) -> int | None:
     """The dimension a one-mesh-dimension ``Shard`` placement splits (not a strided one), else ``None``."""
-    placements = getattr(value, "placements", ())
+    placements: Sequence[Any] = getattr(value, "placements", ())
     if len(placements) != 1 or type(placements[0]).__name__ != "Shard":
         return None
     return placements[0].dim % value.dim()

@@ -189,7 +189,7 @@ class TrainingReport(CheckReport):
     note: str = ""
 
     @property
-    def comparisons(self) -> list[TensorComparison]:  # type: ignore[override]
+    def comparisons(self) -> list[TensorComparison]:
         found = [c for s in self.steps for c in (s.loss, s.grad_norm)] + self.parameters
         return found + ([self.logprobs] if self.logprobs is not None else [])
 
