@@ -93,7 +93,8 @@ class Builder(NameResolver):
         """(name looked up, class key) for each module class an instance builds, directly."""
         if key in self.children_memo:
             return self.children_memo[key]
-        self.children_memo[key] = found = []
+        found: list[tuple[str, str]] = []
+        self.children_memo[key] = found
         located = self.locate(key)
         if located is None:
             return found

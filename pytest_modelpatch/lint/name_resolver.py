@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import re
 import sys
+from collections.abc import Callable
 from importlib import machinery, metadata, util
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ class ModuleFinder:
 
     def _top_level(self, name: str) -> Path | None:
         # Frozen standard modules (abc, io) have their source on the path all the same.
-        finders = (
+        finders: list[Callable[[str], Any]] = (
             [util.find_spec, machinery.PathFinder.find_spec]
             if self.search_path is None
             else [lambda top: machinery.PathFinder.find_spec(top, self.search_path)]
