@@ -114,8 +114,9 @@ def _stamp_rows(reports: list[pytest.TestReport], spec: ParallelSpec, rank: int)
 
 def _add_section(report: pytest.TestReport, name: str, text: str) -> None:
     longrepr = report.longrepr
-    if hasattr(longrepr, "addsection"):
-        longrepr.addsection(name, text)
+    addsection = getattr(longrepr, "addsection", None)
+    if addsection is not None:
+        addsection(name, text)
     else:
         report.longrepr = f"{longrepr}\n{text}" if longrepr else text
 
