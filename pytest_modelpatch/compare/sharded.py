@@ -19,9 +19,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
+
+if TYPE_CHECKING:
+    # for the type checker only: _is_dtensor tells a DTensor by its class name, importing nothing
+    from torch.distributed.tensor import DTensor
 
 _GATHER_SLICES: ContextVar[bool] = ContextVar("modelpatch_gather_slices", default=False)
 
@@ -45,7 +49,7 @@ def _distributed() -> Any:
     return torch.distributed
 
 
-def _is_dtensor(value: Any) -> bool:
+def _is_dtensor(value: Any) -> TypeGuard[DTensor]:
     return type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
 
 
@@ -160,7 +164,7 @@ def resharded(model: torch.nn.Module) -> None:
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank holds (a ``DTensor``'s local shard), sharing its storage."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
 def nonzero_anywhere(tensors: list[torch.Tensor]) -> list[bool]:
@@ -221,7 +225,9 @@ def logical_tensors(model: torch.nn.Module, tensors: Mapping[str, Any]) -> dict[
             continue
         dim = _shard_dim(value)
         sizes = _fused_source_sizes(model, name, tuple(value.shape), dim) if dim is not None else None
-        out[name] = value.full_tensor() if sizes is None else _unpack_fused(value.to_local(), dim, sizes, dist)  # type: ignore[arg-type]
+        out[name] = (
+            value.full_tensor() if sizes is None or dim is None else _unpack_fused(value.to_local(), dim, sizes, dist)
+        )
     return out
 
 

@@ -283,7 +283,9 @@ class NameResolver:
         elif package == "transformers" and name in self.family_definitions():
             return self.lookup(self.family_definitions()[name], name)
         else:
-            folder = self.finder.path(package).parent  # type: ignore[union-attr]
+            found_at = self.finder.path(package)
+            assert found_at is not None  # a lazy package is searched only once its source was found
+            folder = found_at.parent
             candidates = [f"{package}.{p.stem}" for p in sorted(folder.glob("*.py")) if p.stem != "__init__"]
             candidates += [f"{package}.{p.parent.name}" for p in sorted(folder.glob("*/__init__.py"))]
         word = re.compile(rf"\b{re.escape(name)}\b")
