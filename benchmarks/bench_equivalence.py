@@ -189,13 +189,13 @@ def time_route_check(reference: Any, patched: Any, route: str, examples: int, se
             seen.append((prompts, max_new_tokens))
             return real(ref, pat, prompts, max_new_tokens=max_new_tokens, **kwargs)
 
-        decoding_properties.decode_pair = spy  # type: ignore[assignment]
+        decoding_properties.decode_pair = spy
         try:
             start = time.perf_counter()
             report = check_generates_equivalent(reference, patched, max_examples=examples)
             elapsed = time.perf_counter() - start
         finally:
-            decoding_properties.decode_pair = real  # type: ignore[assignment]
+            decoding_properties.decode_pair = real
         assert len(seen) == report.examples, (len(seen), report.examples)
         return elapsed / report.examples
     handle = patched.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(dict(kwargs)), with_kwargs=True)

@@ -12,7 +12,7 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def llama_checkpoint(model_builder) -> Path:  # type: ignore[no-untyped-def]
+def llama_checkpoint(model_builder) -> Path:
     """A seeded tiny Llama checkpoint directory (safetensors), saved once per session.
 
     Example::

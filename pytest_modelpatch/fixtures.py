@@ -53,7 +53,7 @@ def swept_family(item: pytest.Item) -> str | None:
     return getattr(item, "callspec", NoCallspec).params.get(FAMILY_PARAM)
 
 
-def _swept_marker_args(item: pytest.Item, mark: pytest.Mark) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _swept_marker_args(item: pytest.Item, mark: pytest.Mark) -> tuple[tuple[Any, ...], Mapping[str, Any]]:
     """A sweep's marker as this item's one-family marker: its model type in place of the list or ``families=``."""
     family = swept_family(item)
     if family is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -257,7 +257,11 @@ def pytest_configure(config: pytest.Config) -> None:
             LauncherSession(config, launched, backend, check_before_ranks), "modelpatch-launcher"
         )
     elif not in_rank():  # a rank runs the tests it is sent; the process that sent them runs them in ranks
-        rank_env = lambda: {CHECKPOINTS_ENV: str(checkpoint_root(config._tmp_path_factory))}  # noqa: E731
+
+        def rank_env() -> dict[str, str]:
+            # pytest's tmpdir plugin sets _tmp_path_factory in its pytest_configure; Config declares no such attribute
+            return {CHECKPOINTS_ENV: str(checkpoint_root(config._tmp_path_factory))}  # type: ignore[attr-defined]
+
         config.pluginmanager.register(
             ParallelSession(config, session.session_seed(config), _parallel_backend, rank_env, check_before_ranks),
             "modelpatch-parallel",
@@ -277,7 +281,11 @@ def _configure_settings(config: pytest.Config) -> None:
         verbose_loads=config.get_verbosity() > 0,
         full_verification=bool(config.getoption("modelpatch_verify_cache")),
     )
-    config.add_cleanup(lambda: configure_checks(**previous))  # an in-process pytester run must not leave them set
+
+    def restore() -> None:  # an in-process pytester run must not leave them set
+        configure_checks(**previous)
+
+    config.add_cleanup(restore)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -373,7 +381,9 @@ def _parametrize(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
     report = yield
     if report.failed:
         name_misspelled_marker(report, tuple(MARKERS))
@@ -396,7 +406,9 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
 # the intent is read from the outcome the test had before a leak overrode it, as it was when these
 # were two wrappers and the isolation one the outer.
 @pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     _describe_report(item, report)
     scopes = item.config.stash.get(_ISOLATION, None)

@@ -133,7 +133,7 @@ def _exit_after(run: object) -> None:
     """Run ``run()`` as an interpreter's main program would, then exit the process with its status."""
     code = 1
     try:
-        result = run()  # type: ignore[operator]
+        result = run()
         code = result if isinstance(result, int) else 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

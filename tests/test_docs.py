@@ -321,7 +321,7 @@ def _documented_signature(name: str, value: object) -> str:
 
     parts: list[str] = []
     keyword_only = False
-    for parameter in inspect.signature(value).parameters.values():  # type: ignore[arg-type]
+    for parameter in inspect.signature(value).parameters.values():
         if parameter.kind is parameter.VAR_POSITIONAL:
             parts.append(f"*{parameter.name}")
             keyword_only = True

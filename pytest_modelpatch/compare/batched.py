@@ -40,7 +40,7 @@ def compare_flat_batched(
     tolerances: dict[torch.dtype, Tolerance] = {}
     for path, ref in reference.items():
         pat = patched.get(path)
-        if _same_layout(ref, pat):
+        if isinstance(pat, torch.Tensor) and _same_layout(ref, pat):
             tolerance = tolerances.get(ref.dtype) or tolerances.setdefault(ref.dtype, spec.for_dtype(ref.dtype))
             if tolerance.min_sqnr_db is None and tolerance.oracle_factor is None:  # judged elementwise
                 groups[(ref.dtype, ref.device)].append((path, ref, pat))
@@ -136,6 +136,7 @@ def _figures(pairs: list[_Pair], sizes: list[int], slack_rtol: float) -> dict[in
             for i, start, n in runs:
                 parts.append(side[i] if n == sizes[i] else side[i][start : start + n])
                 if n % width:  # zeros on both sides: no difference, no |ref|, no slack above a real row's
+                    assert padding is not None  # made whenever a size is not a multiple of width
                     parts.append(padding[: width - n % width])
             sources.append(parts[0] if len(parts) == 1 else torch.cat(parts, out=target[: rows * width]))
         # all equal says every tensor here is equal, unless one has elements in another block too

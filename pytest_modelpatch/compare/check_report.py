@@ -12,7 +12,7 @@ otherwise and end through :func:`conclude` too.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -114,7 +114,13 @@ class CheckReport(ComparedTensors):
         return conclude(self, self.to_record())
 
     # reports define these as dataclass fields or properties; declared here for the type checker
-    reference: str
+    # (``reference`` as a read-only property, which a field or a property may provide, under
+    # TYPE_CHECKING: a property here would be taken by a subclass's dataclass field as its default)
+    if TYPE_CHECKING:
+
+        @property
+        def reference(self) -> str: ...
+
     device: str
     dtype: str
     duration_s: float

@@ -58,7 +58,8 @@ def default_prompts(model: torch.nn.Module, *, batch_size: int = 3, seq_len: int
     mask = inputs["attention_mask"].clone()
     for row in range(1, batch_size):
         mask[row, : min(3 * row, seq_len - 1)] = 0  # each row keeps at least one real token
-    pad = getattr(model.config.get_text_config(), "pad_token_id", None)
+    config: Any = model.config  # a transformers config: torch reads a module's attributes as Tensor | Module
+    pad = getattr(config.get_text_config(), "pad_token_id", None)
     if isinstance(pad, int) and 0 <= pad:
         inputs["input_ids"] = inputs["input_ids"].masked_fill(mask == 0, pad)
     inputs["attention_mask"] = mask
@@ -129,9 +130,10 @@ class PairDecoder:
         mask = self.prompts.get("attention_mask")
         self.mask = torch.ones_like(ids) if mask is None else mask
         # generate()'s positions for a padded batch: attended tokens only, padded slots 0.
-        self.positions = self.prompts.get("position_ids")
-        if self.positions is None:
-            self.positions = (self.mask.long().cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
+        positions = self.prompts.get("position_ids")
+        if positions is None:
+            positions = (self.mask.long().cumsum(-1) - 1).masked_fill(self.mask == 0, 0)
+        self.positions: torch.Tensor = positions
         with pristine():  # the reference's cache is built in the unpatched world too
             self.reference_cache = new_cache(reference, cache_implementation, max_cache_len)
         self.patched_cache = new_cache(unwrapped(patched), cache_implementation, max_cache_len)
@@ -276,7 +278,7 @@ class DecodingReport(CheckReport):
         return max(self.steps, key=lambda s: s.logits.max_abs, default=None)
 
     @property
-    def comparisons(self) -> list[TensorComparison]:  # type: ignore[override]
+    def comparisons(self) -> list[TensorComparison]:
         """Every step's logits compared (the row's figures)."""
         return [s.logits for s in self.steps]
 
@@ -349,15 +351,24 @@ def compare_decoding(
 ) -> DecodingReport:  # fmt: skip
     """Decode both greedily from ``prompts`` and compare; on a failure, find the step's first diverging module."""
     start = time.perf_counter()
-    options = {"max_new_tokens": max_new_tokens, "cache_implementation": cache_implementation, "spec": spec}
-    steps, hint = decode_pair(reference, patched, prompts, **options)
+    steps, hint = decode_pair(
+        reference, patched, prompts, max_new_tokens=max_new_tokens, cache_implementation=cache_implementation, spec=spec
+    )
     hint = "\n".join(line for line in (implementations_line(reference, patched), hint) if line)
     report = DecodingReport(
         type(reference).__name__, type(patched).__name__, steps, spec, max_new_tokens, cache_implementation,
         inputs=describe_inputs(prompts), hint=hint, **placement(reference),
     )  # fmt: skip
     if locate and not report.passed:
-        report.divergence = locate_step(reference, patched, prompts, steps, **options)
+        report.divergence = locate_step(
+            reference,
+            patched,
+            prompts,
+            steps,
+            max_new_tokens=max_new_tokens,
+            cache_implementation=cache_implementation,
+            spec=spec,
+        )
     report.duration_s = time.perf_counter() - start
     return report
 

@@ -120,7 +120,9 @@ def check_generates_equivalent(
     return conclude(report, report.to_record(), failure.raised if failure is not None else None)
 
 
-def _with_new_tokens(prompts: SearchStrategy[dict[str, torch.Tensor]], max_new_tokens: int) -> DrawnBytes:
+def _with_new_tokens(
+    prompts: SearchStrategy[dict[str, torch.Tensor]], max_new_tokens: int
+) -> DrawnBytes[tuple[dict[str, torch.Tensor], int]]:
     """A prompt batch and how many tokens to decode from it, drawn as one byte string.
 
     The prompt's bytes (``model_inputs``'), then one byte for the count: drawn as bytes, as

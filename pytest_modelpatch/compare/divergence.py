@@ -372,7 +372,7 @@ class ModuleEquivalenceReport(CheckReport):
         return {"replacements": [self.patched], "examples": self.calls}
 
     def __str__(self) -> str:
-        if self.passed:
+        if self.failing_call is None:  # passed
             worst = max((c.max_abs for c in self.comparisons), default=0.0)
             return f"{self.patched} matches {self.original} on {self.calls} replayed call(s), max abs {worst:.3g}"
         lines = [

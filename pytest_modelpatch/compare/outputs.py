@@ -14,7 +14,7 @@ import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -82,7 +82,8 @@ def _kind(cls: type) -> tuple[int, tuple[str, ...]]:
 
 
 def _flatten_into(found: list[tuple[str, Any]], value: Any, path: str, caches: bool) -> None:
-    kind, names = _kind(type(value))
+    cls: type = type(value)  # mypy takes type[Any] for no Hashable, which the lru_cache wants
+    kind, names = _kind(cls)
     if kind == _LEAF:
         found.append((path, value))
     elif kind == _FIELDS:
@@ -205,7 +206,12 @@ class ComparedTensors:
     each fails for reasons beyond its tensors (an unused replacement, graph breaks).
     """
 
-    comparisons: list[TensorComparison]
+    # a dataclass field or a property in each report; a read-only property to the type checker, and
+    # only to it: a property here would be taken by a subclass's dataclass field as its default
+    if TYPE_CHECKING:
+
+        @property
+        def comparisons(self) -> list[TensorComparison]: ...
 
     @property
     def failures(self) -> list[TensorComparison]:

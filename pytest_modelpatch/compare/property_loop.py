@@ -69,7 +69,7 @@ class PropertyLoop:
 
     def run(
         self,
-        inputs: SearchStrategy[Any] | DrawnBytes,
+        inputs: SearchStrategy[Any] | DrawnBytes[Any],
         check: Callable[[Any], bool],
         *,
         prepare: Callable[[Any], Any] | None = None,
@@ -180,7 +180,7 @@ class _Route:
     groups: SearchStrategy[list[Any]]
     key: Callable[[Any], Hashable | None]
     build: Callable[[Any], Any]
-    drawn: DrawnBytes | None = None
+    drawn: DrawnBytes[Any] | None = None
 
     def build_ahead(self, items: list[Any], loop: PropertyLoop) -> dict[Hashable, Any]:
         """The new inputs of a ``model_inputs`` group, built before any model runs.
@@ -200,10 +200,10 @@ class _Route:
         return built
 
 
-def _route(inputs: SearchStrategy[Any] | DrawnBytes, grouped: bool) -> _Route:
+def _route(inputs: SearchStrategy[Any] | DrawnBytes[Any], grouped: bool) -> _Route:
     drawn = inputs if isinstance(inputs, DrawnBytes) else drawn_bytes(inputs)
     if not grouped:
-        strategy = drawn.raw.map(drawn.build) if isinstance(inputs, DrawnBytes) else inputs
+        strategy = inputs.raw.map(inputs.build) if isinstance(inputs, DrawnBytes) else inputs
         return _Route(strategy.map(lambda example: [example]), input_key, _same)
     if isinstance(inputs, DrawnBytes):  # bytes a check composed (a prompt and a count): each its own draw
         return _Route(counted_groups(inputs.raw), _same, inputs.build, inputs)
@@ -221,7 +221,7 @@ def _group_count(first_byte: int) -> int:
     return 1 + (first_byte * GROUP_SIZE >> 8)
 
 
-def input_groups(drawn: DrawnBytes) -> SearchStrategy[list[bytes]]:
+def input_groups(drawn: DrawnBytes[Any]) -> SearchStrategy[list[bytes]]:
     """What one hypothesis example draws from ``model_inputs``: the bytes of 1 to ``GROUP_SIZE`` inputs."""
     size = drawn.size
     # One byte string, not a list: hypothesis' cost per list element (~0.1 ms) is as much as

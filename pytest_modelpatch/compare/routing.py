@@ -168,6 +168,8 @@ def _forcing(reference_calls: list[RouterCall], spec: ToleranceSpec, flips: Rout
             flips.examples += clear[: max(0, _SHOWN - len(flips.examples))]
             if not near or patched.scores is None or reference.scores is None:
                 return None
+            # a call has scores only where it found indices (RouterCall.of)
+            assert patched.indices is not None and reference.indices is not None
             values = list(output)
             rows = torch.tensor(near, device=values[patched.indices].device)
             for ours, theirs in ((patched.indices, reference.indices), (patched.scores, reference.scores)):

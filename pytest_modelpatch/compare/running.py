@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -61,7 +61,8 @@ def _per_operation_precisions() -> list[Any]:
     b = torch.backends
     if not hasattr(b.cuda.matmul, "fp32_precision"):
         return []
-    return [b.cuda.matmul, b.cudnn.conv, b.cudnn.rnn, b.mkldnn.matmul, b.mkldnn.conv, b.mkldnn.rnn]
+    # cudnn and mkldnn replace their modules by PropModule objects at import: the stubs see the modules
+    return [b.cuda.matmul, b.cudnn.conv, b.cudnn.rnn, b.mkldnn.matmul, b.mkldnn.conv, b.mkldnn.rnn]  # type: ignore[attr-defined]
 
 
 def _readable(read: Callable[[], Any]) -> Any:
@@ -168,7 +169,14 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def placement(model: torch.nn.Module) -> dict[str, str]:
+class Placement(TypedDict):
+    """Where a check ran, as every check report names it."""
+
+    device: str
+    dtype: str
+
+
+def placement(model: torch.nn.Module) -> Placement:
     """``{"device": "cpu", "dtype": "float32"}`` from the model's first parameter (empty strings when it has none).
 
     Every check report names where it ran this way; pass it on as ``**placement(model)``.
@@ -239,6 +247,7 @@ def cache_keyword(model: torch.nn.Module) -> str:
     cls = type(unwrapped(model))  # a wrapper's forward hands its keywords on
     keyword = _CACHE_KEYWORDS.get(cls)
     if keyword is None:
+        params: Mapping[str, inspect.Parameter]
         try:
             params = inspect.signature(cls.forward).parameters  # follows deprecate_kwarg's __wrapped__
         except (TypeError, ValueError):

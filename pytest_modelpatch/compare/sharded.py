@@ -16,12 +16,16 @@ Slices are gathered only within :func:`gathering_shards` (the ``patched_model`` 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
+
+if TYPE_CHECKING:
+    # for the type checker only: _is_dtensor tells a DTensor by its class name, importing nothing
+    from torch.distributed.tensor import DTensor
 
 _NOT_GATHERING = object()
 # the process group whose ranks hold slices of one tensor (None: the whole world), or _NOT_GATHERING
@@ -49,7 +53,7 @@ def _distributed() -> Any:
     return torch.distributed
 
 
-def _is_dtensor(value: Any) -> bool:
+def _is_dtensor(value: Any) -> TypeGuard[DTensor]:
     return type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
 
 
@@ -85,15 +89,16 @@ def whole(reference: Mapping[str, Any], patched: Mapping[str, Any]) -> Mapping[s
 
 def _split_dim(full: tuple[int, ...], shapes: list[tuple[int, ...] | None]) -> int | None:
     """The one dimension along which the ranks' shapes split ``full`` (sizes summing to it), else ``None``."""
-    if any(s is None or len(s) != len(full) for s in shapes) or all(s == full for s in shapes):
+    known = [s for s in shapes if s is not None]
+    if len(known) != len(shapes) or any(len(s) != len(full) for s in known) or all(s == full for s in known):
         return None
-    differing = {d for s in shapes for d, (a, b) in enumerate(zip(s, full)) if a != b}  # type: ignore[arg-type]
+    differing = {d for s in known for d, (a, b) in enumerate(zip(s, full)) if a != b}
     if len(differing) != 1:
         return None
     (dim,) = differing
-    if any(s[:dim] + s[dim + 1 :] != full[:dim] + full[dim + 1 :] for s in shapes):  # type: ignore[index]
+    if any(s[:dim] + s[dim + 1 :] != full[:dim] + full[dim + 1 :] for s in known):
         return None
-    return dim if sum(s[dim] for s in shapes) == full[dim] else None  # type: ignore[index]
+    return dim if sum(s[dim] for s in known) == full[dim] else None
 
 
 def _all_gather(value: torch.Tensor, dim: int, sizes: list[int], dist: Any, group: Any = None) -> torch.Tensor:
@@ -184,7 +189,7 @@ def resharded(model: torch.nn.Module) -> None:
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank holds (a ``DTensor``'s local shard), sharing its storage."""
-    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
 def nonzero_anywhere(tensors: list[torch.Tensor]) -> list[bool]:
@@ -245,13 +250,15 @@ def logical_tensors(model: torch.nn.Module, tensors: Mapping[str, Any]) -> dict[
             continue
         dim = _shard_dim(value)
         sizes = _fused_source_sizes(model, name, tuple(value.shape), dim) if dim is not None else None
-        out[name] = value.full_tensor() if sizes is None else _unpack_fused(value.to_local(), dim, sizes, dist)  # type: ignore[arg-type]
+        out[name] = (
+            value.full_tensor() if sizes is None or dim is None else _unpack_fused(value.to_local(), dim, sizes, dist)
+        )
     return out
 
 
 def _shard_dim(value: Any) -> int | None:
     """The dimension a one-mesh-dimension ``Shard`` placement splits (not a strided one), else ``None``."""
-    placements = getattr(value, "placements", ())
+    placements: Sequence[Any] = getattr(value, "placements", ())
     if len(placements) != 1 or type(placements[0]).__name__ != "Shard":
         return None
     return placements[0].dim % value.dim()

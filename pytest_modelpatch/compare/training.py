@@ -13,7 +13,7 @@ import re
 import sys
 import weakref
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -449,8 +449,8 @@ def enable_checkpointing(model: torch.nn.Module, kwargs: Mapping[str, Any]) -> N
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=dict(kwargs))
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(kwargs))
+    elif (legacy := getattr(model, "gradient_checkpointing_enable", None)) is not None:
+        legacy(gradient_checkpointing_kwargs=dict(kwargs))
     else:
         raise PatchUsageError(
             f"assert_backward_equivalent: {type(model).__name__} is not a transformers model, so gradient "
@@ -537,8 +537,10 @@ def training_run(
 
 def _detached(outputs: Any) -> Any:
     """Outputs without their autograd graph, so holding them keeps no activations alive."""
-    if isinstance(outputs, Mapping):
+    if isinstance(outputs, MutableMapping):  # a ModelOutput, detached in place: it keeps its attributes
         for key, value in list(outputs.items()):
             if isinstance(value, torch.Tensor):
                 outputs[key] = value.detach()
+    elif isinstance(outputs, Mapping):  # read-only: a copy
+        return {key: v.detach() if isinstance(v, torch.Tensor) else v for key, v in outputs.items()}
     return outputs

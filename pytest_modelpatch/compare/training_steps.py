@@ -189,7 +189,7 @@ class TrainingReport(CheckReport):
     note: str = ""
 
     @property
-    def comparisons(self) -> list[TensorComparison]:  # type: ignore[override]
+    def comparisons(self) -> list[TensorComparison]:
         found = [c for s in self.steps for c in (s.loss, s.grad_norm)] + self.parameters
         return found + ([self.logprobs] if self.logprobs is not None else [])
 
@@ -653,10 +653,11 @@ def _items_hint(
 
     def losses(model: torch.nn.Module) -> tuple[float, float]:
         with torch.no_grad():
-            return tuple(
+            once, twice = (
                 float(training_loss(forward(model, {**micro[0], "num_items_in_batch": n}), loss)[0])
                 for n in (items, 2 * items)
-            )  # type: ignore[return-value]
+            )
+            return once, twice
 
     ref, pat = losses(reference), losses(patched)
     if ref[0] == ref[1] or pat[0] != pat[1]:

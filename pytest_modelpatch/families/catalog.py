@@ -82,7 +82,7 @@ def derived_defaults(config: PretrainedConfig) -> dict[str, dict[str, Any]]:
     ``__post_init__`` derived from other sizes (Bamba's ``mamba_d_head``), with that default."""
     found: dict[str, dict[str, Any]] = {}
     for level in _config_levels(config):
-        fields = dataclasses.fields(type(level)) if dataclasses.is_dataclass(level) else ()
+        fields = dataclasses.fields(level) if dataclasses.is_dataclass(level) else ()
         keys = {
             f.name: f.default
             for f in fields

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from hypothesis import strategies as st
@@ -137,23 +137,27 @@ def model_inputs(
     return strategy
 
 
+_Built = TypeVar("_Built", covariant=True)
+
+
 @dataclass(frozen=True)
-class DrawnBytes:
+class DrawnBytes(Generic[_Built]):
     """How a ``model_inputs`` strategy draws: one byte string per input, and the input it stands for.
 
     Equal bytes make equal inputs, so a caller can draw many distinct inputs at once
-    (``st.lists(raw, unique=True)``) and recognise a repeat from the bytes alone.
+    (``st.lists(raw, unique=True)``) and recognise a repeat from the bytes alone. A check may
+    compose its own (a prompt and a count), so what the bytes build is a parameter.
     """
 
     raw: SearchStrategy[bytes]
-    build: Callable[[bytes], dict[str, torch.Tensor]]
+    build: Callable[[bytes], _Built]
     size: int  # every input's byte string has this length
 
 
 _DRAWN_BYTES = "modelpatch_drawn_bytes"  # the attribute of a model_inputs strategy that holds its DrawnBytes
 
 
-def drawn_bytes(strategy: SearchStrategy[Any]) -> DrawnBytes | None:
+def drawn_bytes(strategy: SearchStrategy[Any]) -> DrawnBytes[dict[str, torch.Tensor]] | None:
     """The bytes behind a ``model_inputs`` strategy (listed shapes); ``None`` for any other strategy.
 
     A strategy derived from it (``.map``, ``.filter``) is another object, without them: its values may

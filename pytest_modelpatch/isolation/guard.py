@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from pytest_modelpatch.isolation.interception import ACTIVE, activate, deactivate
 from pytest_modelpatch.isolation.snapshot import (
@@ -96,7 +97,7 @@ def without_patches() -> Iterator[PatchStateSnapshot]:
         mp = sys.modules.get(MONKEY_PATCHING)
         if mp is not None:
             mp.clear_patch_mapping()
-        cm = sys.modules.get(CONVERSION_MAPPING)
+        cm: Any = sys.modules.get(CONVERSION_MAPPING)  # a transformers module, read as Any as transformers is
         if cm is not None:
             registered = getattr(cm, "USER_REGISTERED_MAPPINGS", None)
             if registered is not None:

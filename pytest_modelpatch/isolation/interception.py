@@ -76,9 +76,9 @@ def _guarded_apply_patches() -> Iterator[None]:
         yield
     finally:
         for (module_name, attr), value in originals.items():
-            module = sys.modules.get(module_name)
-            if module is not None:
-                setattr(module, attr, value)
+            loaded = sys.modules.get(module_name)
+            if loaded is not None:
+                setattr(loaded, attr, value)
 
 
 _WRAPPERS: dict[str, Any] = {

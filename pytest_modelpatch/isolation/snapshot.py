@@ -209,8 +209,7 @@ class PatchStateSnapshot:
             if key in new_keys:
                 continue
             now, was = cache.get(key, _MISSING), self.conversions.get(key, _MISSING)
-            changed = now is not was or (isinstance(now, list) and now != self.conversion_lists.get(key))
-            if changed:
+            if now is not was or (isinstance(now, list) and now != self.conversion_lists.get(key)):
                 found.append(f"checkpoint conversions: the mapping for {key!r} was replaced or changed")
         return found
 
@@ -293,7 +292,7 @@ class PatchStateSnapshot:
         for table in self.recorder_tables.values():
             table.restore()
 
-    def _restore_conversions(self, cm: types.ModuleType) -> None:
+    def _restore_conversions(self, cm: Any) -> None:  # transformers.conversion_mapping, whose cache it sets
         registered = getattr(cm, "USER_REGISTERED_MAPPINGS", None)
         dirty_registration = registered is not None and bool(registered - (self.user_registered or set()))
         if registered is not None:

@@ -78,9 +78,11 @@ class Builder(NameResolver):
             return False, "class"
         seen.add(key)
         module, name = self.static[key]
+        scanned = self.source(module)
+        assert scanned is not None  # static names the classes of the modules it scanned
         found = [
             self.nature(ref[1], seen)
-            for base in self.source(module).classes[name].bases  # type: ignore[union-attr]
+            for base in scanned.classes[name].bases
             if (ref := self.dotted_ref(module, base))[0] == "class"
         ]
         # issubclass order: a module first, then an output, then a config.
@@ -93,7 +95,8 @@ class Builder(NameResolver):
         """(name looked up, class key) for each module class an instance builds, directly."""
         if key in self.children_memo:
             return self.children_memo[key]
-        self.children_memo[key] = found = []
+        found: list[tuple[str, str]] = []
+        self.children_memo[key] = found
         located = self.locate(key)
         if located is None:
             return found

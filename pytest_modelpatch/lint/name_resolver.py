@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import re
 import sys
+from collections.abc import Callable
 from importlib import machinery, metadata, util
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ class ModuleFinder:
 
     def _top_level(self, name: str) -> Path | None:
         # Frozen standard modules (abc, io) have their source on the path all the same.
-        finders = (
+        finders: list[Callable[[str], Any]] = (
             [util.find_spec, machinery.PathFinder.find_spec]
             if self.search_path is None
             else [lambda top: machinery.PathFinder.find_spec(top, self.search_path)]
@@ -282,7 +283,9 @@ class NameResolver:
         elif package == "transformers" and name in self.family_definitions():
             return self.lookup(self.family_definitions()[name], name)
         else:
-            folder = self.finder.path(package).parent  # type: ignore[union-attr]
+            found_at = self.finder.path(package)
+            assert found_at is not None  # a lazy package is searched only once its source was found
+            folder = found_at.parent
             candidates = [f"{package}.{p.stem}" for p in sorted(folder.glob("*.py")) if p.stem != "__init__"]
             candidates += [f"{package}.{p.parent.name}" for p in sorted(folder.glob("*/__init__.py"))]
         word = re.compile(rf"\b{re.escape(name)}\b")

@@ -21,7 +21,7 @@ from typing import Any
 from pytest_modelpatch.lint.contract import sources as contract
 from pytest_modelpatch.lint.contract import structures as contract_structures
 from pytest_modelpatch.lint.contract.cache import facts_cache
-from pytest_modelpatch.lint.contract.sources import StructureBuilder
+from pytest_modelpatch.lint.contract.sources import Replaced, StructureBuilder
 from pytest_modelpatch.lint.findings import _EXAMPLES, FAILING_KINDS, WARNING_KINDS, Finding, Kind
 from pytest_modelpatch.lint.scan_index import CORE, ClassEntry, ScanIndex, load_index
 
@@ -287,7 +287,7 @@ class _Lint:
         self,
         family: str,
         original: contract_structures.OriginalModel,
-        replaced: list[contract.Replaced],
+        replaced: list[Replaced],
         conversions: dict[str, list[Any]],
         checks: set[str],
         structures: StructureBuilder,

@@ -116,8 +116,9 @@ def index_path() -> Path:
 def transformers_location() -> str:
     """The installed ``transformers`` package folder, found without importing it ("" if absent)."""
     transformers = sys.modules.get("transformers")
-    if transformers is not None and getattr(transformers, "__file__", None):
-        return str(Path(transformers.__file__).parent)
+    loaded_from = getattr(transformers, "__file__", None) if transformers is not None else None
+    if loaded_from:
+        return str(Path(loaded_from).parent)
     try:
         return str(metadata.distribution("transformers").locate_file("transformers"))
     except metadata.PackageNotFoundError:

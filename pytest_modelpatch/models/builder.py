@@ -337,7 +337,7 @@ class ModelBuilder:
         path = self.checkpoint(request, dtype=dtype)
         optional = set(may_match_nothing)
         keys = [key for key in every_key if key not in optional]
-        extra = {"fusion_config": dict(request.fusion_config)} if request.fusion_config else {}
+        extra: dict[str, Any] = {"fusion_config": dict(request.fusion_config)} if request.fusion_config else {}
         extra.update(choices.patched_kwargs(request) if choices is not None else request.load_kwargs())
         model = load_pretrained(path, dtype=dtype, device=device, **extra)
         scope = current_scope()

@@ -329,7 +329,7 @@ def auto_class_for(cls: type[PreTrainedModel]) -> Any:
     from transformers.models.auto import modeling_auto
 
     config_class = getattr(cls, "config_class", None)
-    candidates = [
+    candidates: list[Any] = [  # transformers' Auto classes, read as Any as transformers is
         value for name, value in vars(modeling_auto).items()
         if name.startswith("AutoModel") and isinstance(value, type) and getattr(value, "_model_mapping", None) is not None
     ]  # fmt: skip

@@ -57,7 +57,9 @@ def _floating_tensors(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module,
         persistent = [
             (name, b) for name, b in module._buffers.items() if name not in module._non_persistent_buffers_set
         ]
-        tensors = [(p, p.requires_grad) for p in module._parameters.values() if p is not None]
+        tensors: list[tuple[torch.Tensor, bool]] = [
+            (p, p.requires_grad) for p in module._parameters.values() if p is not None
+        ]
         tensors += [(b, False) for _, b in persistent if b is not None]
         for tensor, learned in tensors:
             if id(tensor) in seen or not tensor.is_floating_point() or tensor.numel() == 0:

@@ -6,6 +6,7 @@ Torch-free: the controller reads it at collection and before starting ranks.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,7 @@ class ParallelSpec:
         return self.world_size if self.kind == "tp" else 1
 
     @classmethod
-    def from_marker(cls, args: tuple[Any, ...], kwargs: dict[str, Any], where: str) -> ParallelSpec:
+    def from_marker(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any], where: str) -> ParallelSpec:
         """Validate the mark's arguments; a wrong one is a usage error naming the fix."""
         options = dict(kwargs)
         if len(args) > 1 or (args and "kind" in options):

@@ -10,7 +10,7 @@ skipped by some ranks only is a failure, not a skip.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -128,17 +128,20 @@ def _stamp_rows(reports: list[pytest.TestReport], spec: ParallelSpec, rank: int)
 
 def _add_section(report: pytest.TestReport, name: str, text: str) -> None:
     longrepr = report.longrepr
-    if hasattr(longrepr, "addsection"):
-        longrepr.addsection(name, text)
+    addsection = getattr(longrepr, "addsection", None)
+    if addsection is not None:
+        addsection(name, text)
     else:
         report.longrepr = f"{longrepr}\n{text}" if longrepr else text
 
 
 def _failure_reports(item: pytest.Item, text: str) -> list[pytest.TestReport]:
     """A setup that passed, a call that failed with ``text``, a teardown that passed: how the test reads."""
-    keywords = {name: 1 for name in item.keywords}
+    keywords: dict[str, Literal[1]] = {name: 1 for name in item.keywords}
 
-    def report(when: str, outcome: str, longrepr: Any = None) -> pytest.TestReport:
-        return pytest.TestReport(item.nodeid, item.location, keywords, outcome, longrepr, when)  # type: ignore[arg-type]
+    def report(
+        when: Literal["setup", "call", "teardown"], outcome: Literal["passed", "failed"], longrepr: Any = None
+    ) -> pytest.TestReport:
+        return pytest.TestReport(item.nodeid, item.location, keywords, outcome, longrepr, when)
 
     return [report("setup", "passed"), report("call", "failed", text), report("teardown", "passed")]

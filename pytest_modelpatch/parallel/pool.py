@@ -164,8 +164,8 @@ class RankPool:
             )
             if not ready:
                 break
-            for connection in ready:
-                rank = next(r for r, c in pending.items() if c is connection)
+            for waited in ready:
+                rank, connection = next((r, c) for r, c in pending.items() if c is waited)
                 outcome = outcomes[rank]
                 try:
                     kind, payload = connection.recv()

@@ -169,14 +169,15 @@ def _judge_speed(
     limit = thresholds.min_speedup
     for row in timed:
         value = speedup(row)
-        if limit is not None and not value >= limit:  # type: ignore[operator]  # NaN passes no floor
+        if limit is not None and value is not None and not value >= limit:  # NaN passes no floor
             verdict.fail(f"{name(row)}: speedup {speedup_cell(row)} is below min speedup {limit:g}x", row)
     if thresholds.max_speedup_drop is not None and baseline is not None:
         before = {check_key(r): speedup(r) for r in baseline}
         for row in timed:
             old = before.get(check_key(row))
             allowed = None if old is None else old * (1.0 - thresholds.max_speedup_drop)
-            if allowed is not None and not speedup(row) >= allowed:  # type: ignore[operator]
+            now = speedup(row)
+            if allowed is not None and now is not None and not now >= allowed:
                 verdict.fail(
                     f"{name(row)}: speedup fell from {old:.2f}x (baseline) to {speedup_cell(row)}, below the "
                     f"allowed {allowed:.2f}x (max speedup drop {thresholds.max_speedup_drop:g})", row,

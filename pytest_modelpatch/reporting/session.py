@@ -140,6 +140,7 @@ def _property_values(properties: list[tuple[str, object]], name: str) -> list[An
 def session_seed(config: pytest.Config) -> int:
     """``--modelpatch-seed``, else ini ``modelpatch_seed``, else 0; on an xdist worker, the controller's."""
     if is_worker(config):
+        # xdist sets workerinput on a worker's config; pytest's Config declares no such attribute
         return int(config.workerinput.get("modelpatch_seed", 0))  # type: ignore[attr-defined]
     value = config.getoption("modelpatch_seed")
     if value is not None:

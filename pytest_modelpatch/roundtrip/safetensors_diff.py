@@ -181,10 +181,13 @@ class TensorDiff:
     def __str__(self) -> str:
         src, dst = self.source, self.saved
         if self.status == "missing":
+            assert src is not None  # a missing tensor is one of the source's
             return f"{self.name}: missing from the saved checkpoint (source {src.dtype}{list(src.shape)} in {src.file.name})"
         if self.status == "unexpected":
+            assert dst is not None  # an unexpected tensor is one of the saved checkpoint's
             return f"{self.name}: unexpected in the saved checkpoint ({dst.dtype}{list(dst.shape)} in {dst.file.name}), not in the source"
         if self.status == "shape":
+            assert src is not None and dst is not None  # both sides have it: compared
             return f"{self.name}: shape {list(dst.shape)} saved, {list(src.shape)} in the source"
         values = ""
         if self.max_abs_diff is not None:
@@ -192,6 +195,7 @@ class TensorDiff:
                 f"; {self.differing_elements}/{self.elements} elements differ, max abs diff {self.max_abs_diff:.3g}"
             )
         if self.status == "dtype":
+            assert src is not None and dst is not None  # both sides have it: compared
             return f"{self.name}: dtype {dst.dtype} saved, {src.dtype} in the source{values}"
         if self.status == "bytes":
             return f"{self.name}: bytes differ{values}"

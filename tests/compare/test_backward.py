@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -135,6 +136,25 @@ def test_loss_callable_and_default_reduction(pair: Callable[..., Pair]) -> None:
         assert_backward_equivalent(reference, patched, ids, loss=mean_logit)
     with pytest.raises(PatchUsageError, match="not a scalar tensor"):
         assert_backward_equivalent(reference, patched, ids, loss=lambda outputs: outputs.logits)
+
+
+class ReadOnlyOutputs(torch.nn.Module):
+    """A model whose forward returns its outputs as a read-only mapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, input_ids: torch.Tensor) -> MappingProxyType[str, torch.Tensor]:
+        return MappingProxyType({"logits": self.head(self.embed(input_ids))})
+
+
+def test_a_model_returning_a_read_only_mapping_is_compared_in_training() -> None:
+    reference, patched = ReadOnlyOutputs(), ReadOnlyOutputs()
+    report = assert_backward_equivalent(reference, patched, {"input_ids": torch.tensor([[3, 1, 4, 1, 5]])})
+    assert report.passed and [c.path for c in report.outputs] == ["outputs.logits"], report
 
 
 def test_backward_record_row(pair: Callable[..., Pair], records: list[CheckRecord]) -> None:

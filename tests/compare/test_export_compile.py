@@ -9,10 +9,11 @@ QKV attention are the good ones: they export with dynamic batch and sequence and
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, Pair
 
 GUARD_LINE = next(
     number
@@ -98,7 +99,7 @@ def test_export_and_compile_checks_pass_good_patches_and_locate_the_broken_one(p
     assert "2 graph breaks" in breaks["detail"]
 
 
-def test_compiled_code_and_dynamo_globals_do_not_outlive_the_check(pair) -> None:  # type: ignore[no-untyped-def]
+def test_compiled_code_and_dynamo_globals_do_not_outlive_the_check(pair: Callable[..., Pair]) -> None:
     import sys
 
     import torch
@@ -125,7 +126,7 @@ def test_without_a_cpp_compiler_the_default_backend_is_aot_eager_with_a_note(mon
     assert backend == "aot_eager" and "no C++ compiler" in note
 
 
-def test_dynamic_export_refuses_size_one_examples(pair) -> None:  # type: ignore[no-untyped-def]
+def test_dynamic_export_refuses_size_one_examples(pair: Callable[..., Pair]) -> None:
     import torch
 
     from pytest_modelpatch.compare.graph.export import assert_exports_equivalent

@@ -160,7 +160,7 @@ def test_tolerance_arguments_apply_to_every_example(pair: Callable[[str], Pair])
 
 def test_inputs_must_be_a_strategy_or_a_dict(pair: Callable[[str], Pair]) -> None:
     with pytest.raises(pytest.UsageError, match="inputs= must be a hypothesis strategy"):
-        check_equivalent(*pair("llama_fused_qkv"), inputs=[1, 2, 3])  # type: ignore[arg-type]
+        check_equivalent(*pair("llama_fused_qkv"), inputs=[1, 2, 3])
 
 
 @settings(max_examples=4, deadline=None)

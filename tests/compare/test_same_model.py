@@ -47,7 +47,7 @@ def test_another_head_of_the_same_family_is_a_different_architecture() -> None:
 
 
 def test_a_patched_top_level_subclass_and_other_module_classes_are_the_same_model() -> None:
-    class PatchedLlama(type(LLAMA)):  # type: ignore[misc]
+    class PatchedLlama(type(LLAMA)):
         pass
 
     patched = seeded_model(tiny_config("llama"), model_class=PatchedLlama)

@@ -24,7 +24,7 @@ def test_register_unregister_and_read_only_mapping(patch_registry: PatchRegistry
     patch_registry.register({"LlamaAttention": FusedAttention, ".*MLP$": FusedAttention})
     assert dict(patch_registry.mapping) == {"LlamaAttention": FusedAttention, ".*MLP$": FusedAttention}
     with pytest.raises(TypeError):
-        patch_registry.mapping["LlamaMLP"] = FusedAttention  # type: ignore[index]
+        patch_registry.mapping["LlamaMLP"] = FusedAttention
     patch_registry.unregister(".*MLP$")
     assert dict(patch_registry.mapping) == {"LlamaAttention": FusedAttention}
 
@@ -58,7 +58,7 @@ def test_bad_mapping_is_a_usage_error_and_registers_nothing(
     patch_registry: PatchRegistry, mapping: object, message: str
 ) -> None:
     with pytest.raises(PatchUsageError, match=message):
-        patch_registry.register({"LlamaMLP": FusedAttention, **mapping} if isinstance(mapping, dict) else mapping)  # type: ignore[arg-type]
+        patch_registry.register({"LlamaMLP": FusedAttention, **mapping} if isinstance(mapping, dict) else mapping)
     assert dict(patch_registry.mapping) == {}
 
 
@@ -74,7 +74,7 @@ def test_bad_conversions_are_usage_errors(patch_registry: PatchRegistry) -> None
     with pytest.raises(PatchUsageError, match=r"conversions\['llama'\] must be a list of WeightConverter"):
         patch_registry.register(conversions={"llama": ["q_proj"]})
     with pytest.raises(PatchUsageError, match="must be a dict"):
-        patch_registry.register(conversions=[WeightRenaming("a", "b")])  # type: ignore[arg-type]
+        patch_registry.register(conversions=[WeightRenaming("a", "b")])
 
 
 def test_unregister_unknown_key_lists_registered_keys(patch_registry: PatchRegistry) -> None:

@@ -41,9 +41,9 @@ def test_each_xdist_worker_gets_its_own_gpu(
 
 
 def test_gpu_missing_reasons() -> None:
-    assert "torch.cuda.is_available() is False" in gpu_missing_reason("cuda", NO_GPU)  # type: ignore[operator]
+    assert "torch.cuda.is_available() is False" in gpu_missing_reason("cuda", NO_GPU)
     assert gpu_missing_reason("cuda:3", FOUR_GPUS) is None
-    assert "has 4 CUDA device(s)" in gpu_missing_reason("cuda:4", FOUR_GPUS)  # type: ignore[operator]
+    assert "has 4 CUDA device(s)" in gpu_missing_reason("cuda:4", FOUR_GPUS)
 
 
 def test_worker_index_and_default_device_sources() -> None:

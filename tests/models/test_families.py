@@ -350,7 +350,7 @@ def test_resolve_model_spec_accepts_a_type_a_config_and_a_checkpoint(tmp_path: P
 )
 def test_resolve_model_spec_rejects_what_it_cannot_build(spec: object, message: str) -> None:
     with pytest.raises(PatchUsageError, match=message):
-        resolve_model_spec(spec)  # type: ignore[arg-type]
+        resolve_model_spec(spec)
 
 
 def test_resolve_model_spec_rejects_a_directory_without_config(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ def test_rows_of_cuda_checks_carry_the_name_torch_gives_their_gpu(monkeypatch: p
         user_properties: list[tuple[str, Any]] = []
         stash = pytest.Stash()
 
-    with attaching_checks(Item()):  # type: ignore[arg-type]
+    with attaching_checks(Item()):
         record_check(CheckRecord(kind="equivalence", outcome="passed", device="cuda:1", max_abs_error=0.0))
         record_check(CheckRecord(kind="equivalence", outcome="passed", device="cpu", max_abs_error=0.0))
     rows = [value for name, value in Item.user_properties if name == "modelpatch_check"]

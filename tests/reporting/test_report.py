@@ -102,7 +102,7 @@ def test_sink_stamps_the_node_id_numbers_checks_and_adds_key_figures(records: li
             self.stash = pytest.Stash()  # as every pytest item has
 
     item = Item()
-    with attaching_checks(item):  # type: ignore[arg-type]
+    with attaching_checks(item):
         record_check(CheckRecord(kind="equivalence", outcome="passed", max_abs_error=1e-7, max_rel_error=1e-6))
         record_check(CheckRecord(kind="equivalence", outcome="failed", max_abs_error=0.5))
     record_check(CheckRecord(kind="roundtrip", outcome="passed"))  # after the test: the previous sink again

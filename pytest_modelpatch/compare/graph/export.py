@@ -68,10 +68,11 @@ def second_shape(reference: torch.nn.Module, first: Mapping[str, torch.Tensor]) 
     from pytest_modelpatch.families.inputs import example_inputs
 
     batch, length = first["input_ids"].shape
-    limit = getattr(reference.config.get_text_config(), "max_position_embeddings", None) or length + 3
+    config: Any = reference.config  # a transformers config: torch reads a module's attributes as Tensor | Module
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None) or length + 3
     new_length = length + 3 if length + 3 <= limit else max(2, length - 3)
     return example_inputs(
-        reference.config, batch_size=batch + 1, seq_len=new_length, seed=1,
+        config, batch_size=batch + 1, seq_len=new_length, seed=1,
         device=model_device(reference), model_class=type(reference),
     )  # fmt: skip
 
@@ -87,7 +88,8 @@ def dynamic_shapes(reference: torch.nn.Module, inputs: Mapping[str, torch.Tensor
             f"dynamic=True needs example inputs with batch and sequence >= 2 (got {batch}x{length}): torch.export "
             "fixes a dimension of size 1 to a constant. Pass larger inputs or none (the default is 2x8)."
         )
-    limit = getattr(reference.config.get_text_config(), "max_position_embeddings", None)
+    config: Any = reference.config  # a transformers config: torch reads a module's attributes as Tensor | Module
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     seq = torch.export.Dim("sequence", min=2, max=limit) if limit else torch.export.Dim("sequence", min=2)
     dims = {0: torch.export.Dim("batch", min=2), 1: seq}
     return (dims, dims)

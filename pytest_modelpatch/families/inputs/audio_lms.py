@@ -50,6 +50,7 @@ def qwen3_asr_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     module's own length formula)."""
     config = request.config
     audio = mel_features_for(request, config.audio_config)
+    assert audio is not None  # transformers' config refuses a num_mel_bins that is no int
     frames = audio["input_features"].shape[-1]
     lengths = sys.modules[request.model_class.__module__]._get_feat_extract_output_lengths
     count = int(lengths(torch.tensor(frames), config.audio_config.n_window))
@@ -61,6 +62,7 @@ def fun_asr_nano_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     encoder and adaptor keep the frame count, so one embedding per valid frame."""
     config, frames = request.config, AUDIO_TOKENS
     width = feature_width(config.audio_config)  # num_mel_bins * num_stacked_frames, the encoder's input_size
+    assert width is not None  # transformers' config refuses a num_mel_bins that is no int
     audio = {
         "input_features": request.randn(request.batch_size, frames, width),
         "input_features_mask": _all_valid(request, frames),

@@ -95,7 +95,7 @@ def _takes_language_ids(request: InputRequest) -> bool:
 def language_adapter_inputs(request: InputRequest) -> dict[str, torch.Tensor]:
     """X-MOD: each row names its language, picking the adapter (the forward refuses to guess)."""
     inputs = text_request_inputs(request)
-    if request.takes("token_type_ids") and getattr(request.config, "type_vocab_size", 0):
+    if request.takes("token_type_ids") and getattr(request.config, "type_vocab_size", None):
         inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
     languages = len(request.config.languages)
     rows = torch.arange(request.batch_size) % languages  # different adapters in one batch

@@ -24,7 +24,7 @@ def text_companions(
     """Inputs that go with ``input_ids``: segment ids for encoders, decoder ids for encoder-decoders."""
     params = forward_parameters(model_class)
     extra: dict[str, torch.Tensor] = {}
-    if "token_type_ids" in params and getattr(config.get_text_config(), "type_vocab_size", 0):
+    if "token_type_ids" in params and getattr(config.get_text_config(), "type_vocab_size", None):
         extra["token_type_ids"] = torch.zeros_like(input_ids)
     if config.is_encoder_decoder and "decoder_input_ids" in params:
         extra["decoder_input_ids"] = input_ids.clone()

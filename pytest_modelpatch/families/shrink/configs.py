@@ -153,7 +153,8 @@ def _derive_head_sizes(
     rope_dim = before.get("qk_rope_head_dim")
     if is_int(rope_dim) and before.get("head_dim") == rope_dim and "head_dim" not in fixed:
         out["head_dim"] = out["qk_rope_head_dim"]  # MLA models rotate only the rope part
-    head_dim = out.get("head_dim") if is_int(out.get("head_dim")) else head_dim
+    given = out.get("head_dim")
+    head_dim = given if is_int(given) else head_dim
     if is_int(before.get("rotary_dim")) and "rotary_dim" not in fixed:
         out["rotary_dim"] = max(2, head_dim // 2)
     _shrink_rope(out, head_dim, fixed, implicit_rope)

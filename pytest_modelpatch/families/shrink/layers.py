@@ -4,6 +4,7 @@ per-layer list, schedule and layer index cut to match. Pure dict work, called by
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pytest_modelpatch.families.shrink.sizes import HEAD_KEYS, KV_HEAD_KEYS, LAYER_KEYS, TINY_LAYERS, is_int, shrink_int
@@ -29,9 +30,9 @@ def shrink_layers(before: dict[str, Any], out: dict[str, Any]) -> None:
     keep = _cover_block_pattern(before, old, keep)
     for key, value in counts.items():
         out[key] = len(keep) if value == old else TINY_LAYERS
-    for key, value in per_layer.items():
+    for key, entries in per_layer.items():
         shrunk = out.get(key)  # already shrunk per entry (heads per stage), when it could be
-        source = shrunk if isinstance(shrunk, list) and len(shrunk) == len(value) else value
+        source = shrunk if isinstance(shrunk, list) and len(shrunk) == len(entries) else entries
         out[key] = [source[i] for i in keep]
     n = len(keep)
     if isinstance(before.get("stage_names"), list) and len(before["stage_names"]) == old + 1:
@@ -116,7 +117,7 @@ def resize_per_layer_lists(shrunk: dict[str, Any], overrides: dict[str, Any]) ->
                 shrunk[name] = [value[i % old] for i in range(new)]
 
 
-def _layers_to_keep(per_layer: dict[str, list[Any]], old: int) -> list[int]:
+def _layers_to_keep(per_layer: Mapping[str, Sequence[Any]], old: int) -> list[int]:
     """Indices of the layers to keep: the first of each kind, then the earliest others."""
     keep: list[int] = []
     # layer_types decides first; other kind lists (Kimi's mlp_layer_types) add their kinds

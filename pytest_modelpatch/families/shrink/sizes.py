@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 # Every size below is shared by all sub-configs, so cross-config equalities that
 # families rely on (a vision tower's ``out_hidden_size`` == the text ``hidden_size``,
@@ -23,7 +23,7 @@ TINY_PATCH = 8
 TINY_LORA_RANK = 32
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """A config size: an int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -28,6 +28,7 @@ def fit_validator_message(tree: dict[str, Any], message: str, fixed: dict[str, A
     path, current, wanted = match.group(1).split("."), int(match.group(2)), int(match.group(3))
     # the path is relative to the config that validates, which may be nested (NeMo SpeechLM's
     # audio_config.diarization_config): try every level, outermost first
+    level: dict[str, Any] | None
     for level, pinned in _levels(tree, fixed):
         for key in path[:-1]:
             level = level.get(key) if isinstance(level, dict) else None

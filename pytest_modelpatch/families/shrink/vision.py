@@ -6,7 +6,7 @@ detector follows, Swin windows). Pure dict work, called by
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 from pytest_modelpatch.families.shrink.sizes import (
     TINY_HEADS,
@@ -191,7 +191,7 @@ def follow_channels(before: dict[str, Any], out: dict[str, Any], fixed: set[str]
             out["encoder_in_channels"] = [sizes[i - 1] for i in indices]  # index 0 is the stem
 
 
-def _is_int_list(value: Any) -> bool:
+def _is_int_list(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and bool(value) and all(map(is_int, value))
 
 

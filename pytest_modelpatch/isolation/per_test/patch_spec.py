@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.reporting.records import IMPLEMENTATION_KEYWORDS
+
+if TYPE_CHECKING:
+    from _pytest.nodes import Node  # what iter_markers_with_node yields; pytest exports no name for it
 
 # the from_pretrained choices of both markers that select an implementation; the builder loads the
 # reference with transformers' eager one on each axis only the patch marker sets
@@ -32,7 +35,7 @@ _KEYWORDS = (
 )  # fmt: skip
 
 
-def _where(node: pytest.Item | pytest.Collector) -> str:
+def _where(node: Node) -> str:
     return node.nodeid or node.name
 
 

@@ -30,19 +30,28 @@ CallSite = source.CallSite
 
 
 class Structure(Protocol):
-    """A built model's names: ``tensors`` (name -> shape), ``modules`` (name -> class name), plans."""
+    """A built model's names: ``tensors`` (name -> shape), ``modules`` (name -> class name), plans.
 
-    tensors: Mapping[str, tuple[int, ...]]
-    modules: Mapping[str, str]
-    tp_plan: Mapping[str, str]
-    pp_plan: Mapping[str, Any]
+    Read-only, so that a frozen dataclass is one.
+    """
+
+    @property
+    def tensors(self) -> Mapping[str, tuple[int, ...]]: ...
+    @property
+    def modules(self) -> Mapping[str, str]: ...
+    @property
+    def tp_plan(self) -> Mapping[str, str]: ...
+    @property
+    def pp_plan(self) -> Mapping[str, Any]: ...
 
 
 class BuiltStructure(Structure, Protocol):
     """A :class:`Structure` built from a model class: also the class's name and ``base_model_prefix``."""
 
-    model_class: str
-    base_model_prefix: str
+    @property
+    def model_class(self) -> str: ...
+    @property
+    def base_model_prefix(self) -> str: ...
 
 
 class StructureBuilder(Protocol):
