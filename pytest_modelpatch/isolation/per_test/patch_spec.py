@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.reporting.records import IMPLEMENTATION_KEYWORDS
+from pytest_modelpatch.settings import IMPLEMENTATION_KEYWORDS
 
 # the from_pretrained choices of both markers that select an implementation; the builder loads the
 # reference with transformers' eager one on each axis only the patch marker sets
