@@ -40,7 +40,8 @@ def test_a_replacement_that_never_ran_fails_the_check_unless_allowed(pytester: p
         """
 import pytest
 from my_patch import MAPPING
-from pytest_modelpatch import assert_equivalent, check_equivalent, patch_usage
+from pytest_modelpatch import assert_equivalent, check_equivalent
+from pytest_modelpatch.models import patch_usage
 
 
 @pytest.mark.model("llama")
@@ -77,7 +78,8 @@ def test_patch_usage_counts_only_the_models_own_calls_not_module_replays(pyteste
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaMLP
-from pytest_modelpatch import assert_module_equivalent, patch_usage
+from pytest_modelpatch import assert_module_equivalent
+from pytest_modelpatch.models import patch_usage
 
 
 class MyMLP(LlamaMLP):
@@ -91,7 +93,7 @@ def test_replay_is_not_a_model_call(reference_model, patched_model):
     (usage,) = patch_usage(patched_model)
     assert usage.calls_in_last_forward == 2
     # replays real arguments into the patched MLP, calling it directly: not a call the model made
-    assert_module_equivalent("model.layers.0.mlp", reference=reference_model, patched=patched_model)
+    assert_module_equivalent(reference_model, patched_model, "model.layers.0.mlp")
     (usage,) = patch_usage(patched_model)
     assert usage.calls_in_last_forward == 2
 """
