@@ -145,7 +145,7 @@ class ParityReport(CheckReport):
         head = f"{self.how} of patched {self.patched} differs from eager reference {self.reference}{where}"
         if failures:
             head += f" in {len(failures)} of {len(self.comparisons)} outputs"
-        else:
+        elif self.unused:
             head = f"{self.how} of patched {self.patched} matches eager reference {self.reference}{where}, but proves"
             head += " nothing about a replacement:"
         return "\n".join([
