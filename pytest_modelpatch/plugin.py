@@ -527,7 +527,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    # not attaching_checks(): a context manager costs every test of the session more than this
+    # set and reset by hand, not in a context manager: one costs every test of the session more than this
     previous = set_record_sink(CheckSink(item))
     try:
         return (yield)
