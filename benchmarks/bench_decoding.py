@@ -1,4 +1,4 @@
-"""Cost of assert_generates_equivalent against two bare generate() calls with the same settings.
+"""Cost of assert_decodes_equivalent against two bare generate() calls with the same settings.
 
 Both sides decode the same tiny models from the same default prompts (a left-padded batch of 3,
 unequal lengths), greedily, ``--new-tokens`` tokens, with the same cache. The bare side is
@@ -31,8 +31,8 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import load_patch, tiny_config
-from pytest_modelpatch.compare.decoding import assert_generates_equivalent, default_prompts
-from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
+from pytest_modelpatch.compare.decoding import assert_decodes_equivalent, default_prompts
+from pytest_modelpatch.isolation.guard import builtin_patch_state, isolated_patch_state
 from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained
 
 
@@ -62,7 +62,7 @@ def main() -> None:
     patch = load_patch(args.patch)
     with tempfile.TemporaryDirectory() as cache, isolated_patch_state():
         path = cached_checkpoint(tiny_config(patch.MODEL_TYPE), cache_dir=Path(cache))
-        with without_patches():
+        with builtin_patch_state():
             reference = load_pretrained(path)
         register_patch_mapping(patch.MAPPING)
         for model_type, transforms in patch.CONVERSIONS.items():
@@ -81,12 +81,12 @@ def main() -> None:
                     model.generate(**prompts, **settings, do_sample=False, eos_token_id=None, pad_token_id=0)
 
         def check() -> None:
-            assert_generates_equivalent(reference, patched, prompts, **settings)
+            assert_decodes_equivalent(reference, patched, prompts, **settings)
 
         bares, checks = paired_times(bare, check, args.repeats)
         ratio = statistics.median(c / b for b, c in zip(bares, checks))
         print(f"  {cache_implementation or 'dynamic'} cache: two generate() {statistics.median(bares) * 1e3:.1f} ms, "
-              f"assert_generates_equivalent {statistics.median(checks) * 1e3:.1f} ms, "
+              f"assert_decodes_equivalent {statistics.median(checks) * 1e3:.1f} ms, "
               f"median ratio of the pairs {ratio:.2f}x (goal <= 1.2x)")  # fmt: skip
 
 

@@ -18,7 +18,7 @@ Printed at the default tiny size users get, and the ratio again at hidden size 2
 
 Then the same paired ratio on every route inputs reach a property check by (``--routes``, on by default):
 ``check_equivalent``'s default inputs, a user's own strategy (``st.integers(...).map(make_batch)``),
-a mapping of strategies (``{"input_ids": strategy}``), and ``check_generates_equivalent`` against both models'
+a mapping of strategies (``{"input_ids": strategy}``), and ``check_decodes_equivalent`` against both models'
 bare greedy decoding loops on the prompts it drew. Goal: <= 1.3x on each.
 
 Figures before and after each change are recorded in docs/properties.md ("Cost"); on a shared
@@ -54,14 +54,14 @@ from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import load_patch
 from pytest_modelpatch.compare import decoding_properties
-from pytest_modelpatch.compare.decoding_properties import check_generates_equivalent
+from pytest_modelpatch.compare.decoding_properties import check_decodes_equivalent
 from pytest_modelpatch.compare.outputs import compare_outputs
 from pytest_modelpatch.compare.property_checks import check_equivalent
 from pytest_modelpatch.compare.property_loop import GROUP_SIZE, input_groups
 from pytest_modelpatch.compare.running import cache_keyword
 from pytest_modelpatch.compare.tolerance import resolve_tolerance
 from pytest_modelpatch.families.strategies import drawn_bytes, model_inputs
-from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
+from pytest_modelpatch.isolation.guard import builtin_patch_state, isolated_patch_state
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.per_test.patch_spec import PatchSpec
 from pytest_modelpatch.isolation.registration import ActivePatches
@@ -141,7 +141,7 @@ def time_reload(path: Path, patch: Any, examples: int) -> float:
         start = time.perf_counter()
         with isolated_patch_state():
             register(patch)
-            with without_patches():
+            with builtin_patch_state():
                 reference = load_pretrained(path)
             patched = load_pretrained(path)
         with torch.no_grad():
@@ -192,7 +192,7 @@ def time_route_check(reference: Any, patched: Any, route: str, examples: int, se
         decoding_properties.decode_pair = spy
         try:
             start = time.perf_counter()
-            report = check_generates_equivalent(reference, patched, max_examples=examples)
+            report = check_decodes_equivalent(reference, patched, max_examples=examples)
             elapsed = time.perf_counter() - start
         finally:
             decoding_properties.decode_pair = real
@@ -212,7 +212,7 @@ def time_route_check(reference: Any, patched: Any, route: str, examples: int, se
 
 
 def bare_decode(model: Any, prompts: Mapping[str, Any], new_tokens: int) -> None:
-    """Greedy decoding with ``.forward`` itself, as check_generates_equivalent's loop feeds each model: prefill, then a token a step."""
+    """Greedy decoding with ``.forward`` itself, as check_decodes_equivalent's loop feeds each model: prefill, then a token a step."""
     from transformers import DynamicCache
 
     cache = {cache_keyword(model): DynamicCache(config=model.config)}
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reload-examples", type=int, default=5, help="examples for the per-example reload test")
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--route-examples", type=int, default=60, help="examples per check on each route")
-    parser.add_argument("--generation-examples", type=int, default=10, help="check_generates_equivalent examples")
+    parser.add_argument("--generation-examples", type=int, default=10, help="check_decodes_equivalent examples")
     parser.add_argument("--no-routes", action="store_true", help="skip the per-route ratios")
     parser.add_argument("--routes-only", action="store_true", help="only the per-route ratios")
     parser.add_argument(

@@ -34,7 +34,7 @@ from fixtures import load_patch, tiny_config
 from pytest_modelpatch.compare.graph.compile import assert_compiles_equivalent
 from pytest_modelpatch.compare.graph.export import assert_exports_equivalent
 from pytest_modelpatch.compare.graph.parity import LogitsOnly, logits_inputs
-from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
+from pytest_modelpatch.isolation.guard import builtin_patch_state, isolated_patch_state
 from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained
 
 
@@ -58,7 +58,7 @@ def main() -> None:
         register_patch_mapping(patch.MAPPING)
         for model_type, transforms in patch.CONVERSIONS.items():
             register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
-        with without_patches():
+        with builtin_patch_state():
             reference = load_pretrained(path).eval()
         patched = load_pretrained(path).eval()
     inputs = logits_inputs(reference, None)

@@ -60,12 +60,12 @@ def main() -> None:
         (warm_wall, warm_cpu), warm_median = warm[0], warm[2][0]
 
         os.environ["MODELPATCH_CACHE_DIR"] = cache
-        from pytest_modelpatch.lint.patterns import run_lint
+        from pytest_modelpatch.lint.patterns import lint_patterns
         from pytest_modelpatch.lint.scan_index import load_index
 
         start, cpu_start = time.perf_counter(), time.process_time()
         index = load_index()
-        run_lint(KEYS, index=index)
+        lint_patterns(KEYS, index=index)
         in_process, in_process_cpu = time.perf_counter() - start, time.process_time() - cpu_start
 
     print(f"keys: {' '.join(KEYS)} (all families)")

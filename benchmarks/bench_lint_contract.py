@@ -48,22 +48,22 @@ def measure() -> dict[str, float]:
     import torch
 
     from fixtures import PATCH_MODULES, load_patch
-    from pytest_modelpatch.lint.patterns import run_lint
+    from pytest_modelpatch.lint.model_structures import meta_structures
+    from pytest_modelpatch.lint.patterns import lint_patterns
     from pytest_modelpatch.lint.scan_index import load_index
-    from pytest_modelpatch.models.structure import meta_structures
 
     torch.set_num_threads(1)
     index = load_index()
     patches = [load_patch(name) for name in PATCH_MODULES]
-    run_lint(["LlamaAttention"], families=["llama"], index=index)  # warm the name lint's own tables
+    lint_patterns(["LlamaAttention"], families=["llama"], index=index)  # warm the name lint's own tables
     sums = {"names": 0.0, "contract": 0.0, "again": 0.0}
     for patch in patches:
 
         def names() -> None:
-            run_lint(list(patch.MAPPING), families=[patch.MODEL_TYPE], index=index)
+            lint_patterns(list(patch.MAPPING), families=[patch.MODEL_TYPE], index=index)
 
         def contract() -> None:
-            run_lint(
+            lint_patterns(
                 patch.MAPPING,
                 families=[patch.MODEL_TYPE],
                 conversions=patch.CONVERSIONS,

@@ -92,8 +92,8 @@ def identity_mapping(family: str, index: Any) -> dict[str, type]:
 
 def identity_outcome(family: str, index: Any) -> IdentityOutcome:
     """Lint ``family``'s classes replacing themselves; only the contract kinds count."""
-    from pytest_modelpatch.lint.patterns import run_lint
-    from pytest_modelpatch.models.structure import meta_structures
+    from pytest_modelpatch.lint.model_structures import meta_structures
+    from pytest_modelpatch.lint.patterns import lint_patterns
 
     outcome = IdentityOutcome(family)
     try:
@@ -108,7 +108,7 @@ def identity_outcome(family: str, index: Any) -> IdentityOutcome:
         meta_structures(_model_type(family, index), {})
     except Exception as error:  # noqa: BLE001 - the audit records why a family builds no structure
         outcome.sources_only = f"{type(error).__name__}: {_first_line(error)}"
-    found = run_lint(
+    found = lint_patterns(
         mapping, families=[family], checks=("signature", "weights", "plan"), structures=meta_structures, index=index
     )
     outcome.findings = [f for f in found if str(f.kind) in CONTRACT_KINDS]
@@ -203,8 +203,8 @@ def role_pairs(model_types: Iterable[str], roles: Iterable[str] = ROLES) -> list
 def lint_pair(pair: Pair, index: Any = None) -> list[str]:
     """The SIGNATURE findings the patch marker's lint gives the pair's mapping in the target's families."""
     from pytest_modelpatch.families.catalog import tiny_config
+    from pytest_modelpatch.lint.patterns import lint_patterns  # with the tiny models, as the marker lints
     from pytest_modelpatch.models.specs import config_families
-    from pytest_modelpatch.models.structure import lint_patterns  # with the tiny models, as the marker lints
 
     families = config_families(tiny_config(pair.target))  # as the patch marker lints a model's families
     found = lint_patterns({pair.key: pair.replacement}, families=families, checks=("signature",), index=index)

@@ -20,6 +20,6 @@ def llama_checkpoint(model_builder) -> Path:
         def test_roundtrip(roundtrip, llama_checkpoint):
             roundtrip.check(llama_checkpoint)
     """
-    from pytest_modelpatch import ModelRequest
+    from pytest_modelpatch.models import ModelRequest
 
     return model_builder.checkpoint(ModelRequest("llama"))

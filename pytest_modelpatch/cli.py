@@ -105,7 +105,7 @@ def _run_lint(args: argparse.Namespace) -> int:
     patterns._check_allow(mapping, allow)
     index = load_index(rebuild=args.rebuild_index)
     checks = [c for c in args.check.split(",") if c.strip()]
-    from pytest_modelpatch.models.structure import lint_patterns  # the public function: the same findings
+    from pytest_modelpatch.lint.patterns import lint_patterns  # the public function: the same findings
 
     findings = lint_patterns(mapping, families=args.families, index=index, conversions=conversions, checks=checks)
     args.patterns = list(mapping)

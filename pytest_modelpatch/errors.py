@@ -10,6 +10,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+__all__ = [
+    "CheckpointError",
+    "ModelMismatchError",
+    "ModelPatchError",
+    "ModelPatchWarning",
+    "NotApplicableError",
+    "PatchLeakError",
+    "PatchNotAppliedError",
+    "PatchUsageError",
+    "RankPoolError",
+    "ReferenceNotPristineError",
+    "ReportFileError",
+    "ReportMergeError",
+    "ScanIndexError",
+]
+
 
 class ModelPatchError(Exception):
     """Base class for errors raised by pytest-modelpatch."""
@@ -69,10 +85,6 @@ class ReportMergeError(ReportFileError):
 
 class ModelPatchWarning(UserWarning):
     """Warning category for everything pytest-modelpatch warns about."""
-
-
-class ModelPatchDeprecationWarning(ModelPatchWarning, DeprecationWarning):
-    """A public name or keyword that was renamed: the message names the new one."""
 
 
 class ModelMismatchError(ModelPatchError):

@@ -1,5 +1,5 @@
-"""pytest wiring for pytest-modelpatch: options, ini keys, markers, hooks; the fixtures, and what a test
-item asks for, are in :mod:`.fixtures` (registered through ``pytest_plugins``).
+"""pytest wiring for pytest-modelpatch: options, ini keys, markers, hooks; the fixtures are in
+:mod:`.fixtures` (registered through ``pytest_plugins``), what a test item asks for in :mod:`.item_markers`.
 
 Nothing here imports torch or transformers at module level; the modules that do
 the work are imported inside the hooks that need them.
@@ -16,13 +16,16 @@ import pytest
 
 from pytest_modelpatch import fixtures
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.fixtures import (
+from pytest_modelpatch.fixtures import checkpoint_root, validate_before_ranks
+from pytest_modelpatch.isolation.interception import hold_for_session
+from pytest_modelpatch.isolation.per_test.leaks import LeakTally
+from pytest_modelpatch.isolation.per_test.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
+from pytest_modelpatch.isolation.per_test.scopes import IsolationScopes, leak_mode
+from pytest_modelpatch.item_markers import (
     CHECKPOINTS_ENV,
     FAMILY_PARAM,
     GPU_SKIP,
     NoCallspec,
-    check_before_ranks,
-    checkpoint_root,
     defer_usage_error,
     item_device,
     item_model_request,
@@ -33,18 +36,15 @@ from pytest_modelpatch.fixtures import (
     resolve_device,
     swept_family,
 )
-from pytest_modelpatch.isolation.interception import hold_for_session
-from pytest_modelpatch.isolation.per_test.leaks import LeakTally
-from pytest_modelpatch.isolation.per_test.patch_spec import PATCH_MARKER_HELP, collect_patch_spec
-from pytest_modelpatch.isolation.per_test.scopes import IsolationScopes, leak_mode
 from pytest_modelpatch.models import devices
 from pytest_modelpatch.models.memory_cache import parse_model_cache
 from pytest_modelpatch.parallel.launcher import LauncherSession, keep_outputs_on_rank_zero, launched_rank
 from pytest_modelpatch.parallel.marker import PARALLEL_MARKER_HELP, ParallelSpec
 from pytest_modelpatch.parallel.session import ParallelSession, in_rank
 from pytest_modelpatch.reporting import session
-from pytest_modelpatch.reporting.records import IMPLEMENTATION_KEYWORDS, configure_checks, set_record_sink
+from pytest_modelpatch.reporting.records import set_record_sink
 from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink
+from pytest_modelpatch.settings import IMPLEMENTATION_KEYWORDS, configure_checks
 
 pytest_plugins = ("pytest_modelpatch.fixtures",)
 _ISOLATION = pytest.StashKey[IsolationScopes]()
@@ -254,7 +254,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if launched is not None:
         backend = "nccl" if devices.needs_gpu(default_device) else "gloo"
         config.pluginmanager.register(
-            LauncherSession(config, launched, backend, check_before_ranks), "modelpatch-launcher"
+            LauncherSession(config, launched, backend, validate_before_ranks), "modelpatch-launcher"
         )
     elif not in_rank():  # a rank runs the tests it is sent; the process that sent them runs them in ranks
 
@@ -263,7 +263,7 @@ def pytest_configure(config: pytest.Config) -> None:
             return {CHECKPOINTS_ENV: str(checkpoint_root(config._tmp_path_factory))}  # type: ignore[attr-defined]
 
         config.pluginmanager.register(
-            ParallelSession(config, session.session_seed(config), _parallel_backend, rank_env, check_before_ranks),
+            ParallelSession(config, session.session_seed(config), _parallel_backend, rank_env, validate_before_ranks),
             "modelpatch-parallel",
         )
     hold_for_session(True)
@@ -271,7 +271,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _configure_settings(config: pytest.Config) -> None:
-    """Set the session's settings, ``reporting.records.SETTINGS``, the one place models/ and compare/ read them.
+    """Set the session's settings, ``settings.SETTINGS``, the one place models/ and compare/ read them.
 
     Each xdist worker sets them too, with the controller's seed and its own reading of the options.
     """
@@ -477,7 +477,7 @@ def _registration_lint(item: pytest.Item, allow: dict[str, list[str]]) -> Any:
     if families is None:
         return lambda mapping, conversions: lint_for_registration(mapping, allow=allow)
     # a family in scope: the contract checks run too, on tiny meta-device models
-    from pytest_modelpatch.models.structure import meta_structures
+    from pytest_modelpatch.lint.model_structures import meta_structures
 
     def lint(mapping: dict[str, type], conversions: dict[str, list[Any]]) -> None:
         keys, swept = list(mapping), patched_sweep_family(item)
@@ -553,7 +553,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    # not attaching_checks(): a context manager costs every test of the session more than this
+    # set and reset by hand, not in a context manager: one costs every test of the session more than this
     previous = set_record_sink(CheckSink(item))
     try:
         return (yield)

@@ -160,14 +160,14 @@ def load_pair(path: Any, patch: Any, *, mapping: str = "MAPPING", dtype: str = "
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
     from transformers.monkey_patching import register_patch_mapping
 
-    from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
+    from pytest_modelpatch.isolation.guard import builtin_patch_state, isolated_patch_state
     from pytest_modelpatch.models.checkpoints import load_pretrained
 
     with isolated_patch_state():
         register_patch_mapping(getattr(patch, mapping))
         for model_type, transforms in patch.CONVERSIONS.items():
             register_checkpoint_conversion_mapping(model_type, transforms, overwrite=True)
-        with without_patches():
+        with builtin_patch_state():
             reference = load_pretrained(path, dtype=dtype, **load_kwargs)
         return reference, load_pretrained(path, dtype=dtype, **load_kwargs)
 

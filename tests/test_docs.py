@@ -346,66 +346,122 @@ def _documented_signature(name: str, value: object) -> str:
     return f"{name}({', '.join(parts)})"
 
 
-def _python_api_entries() -> dict[str, str]:
-    """The names in docs/reference.md's Python API tables: name -> the signature written, or '' for a bare name."""
+# the face and its documented submodules, each with its own __all__, as docs/reference.md's Python API lists them
+FACE = "pytest_modelpatch"
+SUBMODULES = ("strategies", "models", "isolation", "lint", "report", "roundtrip", "errors")
+PUBLIC_MODULES = (FACE, *(f"{FACE}.{name}" for name in SUBMODULES))
+
+
+def _python_api_entries() -> dict[str, dict[str, str]]:
+    """docs/reference.md's Python API tables, by the module whose heading they are under (the face's
+    when none is named): module -> {name: the signature written, or '' for a bare name}."""
     section = REFERENCE.read_text().split("## Python API", 1)[1]
-    entries: dict[str, str] = {}
-    for row in re.findall(r"^\| (.+?) \| .+ \|$", section, re.M):
-        for entry in re.findall(r"`([^`]+)`", row):
-            name = re.match(r"[A-Za-z_]\w*", entry)
-            assert name, f"docs/reference.md: {entry!r} in the Python API table is not a name"
-            if name.group(0) in ("name",):
-                continue
-            assert name.group(0) not in entries, f"docs/reference.md lists {name.group(0)} twice in the Python API"
-            entries[name.group(0)] = entry if "(" in entry else ""
-    return entries
+    by_module: dict[str, dict[str, str]] = {}
+    for part in re.split(r"^### ", section, flags=re.M)[1:]:
+        heading = re.match(r"`(pytest_modelpatch\.\w+)`", part)
+        module = heading.group(1) if heading else FACE
+        entries = by_module.setdefault(module, {})
+        for row in re.findall(r"^\| (.+?) \| .+ \|$", part, re.M):
+            for entry in re.findall(r"`([^`]+)`", row):
+                name = re.match(r"[A-Za-z_]\w*", entry)
+                assert name, f"docs/reference.md: {entry!r} in the Python API table is not a name"
+                if name.group(0) in ("name",):
+                    continue
+                assert name.group(0) not in entries, f"docs/reference.md lists {name.group(0)} twice under {module}"
+                entries[name.group(0)] = entry if "(" in entry else ""
+    return by_module
 
 
-def test_reference_python_api_is_all_and_the_real_signatures() -> None:
-    import pytest_modelpatch
-
-    entries = _python_api_entries()
-    public = set(pytest_modelpatch.__all__) - {"__version__"}
-    missing = sorted(public - set(entries))
-    assert not missing, f"docs/reference.md's Python API tables lack these names of __all__: {missing}"
-    stale = sorted(set(entries) - public)
-    assert not stale, f"docs/reference.md's Python API lists {stale}, which pytest_modelpatch.__all__ does not export"
+def test_reference_python_api_is_each_modules_all_and_the_real_signatures() -> None:
+    import importlib
     import inspect
 
-    wrong = {}
-    for name, written in entries.items():
-        value = getattr(pytest_modelpatch, name)
-        if inspect.isfunction(value):
-            real = _documented_signature(name, value)
-            if written != real:
-                wrong[name] = real
+    documented = _python_api_entries()
+    assert set(documented) == set(PUBLIC_MODULES), f"docs/reference.md's Python API headings: {sorted(documented)}"
+    wrong: dict[str, str] = {}
+    for module_name, entries in documented.items():
+        module = importlib.import_module(module_name)
+        public = set(module.__all__) - {"__version__"}
+        missing = sorted(public - set(entries))
+        assert not missing, f"docs/reference.md lacks these names of {module_name}.__all__: {missing}"
+        stale = sorted(set(entries) - public)
+        assert not stale, f"docs/reference.md lists {stale} under {module_name}, whose __all__ does not export them"
+        for name, written in entries.items():
+            value = getattr(module, name)
+            if inspect.isfunction(value) and written != (real := _documented_signature(name, value)):
+                wrong[f"{module_name}.{name}"] = real
     assert not wrong, "docs/reference.md writes other signatures; the real ones:\n" + "\n".join(wrong.values())
 
 
+def test_the_face_is_learnt_in_a_sitting_and_the_rest_is_in_submodules() -> None:
+    import importlib
+
+    import pytest_modelpatch
+
+    assert len(pytest_modelpatch.__all__) <= 35, sorted(pytest_modelpatch.__all__)
+    checks = {n for n in pytest_modelpatch.__all__ if n.startswith(("assert_", "check_"))}
+    assert len(checks) == 12, checks  # every check is on the face
+    for name in SUBMODULES:
+        module = importlib.import_module(f"{FACE}.{name}")
+        assert module.__doc__, f"{FACE}.{name} must say what it holds"
+        assert not set(module.__all__) & set(pytest_modelpatch.__all__) - {"ModelPatchError", "PatchUsageError"}
+        assert all(hasattr(module, n) for n in module.__all__), name
+
+
+# The checks that run the patched model, and so can tell a replacement that never ran; a module replay, a
+# round-trip's checkpoint and a set of conversions run no patched model.
+RUN_THE_PATCHED_MODEL = {
+    "assert_equivalent", "check_equivalent", "assert_backward_equivalent", "check_backward_equivalent",
+    "assert_decodes_equivalent", "check_decodes_equivalent", "assert_trains_equivalent",
+    "assert_exports_equivalent", "assert_compiles_equivalent",
+}  # fmt: skip
+ONE_SUBJECT = {"assert_roundtrip": ["source"], "assert_reversible": ["conversions"]}
+
+
+def test_every_check_in_the_reference_follows_the_naming_rule() -> None:
+    """docs/reference.md's naming rule, held for every check its tables list."""
+    import inspect
+
+    import pytest_modelpatch
+
+    listed = _python_api_entries()[FACE]
+    checks = {n: getattr(pytest_modelpatch, n) for n in listed if n.startswith(("assert_", "check_"))}
+    assert set(RUN_THE_PATCHED_MODEL) <= set(checks)
+    broken = []
+    for name, function in sorted(checks.items()):
+        parameters = inspect.signature(function).parameters
+        positional = [p.name for p in parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+        shape = ONE_SUBJECT.get(name, ["reference", "patched"])
+        if positional[: len(shape)] != shape:
+            broken.append(f"{name}{inspect.signature(function)}: takes {shape} first")
+        if name.startswith("check_"):
+            option = parameters.get("inputs")
+            if option is None or option.kind is not option.KEYWORD_ONLY or option.default is not None:
+                broken.append(f"{name}: inputs= (a strategy, keyword-only, default drawn from the config)")
+            if not {"max_examples", "seed"} <= set(parameters):
+                broken.append(f"{name}: max_examples= and seed=, a property's budget")
+            if not any(f"assert_{name.removeprefix('check_')}" == other for other in checks):
+                broken.append(f"{name}: no assert_ with the comparison it runs over drawn inputs")
+        if (name in RUN_THE_PATCHED_MODEL) != ("allow_unused" in parameters):
+            broken.append(f"{name}: allow_unused= is for exactly the checks that run the patched model")
+        if name not in ONE_SUBJECT and not {"atol", "rtol", "policy"} <= set(parameters):
+            broken.append(f"{name}: atol=, rtol=, policy= for the tolerance")
+    assert not broken, "\n".join(broken)
+
+
 def test_no_doc_imports_a_module_of_the_package() -> None:
-    """Everything the docs, README and the main job import comes from ``pytest_modelpatch`` itself."""
-    internal = re.compile(r"^\s*(from pytest_modelpatch\.[\w.]+ import|import pytest_modelpatch\.)", re.M)
+    """Everything the docs, README and the main job import comes from ``pytest_modelpatch`` or a documented submodule."""
+    faces = "|".join(SUBMODULES)
+    internal = re.compile(
+        rf"^\s*(from pytest_modelpatch\.(?!(?:{faces}) import)[\w.]+ import|import pytest_modelpatch\.(?!(?:{faces})\b))",
+        re.M,
+    )
     sources = [*DOC_FILES, *sorted((REPO_ROOT / "docs").rglob("*.py"))]
     found = [f"{path.relative_to(REPO_ROOT)}:{text[: m.start()].count(chr(10)) + 1}: {m.group(0).strip()}"
              for path in sources for text in [path.read_text(encoding="utf-8")] for m in internal.finditer(text)]  # fmt: skip
-    assert not found, "import these from pytest_modelpatch (export them if they are not):\n" + "\n".join(found)
-
-
-def test_renamed_names_warn_and_call_the_new_ones() -> None:
-    import warnings
-
-    import pytest_modelpatch
-    from pytest_modelpatch.errors import ModelPatchDeprecationWarning
-
-    assert not {"check_equivalence", "check_roundtrip", "without_patches"} & set(pytest_modelpatch.__all__)
-    with pytest.warns(ModelPatchDeprecationWarning, match="check_reversible is now reversibility_problems") as caught:
-        assert pytest_modelpatch.check_reversible({}) == []
-    assert caught[0].filename == __file__  # the caller's line, not the alias's
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ModelPatchDeprecationWarning)
-        with pytest.raises(ModelPatchDeprecationWarning, match="without_patches is now pristine"):
-            with pytest_modelpatch.without_patches():
-                pass
+    assert not found, (
+        "import these from pytest_modelpatch or a documented submodule (export them there):\n" + "\n".join(found)
+    )
 
 
 # ---------------------------------------------------------------------------

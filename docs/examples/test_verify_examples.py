@@ -25,13 +25,12 @@ from fixtures.patches import (
     training_transforms,
 )
 from pytest_modelpatch import (
-    ModelRequest,
+    assert_decodes_equivalent,
     assert_equivalent,
     assert_exports_equivalent,
-    assert_generates_equivalent,
     assert_trains_equivalent,
-    patch_usage,
 )
+from pytest_modelpatch.models import ModelRequest, patch_usage
 
 
 def _verify(reference_model, patched_model) -> None:
@@ -151,7 +150,7 @@ def _cache_renamed() -> bool:
 # the registration lint names the rename (UNUSED_ARGUMENT, a warning): allowed so decoding shows the damage
 @pytest.mark.patch(llama_past_key_values_only.MAPPING, allow={"LlamaAttention": ["UNUSED_ARGUMENT"]})
 def test_caught_attention_written_before_the_cache_rename(reference_model, patched_model) -> None:
-    assert_generates_equivalent(reference_model, patched_model)
+    assert_decodes_equivalent(reference_model, patched_model)
 
 
 # ---------------------------------------------------------------------------
@@ -165,7 +164,7 @@ mechanisms.register()
 @pytest.mark.patch(attn_implementation="fixture_sdpa")
 def test_custom_attention_function(reference_model, patched_model) -> None:
     print(assert_equivalent(reference_model, patched_model))
-    assert_generates_equivalent(reference_model, patched_model)  # left-padded prompts: the registered mask matters
+    assert_decodes_equivalent(reference_model, patched_model)  # left-padded prompts: the registered mask matters
 
 
 @pytest.mark.xfail(
@@ -174,7 +173,7 @@ def test_custom_attention_function(reference_model, patched_model) -> None:
 @pytest.mark.model("llama")
 @pytest.mark.patch(attn_implementation="fixture_sdpa_no_mask")
 def test_caught_attention_function_without_its_mask(reference_model, patched_model) -> None:
-    assert_generates_equivalent(reference_model, patched_model)
+    assert_decodes_equivalent(reference_model, patched_model)
 
 
 @pytest.mark.xfail(strict=True, reason="caught: the attention function scales the softmax by 1.5x")
@@ -201,7 +200,7 @@ def test_caught_experts_function_with_swapped_weights(reference_model, patched_m
 @pytest.mark.patch(transform=mechanisms.rmsnorm_instance_patcher)
 def test_instance_patcher(reference_model, patched_model) -> None:
     print(assert_equivalent(reference_model, patched_model))
-    assert_generates_equivalent(reference_model, patched_model)
+    assert_decodes_equivalent(reference_model, patched_model)
 
 
 @pytest.mark.xfail(strict=True, reason="caught: the instance patcher's norm drops variance_epsilon")

@@ -35,7 +35,7 @@ from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.divergence import Divergence, find_divergence
 from pytest_modelpatch.compare.outputs import TensorComparison, describe_tolerances, flatten_outputs
 from pytest_modelpatch.compare.running import default_inputs, describe_inputs, placement, unwrapped
-from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.same_model import require_same_model
 from pytest_modelpatch.compare.sharded import logical_tensors
 from pytest_modelpatch.compare.tolerance import (
     DEFAULT_POLICY,
@@ -334,7 +334,7 @@ def assert_backward_equivalent(
                                    gradient_checkpointing_kwargs={"use_reentrant": True})
     """
     __tracebackhide__ = True
-    check_same_model(reference, patched, "assert_backward_equivalent")
+    require_same_model(reference, patched, "assert_backward_equivalent")
     inputs = given_inputs(inputs, lambda: with_labels(reference, default_inputs(reference)))
     checkpointing, label = _checkpointing(gradient_checkpointing, gradient_checkpointing_kwargs)
     report = compare_training(

@@ -3,7 +3,7 @@
 Attention, rotary and cache patches often agree on a full-sequence forward and break in
 incremental decoding: a cache update that is stored but not attended to, a mask dropped
 when ``q_len == 1``, a static-cache position off by one, a sliding window applied to the
-prefill only. ``assert_generates_equivalent`` runs the decoding loop itself (prefill, then
+prefill only. ``assert_decodes_equivalent`` runs the decoding loop itself (prefill, then
 one token per step with the cache, position ids and an attention mask extended by one),
 the same loop for both models, so step ``k`` of one is comparable with step ``k`` of the
 other, and compares each step's logits and chosen tokens.
@@ -32,10 +32,11 @@ from pytest_modelpatch.compare.running import (
     unfilled_cache_hint,
     unwrapped,
 )
-from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.same_model import require_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.pristine import pristine
+from pytest_modelpatch.models.usage import unused_message, unused_replacements
 
 # transformers 5.x cache_implementation names this loop builds; None is generate()'s default.
 CACHE_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "dynamic", "static")
@@ -72,11 +73,11 @@ def default_inputs_for(model: torch.nn.Module, batch_size: int, seq_len: int) ->
     return example_inputs(model.config, batch_size=batch_size, seq_len=seq_len, device=str(model_device(model)))
 
 
-def check_cache_implementation(cache_implementation: str | None) -> None:
+def validate_cache_implementation(cache_implementation: str | None) -> None:
     """Refuse a ``cache_implementation`` this check cannot build, naming the ones it can."""
     if cache_implementation not in CACHE_IMPLEMENTATIONS:
         raise PatchUsageError(
-            f"assert_generates_equivalent: cache_implementation={cache_implementation!r} is not supported; use None "
+            f"assert_decodes_equivalent: cache_implementation={cache_implementation!r} is not supported; use None "
             "(the dynamic cache, sliding-window layers included where the config has them) or 'static'."
         )
 
@@ -259,10 +260,11 @@ class DecodingReport(CheckReport):
     divergence: Divergence | None = None
     duration_s: float = 0.0
     hint: str = ""  # why it failed, when that can be told (a patched cache left empty)
+    unused: str = ""  # why the check proves nothing about some replacement, when one never ran
 
     @property
     def passed(self) -> bool:
-        return all(s.passed for s in self.steps)
+        return all(s.passed for s in self.steps) and not self.unused
 
     @property
     def failed_step(self) -> DecodeStep | None:
@@ -292,6 +294,11 @@ class DecodingReport(CheckReport):
         where = f" ({self.dtype} on {self.device}, {self.cache})"
         ties = f"; {self.near_ties} near-tie token(s) taken from the reference" if self.near_ties else ""
         failed = self.failed_step
+        if failed is None and self.unused:
+            return "\n".join([
+                f"patched {self.patched} decodes like reference {self.reference}{where}, but proves nothing about "
+                "a replacement:", self.unused, f"inputs: {self.inputs}",
+            ])  # fmt: skip
         if failed is None:
             worst = self.worst_step
             return (
@@ -303,6 +310,7 @@ class DecodingReport(CheckReport):
             f"patched {self.patched} decodes differently from reference {self.reference}{where}: "
             f"first diverging step: {failed.name} (of {self.max_new_tokens} new tokens), batch row {self._row(failed)}",
             *([self.hint] if self.hint else []),
+            *([self.unused] if self.unused else []),
             f"inputs: {self.inputs}",
             *describe_tolerances([failed.logits]),
             f"  {failed.logits}",
@@ -373,7 +381,7 @@ def compare_decoding(
     return report
 
 
-def assert_generates_equivalent(
+def assert_decodes_equivalent(
     reference: torch.nn.Module,
     patched: torch.nn.Module,
     inputs: Mapping[str, Any] | torch.Tensor | None = None,
@@ -383,29 +391,34 @@ def assert_generates_equivalent(
     atol: float | None = None,
     rtol: float | None = None,
     policy: str | TolerancePolicy | None = None,
+    allow_unused: bool = False,
 ) -> DecodingReport:
     """Fail unless greedy decoding of ``patched`` matches ``reference`` step by step; returns the report.
 
     Both models decode from the same prompts (default: :func:`default_prompts`, a left-padded
     batch of unequal lengths) with their own cache (``None``: dynamic, ``"static"``). The prefill
     and every step's logits must agree within the tolerance and so must the chosen tokens,
-    except at a near-tie, where decoding goes on with the reference's token.
+    except at a near-tie, where decoding goes on with the reference's token. A replacement class of
+    the patched model that never ran in the last step fails the check too, unless ``allow_unused=True``.
 
     Example::
 
-        assert_generates_equivalent(reference_model, patched_model)
-        assert_generates_equivalent(reference_model, patched_model, cache_implementation="static", max_new_tokens=16)
+        assert_decodes_equivalent(reference_model, patched_model)
+        assert_decodes_equivalent(reference_model, patched_model, cache_implementation="static", max_new_tokens=16)
     """
     __tracebackhide__ = True
-    check_same_model(reference, patched, "assert_generates_equivalent")
-    check_cache_implementation(cache_implementation)
+    require_same_model(reference, patched, "assert_decodes_equivalent")
+    validate_cache_implementation(cache_implementation)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise PatchUsageError(
-            f"assert_generates_equivalent: max_new_tokens={max_new_tokens!r}; pass a positive int, e.g. 8."
+            f"assert_decodes_equivalent: max_new_tokens={max_new_tokens!r}; pass a positive int, e.g. 8."
         )
     inputs = given_inputs(inputs, lambda: default_prompts(reference))
     spec = resolve_tolerance(atol, rtol, policy)
     report = compare_decoding(
         reference, patched, inputs, spec, max_new_tokens=max_new_tokens, cache_implementation=cache_implementation
     )
+    unused = [u.replacement for u in unused_replacements(unwrapped(patched))]
+    if unused and not allow_unused:
+        report.unused = unused_message(unused, where="the last decoding step")
     return report.conclude()

@@ -35,7 +35,7 @@ from pytest_modelpatch.compare.running import (
     placement,
     unwrapped,
 )
-from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.same_model import require_same_model
 from pytest_modelpatch.compare.sharded import sharding_line
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.training import training_state
@@ -385,12 +385,7 @@ class ModuleEquivalenceReport(CheckReport):
         return "\n".join(lines)
 
 
-def _resolve_module(model: torch.nn.Module | None, name: str, role: str) -> torch.nn.Module:
-    if model is None:
-        raise PatchUsageError(
-            f"assert_module_equivalent: module name {name!r} given without {role}=; pass the model, "
-            f"e.g. assert_module_equivalent({name!r}, reference=reference_model, patched=patched_model)."
-        )
+def _resolve_module(model: torch.nn.Module, name: str, role: str) -> torch.nn.Module:
     try:
         return model.get_submodule(name)
     except AttributeError:
@@ -402,45 +397,51 @@ def _resolve_module(model: torch.nn.Module | None, name: str, role: str) -> torc
         ) from None
 
 
+def _module_pair(
+    reference: torch.nn.Module, patched: torch.nn.Module, module: Any
+) -> tuple[tuple[str, torch.nn.Module], tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of each side: ``module`` is a qualified name in both models, or the two modules."""
+    if isinstance(module, str):
+        return (module, _resolve_module(reference, module, "reference")), (
+            module, _resolve_module(patched, module, "patched"),
+        )  # fmt: skip
+    if (
+        isinstance(module, tuple) and len(module) == 2
+        and all(isinstance(m, torch.nn.Module) for m in module)
+    ):  # fmt: skip
+        return (type(module[0]).__name__, module[0]), (type(module[1]).__name__, module[1])
+    raise PatchUsageError(
+        f"assert_module_equivalent: module= is a qualified name in both models or a (reference module, patched "
+        f"module) pair, not {type(module).__name__}; e.g. assert_module_equivalent(reference_model, patched_model, "
+        "'model.layers.0.self_attn')."
+    )
+
+
 def assert_module_equivalent(
-    reference_module: torch.nn.Module | str,
-    patched_module: torch.nn.Module | str | None = None,
+    reference: torch.nn.Module,
+    patched: torch.nn.Module,
+    module: str | tuple[torch.nn.Module, torch.nn.Module],
     *,
-    reference: torch.nn.Module | None = None,
-    patched: torch.nn.Module | None = None,
     inputs: Mapping[str, Any] | None = None,
     atol: float | None = None,
     rtol: float | None = None,
     policy: str | TolerancePolicy | None = None,
 ) -> ModuleEquivalenceReport:
-    """Replay the arguments ``reference_module`` got in the reference forward into ``patched_module``.
+    """Replay the arguments ``module`` got in the reference forward into its counterpart in ``patched``.
 
-    Catches a broken module even when later layers hide the error in the final outputs.
+    ``module`` is a qualified name in both models, or the two modules themselves (the reference's,
+    the patched model's). Catches a broken module even when later layers hide the error in the
+    final outputs.
 
     Example::
 
-        assert_module_equivalent("model.layers.0.self_attn", reference=reference_model, patched=patched_model)
-        assert_module_equivalent(ref.model.layers[0].self_attn, pat.model.layers[0].self_attn, reference=ref)
+        assert_module_equivalent(reference_model, patched_model, "model.layers.0.self_attn")
+        assert_module_equivalent(ref, pat, (ref.model.layers[0].self_attn, pat.model.layers[0].self_attn))
     """
     __tracebackhide__ = True
-    if reference is not None and patched is not None:
-        check_same_model(reference, patched, "assert_module_equivalent")
+    require_same_model(reference, patched, "assert_module_equivalent")
     start = time.perf_counter()
-    reference_name = reference_module if isinstance(reference_module, str) else type(reference_module).__name__
-    if patched_module is None:
-        if not isinstance(reference_module, str):
-            raise PatchUsageError("assert_module_equivalent: pass patched_module (a module or a qualified name).")
-        patched_module = reference_module
-    patched_name = patched_module if isinstance(patched_module, str) else type(patched_module).__name__
-    if isinstance(reference_module, str):
-        reference_module = _resolve_module(reference, reference_module, "reference")
-    if isinstance(patched_module, str):
-        patched_module = _resolve_module(patched, patched_module, "patched")
-    if reference is None:
-        raise PatchUsageError(
-            "assert_module_equivalent: pass reference= (the model containing the original module): "
-            "its forward supplies the real arguments to replay."
-        )
+    (reference_name, reference_module), (patched_name, patched_module) = _module_pair(reference, patched, module)
     inputs = default_inputs(reference) if inputs is None else inputs
     spec = resolve_tolerance(atol, rtol, policy)
     calls = capture_module_calls(reference, reference_module, inputs)

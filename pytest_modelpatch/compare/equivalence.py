@@ -27,7 +27,7 @@ from pytest_modelpatch.compare.running import (
     placement,
     unwrapped,
 )
-from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.same_model import require_same_model
 from pytest_modelpatch.compare.sharded import sharding_line
 from pytest_modelpatch.compare.ties import tie_differences
 from pytest_modelpatch.compare.timing import timing_if_enabled
@@ -155,7 +155,7 @@ def assert_equivalent(
         assert_equivalent(reference_model, patched_model, {"input_ids": ids}, atol=1e-4)
     """
     __tracebackhide__ = True
-    check_same_model(reference, patched, "assert_equivalent")
+    require_same_model(reference, patched, "assert_equivalent")
     inputs = given_inputs(inputs, lambda: default_inputs(reference))
     report = compare_models(reference, patched, inputs, resolve_tolerance(atol, rtol, policy))
     unused = [u.replacement for u in unused_replacements(unwrapped(patched))]

@@ -25,13 +25,14 @@ from pytest_modelpatch.compare.outputs import TensorComparison
 from pytest_modelpatch.compare.property_loop import PropertyLoop, PropertyOutcome
 from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
 from pytest_modelpatch.compare.running import describe_inputs, evaluating, placement
-from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.same_model import require_same_model
 from pytest_modelpatch.compare.timing import timing_if_enabled
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.training import has_loss_targets, with_labels
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.usage import patch_usage, unused_message
-from pytest_modelpatch.reporting.records import SETTINGS, CheckRecord
+from pytest_modelpatch.reporting.records import CheckRecord
+from pytest_modelpatch.settings import SETTINGS
 
 DEFAULT_MAX_EXAMPLES = 25
 
@@ -130,7 +131,7 @@ def _inputs_strategy(
         return st.just(inputs), False
     raise PatchUsageError(
         f"{_check_name(backward)}: inputs= must be a hypothesis strategy of input dicts (got {type(inputs).__name__}); "
-        "e.g. inputs=pytest_modelpatch.model_inputs(config, max_seq_len=16)."
+        "e.g. inputs=pytest_modelpatch.strategies.model_inputs(config, max_seq_len=16)."
     )
 
 
@@ -197,13 +198,13 @@ def _check_property(
     atol: float | None, rtol: float | None, policy: str | TolerancePolicy | None, allow_unused: bool, *, backward: bool,
 ) -> PropertyReport:  # fmt: skip
     __tracebackhide__ = True
-    check_same_model(reference, patched, _check_name(backward))
+    require_same_model(reference, patched, _check_name(backward))
     strategy, grouped = _inputs_strategy(reference, inputs, backward)
     spec = resolve_tolerance(atol, rtol, policy)  # read the test's overrides here, once
     report = PropertyReport(
         type(reference).__name__, type(patched).__name__,
         seed=seed if seed is not None else SETTINGS.seed or 0,
-        max_examples=max_examples or SETTINGS.max_examples or DEFAULT_MAX_EXAMPLES,
+        max_examples=max_examples or DEFAULT_MAX_EXAMPLES,
         tolerance=spec, backward=backward,
     )  # fmt: skip
     loop = PropertyLoop(report.seed, report.max_examples)

@@ -1,6 +1,6 @@
 """The one hypothesis loop every property check runs: settings, seed, budget, groups of inputs, shrinking.
 
-A property check (``check_equivalent``, ``check_backward_equivalent``, ``check_generates_equivalent``) hands :meth:`PropertyLoop.run` its
+A property check (``check_equivalent``, ``check_backward_equivalent``, ``check_decodes_equivalent``) hands :meth:`PropertyLoop.run` its
 inputs and a function that checks one of them: ``True`` when the models agree, ``False`` when they
 differ; anything a model raises is a failure too. The loop draws the inputs in groups, stops when
 ``max_examples`` inputs passed, and on a failure lets hypothesis shrink it, then hands back the
@@ -240,7 +240,7 @@ def input_groups(drawn: DrawnBytes[Any]) -> SearchStrategy[list[bytes]]:
 def counted_groups(strategy: SearchStrategy[Any]) -> SearchStrategy[list[Any]]:
     """A count byte, then that many values of ``strategy``, each its own draw.
 
-    For a user's strategy and for inputs of two parts (``check_generates_equivalent``'s prompt and token
+    For a user's strategy and for inputs of two parts (``check_decodes_equivalent``'s prompt and token
     count). Not ``st.lists``: hypothesis draws lists of ~6 values on average (11 examples for
     40 inputs), where the count byte averages 16. Not one blob for the group, as
     ``input_groups`` draws: for two-part inputs it shrank the prompt less far (a five-token

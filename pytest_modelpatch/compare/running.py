@@ -25,7 +25,7 @@ import torch
 from pytest_modelpatch.compare.outputs import TensorComparison, _describe_leaf, flatten_outputs
 from pytest_modelpatch.compare.tolerance import ToleranceSpec, dtype_label
 from pytest_modelpatch.models.devices import first_parameter_device, seeded_generators
-from pytest_modelpatch.reporting.records import IMPLEMENTATION_AXES, describe_implementations, implementations_of
+from pytest_modelpatch.settings import IMPLEMENTATION_AXES, describe_implementations, implementations_of
 
 _FLOAT64_COPIES: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
 

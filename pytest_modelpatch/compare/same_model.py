@@ -1,6 +1,6 @@
 """Refuse to compare two models that are not the same model, before any number is compared.
 
-Every check that takes a reference and a patched model calls ``check_same_model``
+Every check that takes a reference and a patched model calls ``require_same_model``
 first: comparing a Llama with a BERT, or a 2-layer Llama with a 3-layer one, measures
 nothing about a patch. A patched model legitimately has other *module* classes, so
 this looks only at what a patch does not change: the config's ``model_type``, the
@@ -23,12 +23,12 @@ SHAPE_KEYS = (
 )  # fmt: skip
 
 
-def check_same_model(reference: torch.nn.Module, patched: torch.nn.Module, check: str) -> None:
+def require_same_model(reference: torch.nn.Module, patched: torch.nn.Module, check: str) -> None:
     """Raise ``ModelMismatchError`` when ``reference`` and ``patched`` are different models.
 
     Plain modules without a config are left to the comparison itself; a wrapper that exposes
     ``get_base_model()`` (PEFT's ``PeftModel``) is judged by the model inside it.
-    Example: ``check_same_model(reference_model, patched_model, "assert_equivalent")``.
+    Example: ``require_same_model(reference_model, patched_model, "assert_equivalent")``.
     """
     __tracebackhide__ = True
     reference, patched = unwrapped(reference), unwrapped(patched)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare.running import evaluating, model_device, move_inputs
-from pytest_modelpatch.reporting.records import SETTINGS
+from pytest_modelpatch.settings import SETTINGS
 
 DEFAULT_WARMUP = 2
 DEFAULT_REPEATS = 7

@@ -40,7 +40,7 @@ from pytest_modelpatch.compare.running import (
     placement,
     unwrapped,
 )
-from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.same_model import require_same_model
 from pytest_modelpatch.compare.sharded import (
     local_part,
     logical_tensors,
@@ -78,6 +78,7 @@ from pytest_modelpatch.compare.training_drift import (
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.pristine import running_pristine
 from pytest_modelpatch.models.devices import seed_generators
+from pytest_modelpatch.models.usage import unused_message, unused_replacements
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -187,6 +188,7 @@ class TrainingReport(CheckReport):
     dtype: str = ""
     duration_s: float = 0.0
     note: str = ""
+    unused: str = ""  # why the check proves nothing about some replacement, when one never ran
 
     @property
     def comparisons(self) -> list[TensorComparison]:
@@ -197,7 +199,7 @@ class TrainingReport(CheckReport):
     def passed(self) -> bool:
         return (
             not self.ties and not self.untrained and all(c.passed for c in self.comparisons)
-            and all(s.passed for s in self.steps) and all(b.passed for b in self.biases)
+            and all(s.passed for s in self.steps) and all(b.passed for b in self.biases) and not self.unused
         )  # fmt: skip
 
     @property
@@ -224,6 +226,8 @@ class TrainingReport(CheckReport):
             return f"over the steps: the {' and the '.join(leaning)} {verb} one way on shared weights"
         if any(not c.passed for c in self.parameters):
             return f"after the last step: {sum(not c.passed for c in self.parameters)} of {len(self.parameters)} parameters differ"
+        if self.unused and (self.logprobs is None or self.logprobs.passed):
+            return "a replacement class never ran"
         return "after the last step: the eval log-probabilities differ"
 
     def __str__(self) -> str:
@@ -235,6 +239,7 @@ class TrainingReport(CheckReport):
         ]
         lines += [f"tie: {line}" for line in self.ties]
         lines += [f"never trained: {line}" for line in self.untrained]
+        lines += [self.unused] if self.unused else []
         lines += [f"  {step}" for step in _shown(self.steps)]
         failed = [c for c in self.parameters if not c.passed]
         if failed:
@@ -432,6 +437,7 @@ def assert_trains_equivalent(
     atol: float | None = None,
     rtol: float | None = None,
     policy: str | TolerancePolicy | None = None,
+    allow_unused: bool = False,
 ) -> TrainingReport:
     """Fail unless ``patched`` trains as ``reference`` does over ``steps`` optimizer steps; returns the report.
 
@@ -452,7 +458,7 @@ def assert_trains_equivalent(
         assert_trains_equivalent(reference_model, patched_model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     """
     __tracebackhide__ = True
-    check_same_model(reference, patched, "assert_trains_equivalent")
+    require_same_model(reference, patched, "assert_trains_equivalent")
     if steps < 1 or grad_accumulation < 1:
         raise PatchUsageError(
             f"assert_trains_equivalent: steps and grad_accumulation are at least 1, got {steps} and {grad_accumulation}"
@@ -483,6 +489,7 @@ def assert_trains_equivalent(
             logprob_spec = _grown(spec, last, TRAINING_POLICY, dtype)
             own_error = report.drift is not None
             report.logprobs = _compare_logprobs(reference, patched, batches, top_k, logprob_spec, own_error)
+        unused = [u.replacement for u in unused_replacements(unwrapped(patched))]  # in the eval forward, the last
     if report.drift is not None:
         report.biases = biases([(s.losses[1], s.norms[1]) for s in report.steps], report.drift)
     if not report.passed:
@@ -495,6 +502,8 @@ def assert_trains_equivalent(
             step.parameter = watched.parameter
     if spread and not report.passed:
         report.note = "\n".join(filter(None, [report.note, spread]))
+    if unused and not allow_unused:
+        report.unused = unused_message(unused, where="the eval forward after the last step")
     report.duration_s = time.perf_counter() - start
     return report.conclude()
 

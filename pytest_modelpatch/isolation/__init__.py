@@ -6,4 +6,34 @@ guard, parsing ``@pytest.mark.patch`` into a :class:`~.per_test.patch_spec.Patch
 it for one test, method patches, and the plugin object that holds each test's scope
 (``per_test/scopes.py``). Imports only ``errors`` and ``lint`` (the registration-time lint): never
 models, compare, roundtrip or reporting.
+
+Public (docs/reference.md): the patch state snapshot, ``pristine``, the registry, reversibility.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytest_modelpatch import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "isolated_patch_state": "isolation.guard",
+    "PatchStateSnapshot": "isolation.guard",
+    "pristine": "isolation.pristine",
+    "PatchRegistry": "isolation.registration",
+    "validate_mapping": "isolation.registration",
+    "reversibility_problems": "isolation.reversibility",
+    "ReversibilityProblem": "isolation.reversibility",
+}
+
+__all__ = sorted(_EXPORTS)
+
+_load = lazy_exports(__name__, _EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    return _load(name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -4,7 +4,7 @@
 stands on: it snapshots every piece of global state a patch can touch (see
 ``snapshot.py``), keeps the tracking wrappers in place while it is open (see
 ``interception.py``), and restores all of it on exit, whether the block passed,
-failed, errored or was interrupted. ``without_patches()`` runs a block against
+failed, errored or was interrupted. ``builtin_patch_state()`` runs a block against
 transformers' built-in state. Nothing here imports torch or transformers.
 """
 
@@ -23,7 +23,7 @@ from pytest_modelpatch.isolation.snapshot import (
     builtin_conversions,
 )
 
-__all__ = ["PatchStateGuard", "PatchStateSnapshot", "isolated_patch_state", "without_patches"]
+__all__ = ["PatchStateGuard", "PatchStateSnapshot", "isolated_patch_state", "builtin_patch_state"]
 
 
 class PatchStateGuard:
@@ -55,7 +55,7 @@ class PatchStateGuard:
         self._open = False
         try:
             # changes() only reads, and costs more than restoring: skip it when no one reads the answer
-            # (every call of a shared reference model enters without_patches())
+            # (every call of a shared reference model enters builtin_patch_state())
             found = self.snapshot.changes() if report else []
             self.snapshot.restore()
         finally:
@@ -82,7 +82,7 @@ def isolated_patch_state() -> Iterator[PatchStateSnapshot]:
 
 
 @contextmanager
-def without_patches() -> Iterator[PatchStateSnapshot]:
+def builtin_patch_state() -> Iterator[PatchStateSnapshot]:
     """Run a block against transformers' built-in state: no patches, no user conversions.
 
     Everything registered before is back on exit. Used to build reference models
@@ -90,7 +90,7 @@ def without_patches() -> Iterator[PatchStateSnapshot]:
 
     Example::
 
-        with without_patches():
+        with builtin_patch_state():
             reference = LlamaForCausalLM.from_pretrained(path)
     """
     with isolated_patch_state() as snap:

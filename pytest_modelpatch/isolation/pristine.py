@@ -188,10 +188,10 @@ def pristine() -> Iterator[None]:
         with pristine():
             reference = LlamaForCausalLM.from_pretrained(path)
     """
-    from pytest_modelpatch.isolation.guard import without_patches
+    from pytest_modelpatch.isolation.guard import builtin_patch_state
 
     scope = current_scope()
-    with without_patches():
+    with builtin_patch_state():
         if scope is None:
             yield
         else:

@@ -113,9 +113,9 @@ def register_patches(
     if lint is not None and checked:
         lint(checked, checked_conversions)  # the conversions decide whether renamed weights still load
     if checked_conversions:
-        from pytest_modelpatch.isolation.reversibility import assert_reversible
+        from pytest_modelpatch.isolation.reversibility import require_reversible
 
-        assert_reversible(checked_conversions)
+        require_reversible(checked_conversions)
     from transformers import monkey_patching
     from transformers.conversion_mapping import (
         get_checkpoint_conversion_mapping,

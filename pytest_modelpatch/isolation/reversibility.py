@@ -9,7 +9,8 @@ when the conversion is registered.
 Example::
 
     assert_reversible({"llama": [WeightConverter(["q_proj", "k_proj", "v_proj"], "qkv_proj", [MyFuse()])]})
-    # PatchUsageError: conversion 'llama' [0] ... operation MyFuse has no reverse_op ...
+    # AssertionError: conversion 'llama' [0] ... operation MyFuse has no reverse_op ...
+    # (registering it is refused the same way: require_reversible's PatchUsageError)
 """
 
 from __future__ import annotations
@@ -55,21 +56,34 @@ def reversibility_problems(conversions: dict[str, list[Any]]) -> list[Reversibil
 
 
 def assert_reversible(conversions: dict[str, list[Any]]) -> None:
-    """Raise PatchUsageError listing every conversion operation without a usable reverse (``reversibility_problems``).
+    """Fail (``AssertionError``) listing every conversion operation without a usable reverse
+    (``reversibility_problems``), as every ``assert_*`` check fails.
 
     Example::
 
         assert_reversible({"llama": [fused_qkv_converter()]})  # the conversions a patch registers
     """
+    __tracebackhide__ = True
     problems = reversibility_problems(conversions)
     if problems:
-        listed = "\n  ".join(str(problem) for problem in problems)
-        raise PatchUsageError(
-            f"{len(problems)} weight conversion(s) cannot be reversed, so save_pretrained would fail or write "
-            f"a different checkpoint:\n  {listed}\n"
-            "Give each custom ConversionOps a `reverse_op` property returning the ConversionOps that undoes it "
-            "(e.g. Concatenate <-> Chunk), or drop the conversion and save with save_original_format=False."
-        )
+        raise AssertionError(_irreversible_message(problems))
+
+
+def require_reversible(conversions: dict[str, list[Any]]) -> None:
+    """Refuse (``PatchUsageError``) conversions about to be registered that cannot be reversed at save time."""
+    problems = reversibility_problems(conversions)
+    if problems:
+        raise PatchUsageError(_irreversible_message(problems))
+
+
+def _irreversible_message(problems: list[ReversibilityProblem]) -> str:
+    listed = "\n  ".join(str(problem) for problem in problems)
+    return (
+        f"{len(problems)} weight conversion(s) cannot be reversed, so save_pretrained would fail or write "
+        f"a different checkpoint:\n  {listed}\n"
+        "Give each custom ConversionOps a `reverse_op` property returning the ConversionOps that undoes it "
+        "(e.g. Concatenate <-> Chunk), or drop the conversion and save with save_original_format=False."
+    )
 
 
 def _transform_problems(key: str, index: int, transform: Any) -> list[ReversibilityProblem]:

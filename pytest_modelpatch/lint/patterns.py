@@ -5,7 +5,7 @@ exact key first, then tries every key in mapping order with ``re.search``;
 ``apply_patches`` does that for every attribute of every loaded ``transformers*``
 module and swaps each class it finds. A broad key such as ``".*Attention"`` therefore
 also swaps containers (``BertAttention`` holds ``BertSelfAttention``) and ModelOutput
-dataclasses. ``run_lint`` reports those against the installed transformers,
+dataclasses. ``lint_patterns`` reports those against the installed transformers,
 using the cached scan index (:mod:`pytest_modelpatch.lint.scan_index`).
 """
 
@@ -23,39 +23,40 @@ from pytest_modelpatch.lint.contract import structures as contract_structures
 from pytest_modelpatch.lint.contract.cache import facts_cache
 from pytest_modelpatch.lint.contract.sources import Replaced, StructureBuilder
 from pytest_modelpatch.lint.findings import _EXAMPLES, FAILING_KINDS, WARNING_KINDS, Finding, Kind
+from pytest_modelpatch.lint.model_structures import meta_structures
 from pytest_modelpatch.lint.scan_index import CORE, ClassEntry, ScanIndex, load_index
 
 CHECKS = ("names", "signature", "weights", "plan")
 
 
-def run_lint(
+def lint_patterns(
     mapping_or_keys: Mapping[str, object] | Iterable[str] | str,
     *,
     families: Iterable[str] | None = None,
     conversions: Mapping[str, list[Any]] | None = None,
     checks: Iterable[str] | None = None,
-    structures: StructureBuilder | None = None,
+    structures: StructureBuilder | None = meta_structures,
     index: ScanIndex | None = None,
 ) -> list[Finding]:
-    """The lint itself: findings for each key, matched exactly as transformers matches them, with the
-    structures ``structures`` builds (none: this room builds no model).
+    """Findings for each key, matched exactly as transformers matches them, with every check by default.
 
+    The patch marker, ``modelpatch lint`` and this function give the same findings for the same input.
     ``families`` (model types or folder names such as ``"bert"``) limits the classes
     considered to those the families' modules bind; matches elsewhere become ``BROAD``.
     When the mapping's values are classes and a family is in scope, the contract checks run
     too (``checks``, default all of ``CHECKS``): ``SIGNATURE``/``UNUSED_ARGUMENT`` and the
     ``_no_split_modules`` part of ``PARALLEL_PLAN`` from the sources; ``WEIGHT_NAMES`` and the
-    TP/PP plans from tiny models that ``structures`` builds, and only when it is given: this room
-    builds no model. The public ``pytest_modelpatch.lint_patterns``
-    (:func:`pytest_modelpatch.models.structure.lint_patterns`) passes the meta-device builder.
+    TP/PP plans from the family's tiny model that ``structures`` builds (on the meta device, once
+    per family and replacement, cached as the patch marker's are; ``None``: no model is built).
     ``conversions`` takes the patch marker's form, ``{model_type: [WeightConverter, ...]}``.
 
     Example::
 
-        for finding in run_lint({".*Attention": MyAttention}, families=["bert"]):
+        for finding in lint_patterns({".*Attention": MyAttention}, families=["bert"]):
             print(finding)  # [CONTAINER] pattern '.*Attention' replaces BertAttention ...
 
-        run_lint(MAPPING, families=["llama"], conversions=CONVERSIONS, structures=meta_structures)
+        lint_patterns({"LlamaAttention": LlamaFusedQKVAttention}, families=["llama"])
+        # [WEIGHT_NAMES] ... missing keys ... qkv_proj ...; [PARALLEL_PLAN] layers.*.self_attn.q_proj ...
     """
     keys = [mapping_or_keys] if isinstance(mapping_or_keys, str) else list(mapping_or_keys)
     wanted = _checks(checks)
@@ -135,7 +136,7 @@ def lint_for_registration(
     Example: ``lint_for_registration({"LlamaAttention": MyAttention}, families=["llama"])``.
     """
     _check_allow(mapping, allow)
-    findings = run_lint(mapping, families=families, conversions=conversions, checks=checks, structures=structures)
+    findings = lint_patterns(mapping, families=families, conversions=conversions, checks=checks, structures=structures)
     bad = failing_findings(findings, allow)
     if not bad:
         _warn(findings, allow)

@@ -23,7 +23,12 @@ import torch
 from pytest_modelpatch.errors import PatchNotAppliedError, PatchUsageError
 from pytest_modelpatch.isolation.per_test.patch_spec import IMPLEMENTATIONS
 from pytest_modelpatch.isolation.pristine import current_scope, pristine
-from pytest_modelpatch.models.checkpoints import cached_checkpoint, check_init, checkpoint_model_class, load_pretrained
+from pytest_modelpatch.models.checkpoints import (
+    cached_checkpoint,
+    checkpoint_model_class,
+    load_pretrained,
+    validate_init,
+)
 from pytest_modelpatch.models.devices import dtype_name, first_parameter_device, seeded_generators
 from pytest_modelpatch.models.memory_cache import CacheBound, ModelCache
 from pytest_modelpatch.models.reference import prepare_reference, reference_problems
@@ -90,10 +95,10 @@ class ModelRequest:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise PatchUsageError(f"@pytest.mark.model on {where}: seed must be an int, got {seed!r}.")
         try:
-            init = check_init(options.pop("init", DEFAULT_INIT))
-            check_fusion_config(fusion)
+            init = validate_init(options.pop("init", DEFAULT_INIT))
+            validate_fusion_config(fusion)
             for axis, name in chosen.items():
-                check_implementation(axis, name)
+                validate_implementation(axis, name)
             request = cls(args[0], options, seed, fusion, init, **chosen, transforms=transforms)
             spec = request.model_spec  # refuses an override that is no config field; kept for the loads
         except PatchUsageError as exc:
@@ -146,7 +151,7 @@ class LoadChoices:
     def check(self) -> None:
         """Refuse implementation names transformers does not know, as it would, with did-you-mean."""
         for axis in IMPLEMENTATIONS:
-            check_implementation(axis, self.kwargs.get(axis))
+            validate_implementation(axis, self.kwargs.get(axis))
 
     def transform(self, model: Any) -> Any:
         """Apply the transforms in order: each returns the model to go on with, or None (changed in place)."""
@@ -161,7 +166,7 @@ def apply_transforms(model: Any, transforms: Sequence[Callable[[Any], Any]]) -> 
     return model
 
 
-def check_fusion_config(fusion: Any) -> None:
+def validate_fusion_config(fusion: Any) -> None:
     """Refuse a ``fusion_config`` that is not a dict of transformers' fusion names."""
     if fusion is None:
         return
@@ -177,7 +182,7 @@ def check_fusion_config(fusion: Any) -> None:
             )
 
 
-def check_attn_implementation(value: Any) -> None:
+def validate_attn_implementation(value: Any) -> None:
     """Refuse an ``attn_implementation`` transformers does not know (a hub kernel ``org/name`` is left to it)."""
     if value is None:
         return
@@ -190,7 +195,7 @@ def check_attn_implementation(value: Any) -> None:
         )
 
 
-def check_experts_implementation(value: Any) -> None:
+def validate_experts_implementation(value: Any) -> None:
     """Refuse an ``experts_implementation`` transformers' ``ExpertsInterface`` does not know."""
     if value is None:
         return
@@ -205,9 +210,12 @@ def check_experts_implementation(value: Any) -> None:
         )
 
 
-def check_implementation(axis: str, name: Any) -> None:
+def validate_implementation(axis: str, name: Any) -> None:
     """Refuse a name transformers does not know for the implementation keyword ``axis`` (``None``: none chosen)."""
-    checks = {"attn_implementation": check_attn_implementation, "experts_implementation": check_experts_implementation}
+    checks = {
+        "attn_implementation": validate_attn_implementation,
+        "experts_implementation": validate_experts_implementation,
+    }
     checks[axis](name)
 
 
@@ -344,7 +352,7 @@ class ModelBuilder:
         if scope is not None:
             scope.settle()  # a loader wrapper may have patched while loading
         if keys:
-            check_keys_applied(keys, self.reference(request, dtype=dtype, device=device, choices=choices), model)
+            require_keys_applied(keys, self.reference(request, dtype=dtype, device=device, choices=choices), model)
         track_patch_usage(model, set(monkey_patching.get_patch_mapping().values()))
         model = request.transformed(model)  # the model marker's, as the reference got them
         if choices is not None and choices.transforms:
@@ -390,7 +398,7 @@ def keys_used(keys: list[str], class_names: set[str]) -> set[str]:
     return used
 
 
-def check_keys_applied(keys: list[str], reference: torch.nn.Module, patched: torch.nn.Module) -> None:
+def require_keys_applied(keys: list[str], reference: torch.nn.Module, patched: torch.nn.Module) -> None:
     """Fail when a registered key matches no module class of this model (a typo or a stale name)."""
     names = module_class_names(reference)
     unused = [key for key in keys if key not in keys_used(keys, names)]

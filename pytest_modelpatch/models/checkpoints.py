@@ -46,19 +46,6 @@ BUILD_INFO_FILE = "modelpatch-build.json"
 
 
 # ---------------------------------------------------------------------------
-# dtypes
-# ---------------------------------------------------------------------------
-
-
-def parse_dtype(value: torch.dtype | str) -> torch.dtype:
-    """A ``torch.dtype`` from a dtype or a name such as ``"bf16"`` (the names ``devices.dtype_name`` knows).
-
-    Example: ``parse_dtype("fp16") is torch.float16``.
-    """
-    return to_torch_dtype(value)
-
-
-# ---------------------------------------------------------------------------
 # building and caching
 # ---------------------------------------------------------------------------
 
@@ -78,17 +65,17 @@ def seeded_model(
     keeps them. Neither ``config`` (building fills in fields) nor the global RNG is changed.
     Example: ``seeded_model(tiny_config("llama"), dtype="bf16")``.
     """
-    check_init(init)
+    validate_init(init)
     cls = model_class or model_class_for(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = cls._from_config(copy.deepcopy(config), dtype=parse_dtype(dtype))
+        model = cls._from_config(copy.deepcopy(config), dtype=to_torch_dtype(dtype))
     if init == "modelpatch":
         spread_weights(model, seed=seed)
     return model.eval()
 
 
-def check_init(init: object) -> str:
+def validate_init(init: object) -> str:
     """``init`` if it names a weight scheme; a ``PatchUsageError`` listing them otherwise."""
     if init not in INIT_SCHEMES:
         raise PatchUsageError(
@@ -97,19 +84,6 @@ def check_init(init: object) -> str:
             "(transformers' own init, norm weights 1 and biases 0)."
         )
     return str(init)
-
-
-def checkpoint_key(
-    config: PretrainedConfig,
-    *,
-    dtype: torch.dtype | str,
-    seed: int,
-    model_class: type[PreTrainedModel],
-    max_shard_size: int | str | None = None,
-    init: str = DEFAULT_INIT,
-) -> str:
-    """The cache directory name for a seeded checkpoint: ``<model_type>-<sha256 prefix>``."""
-    return f"{config.model_type}-{_key_hash(_build_info(config, dtype, seed, model_class, max_shard_size, init))}"
 
 
 def _build_info(
@@ -122,7 +96,7 @@ def _build_info(
 ) -> dict[str, Any]:
     return {
         "config": _config_fields(config),
-        "dtype": str(parse_dtype(dtype)).removeprefix("torch."),
+        "dtype": str(to_torch_dtype(dtype)).removeprefix("torch."),
         "seed": seed,
         # the scheme and its version: checkpoints cached before a scheme change are not reused
         "init": init,
@@ -168,7 +142,7 @@ def cached_checkpoint(
     Example: ``load_pretrained(cached_checkpoint(tiny_config("llama"), cache_dir=tmp), dtype="fp32")``.
     """
     cls = model_class or model_class_for(config)
-    info = _build_info(config, dtype, seed, cls, max_shard_size, check_init(init))
+    info = _build_info(config, dtype, seed, cls, max_shard_size, validate_init(init))
     key = f"{config.model_type}-{_key_hash(info)}"
     cache_dir = Path(cache_dir)
     memo = (str(cache_dir.resolve()), key)
@@ -255,7 +229,7 @@ def _quiet_progress_bars() -> Iterator[None]:
 # ---------------------------------------------------------------------------
 
 
-def check_checkpoint_dir(path: Path | str) -> list[Path]:
+def validate_checkpoint_dir(path: Path | str) -> list[Path]:
     """The safetensors files of a ``save_pretrained`` directory; ``CheckpointError`` if it is not one."""
     path = Path(path)
     if not path.is_dir():
@@ -359,7 +333,7 @@ def load_pretrained(
     checkpoint's own dtype (a round-trip must save what it loaded).
     Example: ``load_pretrained(path, dtype="bf16", device="cuda")``.
     """
-    files = check_checkpoint_dir(path)
+    files = validate_checkpoint_dir(path)
     cls = model_class or checkpoint_model_class(path)
     loader = auto_class_for(cls) or cls
     try:
@@ -368,7 +342,7 @@ def load_pretrained(
         # the same figures every run and the test's own RNG state is left as it was.
         with _quiet_progress_bars(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(MISSING_WEIGHTS_SEED)
-            load_dtype = dtype if dtype == "auto" else parse_dtype(dtype)
+            load_dtype = dtype if dtype == "auto" else to_torch_dtype(dtype)
             model = loader.from_pretrained(path, dtype=load_dtype, **from_pretrained_kwargs)
     except SafetensorError as exc:
         names = ", ".join(f.name for f in files)

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pytest_modelpatch.reporting.records import SETTINGS
+from pytest_modelpatch.settings import SETTINGS
 
 MANIFEST_FILE = "modelpatch-manifest.json"
 STALE_PARTIAL_SECONDS = 3600.0  # another process's build of a different entry may still be running

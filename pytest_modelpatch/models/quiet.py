@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from pytest_modelpatch.reporting.records import SETTINGS
+from pytest_modelpatch.settings import SETTINGS
 
 
 @contextmanager

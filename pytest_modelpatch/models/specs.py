@@ -56,7 +56,7 @@ def resolve_model_spec(spec: str | Path | PretrainedConfig, **config_overrides: 
     Example: ``resolve_model_spec("llama", num_hidden_layers=3).config.num_hidden_layers == 3``.
     """
     if isinstance(spec, PretrainedConfig):
-        check_config_overrides(spec, config_overrides)
+        validate_config_overrides(spec, config_overrides)
         config = _with_overrides(spec, config_overrides)
         return ModelSpec(config, None, config.model_type, f"{config.model_type}-config")
     if not isinstance(spec, (str, os.PathLike)):
@@ -67,12 +67,12 @@ def resolve_model_spec(spec: str | Path | PretrainedConfig, **config_overrides: 
     path = Path(spec)
     if (path / "config.json").is_file():
         base = AutoConfig.from_pretrained(path)
-        check_config_overrides(base, config_overrides)
+        validate_config_overrides(base, config_overrides)
         config = _with_overrides(base, config_overrides)
         return ModelSpec(config, path, config.model_type, path.name or str(path))
     if isinstance(spec, str) and spec in CONFIG_MAPPING_NAMES:
         if config_overrides:
-            check_config_overrides(AutoConfig.for_model(spec), config_overrides)
+            validate_config_overrides(AutoConfig.for_model(spec), config_overrides)
         return ModelSpec(tiny_config(spec, **config_overrides), None, spec, spec)
     if path.is_dir():
         raise PatchUsageError(f"model spec {str(spec)!r} is a directory without config.json, not a checkpoint")
@@ -102,11 +102,11 @@ def config_field_names(config: PretrainedConfig) -> list[str]:
     return sorted(name for name in names - set(_NOT_CONFIG_FIELDS) if not name.startswith("_"))
 
 
-def check_config_overrides(config: PretrainedConfig, overrides: Mapping[str, Any], prefix: str = "") -> None:
+def validate_config_overrides(config: PretrainedConfig, overrides: Mapping[str, Any], prefix: str = "") -> None:
     """Refuse an override that names no field of ``config``: a config takes any keyword as a new attribute.
 
     Dict values aimed at a sub-config (``text_config={...}``) are checked against it.
-    Example: ``check_config_overrides(LlamaConfig(), {"num_hiden_layers": 5})`` raises, naming ``num_hidden_layers``.
+    Example: ``validate_config_overrides(LlamaConfig(), {"num_hiden_layers": 5})`` raises, naming ``num_hidden_layers``.
     """
     valid = config_field_names(config)
     for key, value in overrides.items():
@@ -123,7 +123,7 @@ def check_config_overrides(config: PretrainedConfig, overrides: Mapping[str, Any
             )
         sub = getattr(config, key, None)
         if isinstance(value, Mapping) and isinstance(sub, PretrainedConfig):
-            check_config_overrides(sub, value, f"{prefix}{key}.")
+            validate_config_overrides(sub, value, f"{prefix}{key}.")
 
 
 def _with_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> PretrainedConfig:

@@ -112,7 +112,7 @@ def built_class_names(model_type: str) -> frozenset[str] | None:
 
     from transformers.utils import logging as transformers_logging
 
-    from pytest_modelpatch.models.structure import meta_structures
+    from pytest_modelpatch.lint.model_structures import meta_structures
 
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # tiny configs warn about rope keys and token ids

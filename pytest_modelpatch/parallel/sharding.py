@@ -91,7 +91,7 @@ def _base_prefix(model: torch.nn.Module) -> str:
     return prefix if prefix and getattr(model, "base_model", model) is not model else ""
 
 
-def check_tp_heads(config: Any, world_size: int, model: str, sharded: str = "") -> None:
+def validate_tp_heads(config: Any, world_size: int, model: str, sharded: str = "") -> None:
     """Refuse a world size that does not divide the attention heads or the key/value heads: a usage error.
 
     ``world_size`` is the tensor-parallel size (the mesh's ``tp``); ``sharded`` the marker as written, when

@@ -15,8 +15,6 @@ import datetime
 import functools
 import platform
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ import pytest
 
 from pytest_modelpatch.errors import PatchUsageError, ReportFileError
 from pytest_modelpatch.reporting.gate import DEFAULT_FACTOR, DEFAULT_FLOOR, GateVerdict, Thresholds, evaluate
-from pytest_modelpatch.reporting.records import CheckRecord, implementations_of, set_record_sink
+from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.reporting.report import (
     FAILING_OUTCOMES,
     REPORT_FORMAT,
@@ -41,6 +39,7 @@ from pytest_modelpatch.reporting.report import (
 )
 from pytest_modelpatch.reporting.selection import SelectionRecorder, XdistSelection
 from pytest_modelpatch.reporting.shards import Run, merge_reports, rewrite_baseline
+from pytest_modelpatch.settings import implementations_of
 
 ROW_PROPERTY = "modelpatch_check"
 # key figures as their own JUnit properties, so CI UIs show them without parsing the row
@@ -87,16 +86,6 @@ def note_implementations(item: pytest.Item, side: str, model: Any) -> None:
     """Keep the attention and experts implementations ``model`` loaded with, for the test's report rows."""
     if axes := implementations_of(model):
         item.stash.setdefault(IMPLEMENTATIONS, {})[side] = axes
-
-
-@contextmanager
-def attaching_checks(item: pytest.Item) -> Iterator[None]:
-    """Attach every check recorded inside the block to ``item``'s ``user_properties``."""
-    previous = set_record_sink(CheckSink(item))
-    try:
-        yield
-    finally:
-        set_record_sink(previous)
 
 
 CAUGHT = "caught: the check raised AssertionError and the test caught it and passed (e.g. pytest.raises)"
@@ -167,7 +156,7 @@ class XdistSeed:
 def configure(config: pytest.Config, default_device: str = "cpu") -> None:
     """Validate the report options; on the controller, register the report and xdist hooks.
 
-    Each xdist worker runs this too. The session seed and timing are ``records.SETTINGS``, which
+    Each xdist worker runs this too. The session seed and timing are ``settings.SETTINGS``, which
     ``plugin.py`` sets. ``default_device``: the session's ``--modelpatch-device`` (validated by the
     plugin), for the report header.
     """

@@ -29,9 +29,9 @@ import transformers
 from pytest_modelpatch.compare.check_report import conclude
 from pytest_modelpatch.compare.running import unwrapped
 from pytest_modelpatch.families.inputs import example_inputs
-from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
+from pytest_modelpatch.isolation.guard import builtin_patch_state, isolated_patch_state
 from pytest_modelpatch.models.builder import LoadChoices
-from pytest_modelpatch.models.checkpoints import check_checkpoint_dir, checkpoint_model_class, load_pretrained
+from pytest_modelpatch.models.checkpoints import checkpoint_model_class, load_pretrained, validate_checkpoint_dir
 from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.roundtrip.differences import OutputDiff, config_changes, identical_outputs, output_leaves
 from pytest_modelpatch.roundtrip.safetensors_diff import CheckpointDiff, diff_checkpoints, open_checkpoint
@@ -198,13 +198,13 @@ def _run_roundtrip(
     choices: LoadChoices,
 ) -> RoundtripReport:
     # One model in memory at a time; each is dropped (by refcount) before the next load.
-    # Unpatched steps share one without_patches() block: entering it costs a rebuild of
+    # Unpatched steps share one builtin_patch_state() block: entering it costs a rebuild of
     # transformers' conversion table.
     reference_outputs: dict[str, Any] | None = None
     if isinstance(source, transformers.PreTrainedModel):
         cls = model_class or type(source)
         source_dir = work / "source"
-        with without_patches():
+        with builtin_patch_state():
             source.save_pretrained(source_dir)
         if check_outputs and save_original_format:
             inputs = inputs if inputs is not None else example_inputs(source.config, model_class=cls)
@@ -240,7 +240,7 @@ def _run_roundtrip(
         # Reload and run it only when something did change, to show what that costs.
         outputs_implied = check_outputs and weights.identical and not changes and reference_outputs is None
         if check_outputs and not outputs_implied:
-            with without_patches():
+            with builtin_patch_state():
                 if reference_outputs is None:
                     reference = _load(cls, source_dir, load_dtype, fusion_config={})
                     inputs = inputs if inputs is not None else example_inputs(reference.config, model_class=cls)
@@ -274,7 +274,7 @@ def _run_roundtrip(
 
 def _model_class(checkpoint: Path) -> type[transformers.PreTrainedModel]:
     """The class the fixtures would load ``checkpoint`` as; a bad ``config.json`` is a ``CheckpointError``."""
-    check_checkpoint_dir(checkpoint)
+    validate_checkpoint_dir(checkpoint)
     return checkpoint_model_class(checkpoint)
 
 

@@ -40,7 +40,8 @@ def test_a_replacement_that_never_ran_fails_the_check_unless_allowed(pytester: p
         """
 import pytest
 from my_patch import MAPPING
-from pytest_modelpatch import assert_equivalent, check_equivalent, patch_usage
+from pytest_modelpatch import assert_equivalent, check_equivalent
+from pytest_modelpatch.models import patch_usage
 
 
 @pytest.mark.model("llama")
@@ -77,7 +78,8 @@ def test_patch_usage_counts_only_the_models_own_calls_not_module_replays(pyteste
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaMLP
-from pytest_modelpatch import assert_module_equivalent, patch_usage
+from pytest_modelpatch import assert_module_equivalent
+from pytest_modelpatch.models import patch_usage
 
 
 class MyMLP(LlamaMLP):
@@ -91,7 +93,7 @@ def test_replay_is_not_a_model_call(reference_model, patched_model):
     (usage,) = patch_usage(patched_model)
     assert usage.calls_in_last_forward == 2
     # replays real arguments into the patched MLP, calling it directly: not a call the model made
-    assert_module_equivalent("model.layers.0.mlp", reference=reference_model, patched=patched_model)
+    assert_module_equivalent(reference_model, patched_model, "model.layers.0.mlp")
     (usage,) = patch_usage(patched_model)
     assert usage.calls_in_last_forward == 2
 """
@@ -128,3 +130,38 @@ def test_two_tokens_reach_few_experts(reference_model, patched_model):
     result.assert_outcomes(passed=1)
     rows = __import__("json").loads((pytester.path / "r.json").read_text())["rows"]
     assert any("got no tokens" in line for line in rows[0]["coverage"])
+
+
+def test_every_check_that_runs_the_patched_model_fails_on_a_replacement_that_never_ran(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(my_patch=PATCH)
+    pytester.makepyfile(
+        """
+import pytest
+from my_patch import MAPPING
+from pytest_modelpatch import (
+    assert_compiles_equivalent, assert_decodes_equivalent, assert_exports_equivalent, assert_trains_equivalent,
+    check_decodes_equivalent,
+)
+
+CHECKS = {
+    "decodes": lambda ref, pat, **kw: assert_decodes_equivalent(ref, pat, max_new_tokens=2, **kw),
+    "decodes_drawn": lambda ref, pat, **kw: check_decodes_equivalent(ref, pat, max_examples=2, max_new_tokens=2, **kw),
+    "trains": lambda ref, pat, **kw: assert_trains_equivalent(ref, pat, steps=1, **kw),
+    "exports": lambda ref, pat, **kw: assert_exports_equivalent(ref, pat, **kw),
+    "compiles": lambda ref, pat, **kw: assert_compiles_equivalent(ref, pat, backend="eager", **kw),
+}
+
+
+@pytest.mark.model("llama")
+@pytest.mark.patch(MAPPING, allow={"LlamaDecoderLayer": ["CONTAINER"]})
+@pytest.mark.parametrize("check", CHECKS)
+def test_unused(reference_model, patched_model, check):
+    with pytest.raises(AssertionError, match="my_patch.MyMLP never ran in .*allow_unused=True"):
+        CHECKS[check](reference_model, patched_model)
+    CHECKS[check](reference_model, patched_model, allow_unused=True)
+"""
+    )
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=5)

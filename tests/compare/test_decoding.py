@@ -1,4 +1,4 @@
-"""assert_generates_equivalent and check_generates_equivalent: decoding step by step through each model's cache."""
+"""assert_decodes_equivalent and check_decodes_equivalent: decoding step by step through each model's cache."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from conftest import Pair, load_pair
 from fixtures import load_patch, tiny_config
 from pytest_modelpatch import (
     PatchUsageError,
+    assert_decodes_equivalent,
     assert_equivalent,
-    assert_generates_equivalent,
-    check_generates_equivalent,
+    check_decodes_equivalent,
 )
 from pytest_modelpatch.compare.decoding import default_prompts
 from pytest_modelpatch.families.catalog import tiny_config as tiny_config_of
@@ -41,7 +41,7 @@ def test_reference_tokens_are_the_tokens_generate_picks(
 ) -> None:
     reference, patched = pair(name)
     prompts = default_prompts(reference)
-    report = assert_generates_equivalent(reference, patched, prompts, cache_implementation=cache, max_new_tokens=6)
+    report = assert_decodes_equivalent(reference, patched, prompts, cache_implementation=cache, max_new_tokens=6)
     generated = reference.generate(**prompts, max_new_tokens=6, do_sample=False, cache_implementation=cache,
                                    eos_token_id=None, pad_token_id=0)  # fmt: skip
     ours = [list(row) for row in zip(*(step.reference_tokens for step in report.steps))]
@@ -56,7 +56,7 @@ def test_hybrid_sliding_family_decodes_as_generate_does(cache: str | None) -> No
     config = tiny_config_of("gemma2", sliding_window=4)  # layers: sliding, full
     model = model_class_for(config)(config).eval()
     prompts = default_prompts(model)
-    report = assert_generates_equivalent(model, model, prompts, cache_implementation=cache)
+    report = assert_decodes_equivalent(model, model, prompts, cache_implementation=cache)
     generated = model.generate(**prompts, max_new_tokens=8, do_sample=False, cache_implementation=cache,
                                eos_token_id=None, pad_token_id=0)  # fmt: skip
     assert [list(row) for row in zip(*(s.reference_tokens for s in report.steps))] == generated[:, 8:].tolist()
@@ -70,7 +70,7 @@ def test_default_prompts_are_left_padded_with_unequal_lengths(pair: Callable[...
 def test_sliding_window_family_decodes_past_its_window(pair: Callable[..., Pair]) -> None:
     reference, patched = pair("mistral_fused_qkv")
     window = reference.config.sliding_window
-    report = assert_generates_equivalent(reference, patched, max_new_tokens=8)
+    report = assert_decodes_equivalent(reference, patched, max_new_tokens=8)
     assert window < 8 and len(report.steps) == 8  # an 8-token prompt and 8 new tokens, window 4
     from transformers import DynamicCache
 
@@ -89,7 +89,7 @@ def test_new_kv_only_attention_passes_a_forward_and_fails_at_the_first_decode_st
     reference, patched = pair("llama_new_kv_only")
     assert assert_equivalent(reference, patched).passed
     with pytest.raises(AssertionError) as failure:
-        assert_generates_equivalent(reference, patched, cache_implementation=cache)
+        assert_decodes_equivalent(reference, patched, cache_implementation=cache)
     message = str(failure.value)
     assert "first diverging step: step 1 (of 8 new tokens), batch row 0" in message
     assert "step 1 logits: shape (3, 1, 128) float32:" in message
@@ -114,7 +114,7 @@ def test_a_forward_written_before_the_cache_rename_fails_and_the_hint_names_the_
 ) -> None:
     reference, patched = pair("llama_past_key_values_only")
     with pytest.raises(AssertionError) as decoding:
-        assert_generates_equivalent(reference, patched)
+        assert_decodes_equivalent(reference, patched)
     with pytest.raises(AssertionError) as forward:
         assert_equivalent(reference, patched)
     for message in (str(decoding.value), str(forward.value)):
@@ -133,7 +133,7 @@ def test_the_same_forward_taking_both_spellings_decodes_like_the_model(pair: Cal
     try:
         for layer in patched.model.layers:
             layer.self_attn.__class__ = CacheStepAttention
-        assert assert_generates_equivalent(reference, patched).passed
+        assert assert_decodes_equivalent(reference, patched).passed
         assert assert_equivalent(reference, patched, allow_unused=True).passed
     finally:
         for layer in patched.model.layers:
@@ -144,9 +144,9 @@ def test_mask_drop_on_single_token_steps_hides_from_an_unpadded_batch(pair: Call
     reference, patched = pair("llama_decode_mask_drop")
     prompts = default_prompts(reference)
     unpadded = {"input_ids": prompts["input_ids"][:1], "attention_mask": prompts["attention_mask"][:1]}
-    assert assert_generates_equivalent(reference, patched, unpadded).passed
+    assert assert_decodes_equivalent(reference, patched, unpadded).passed
     with pytest.raises(AssertionError, match=r"first diverging step: step 1 \(of 8 new tokens\), batch row 1"):
-        assert_generates_equivalent(reference, patched)
+        assert_decodes_equivalent(reference, patched)
 
 
 # ---------------------------------------------------------------------------
@@ -183,7 +183,7 @@ def test_near_tie_in_bf16_is_counted_not_failed(bf16_pair: Pair) -> None:
         return logits.index_copy(-1, torch.tensor([b]), (wide + ulp).to(logits.dtype)[..., None])
 
     patched.lm_head.register_forward_hook(one_ulp_up)
-    report = assert_generates_equivalent(reference, patched)
+    report = assert_decodes_equivalent(reference, patched)
     assert report.near_ties >= 1
     assert report.steps[0].near_ties == [0] and report.steps[0].patched_tokens[0] == b
     assert "near-tie token(s) taken from the reference" in str(report)
@@ -200,34 +200,34 @@ def test_real_token_mismatch_in_bf16_fails(bf16_pair: Pair) -> None:
     # row 0's tokens tie in the reference (a near-tie), the other rows' do not: those fail
     with pytest.raises(AssertionError, match=r"first diverging step: prefill .*\n(.*\n)*  row 1: reference token \d+, "
                        rf"patched token {b} \(reference logit gap .*not a near-tie\)"):  # fmt: skip
-        assert_generates_equivalent(reference, patched)
+        assert_decodes_equivalent(reference, patched)
 
 
 # ---------------------------------------------------------------------------
-# check_generates_equivalent and usage errors
+# check_decodes_equivalent and usage errors
 # ---------------------------------------------------------------------------
 
 
 def test_check_generation_passes_a_correct_patch(pair: Callable[..., Pair], records: list[Any]) -> None:
-    report = check_generates_equivalent(*pair("llama_fused_qkv"), max_examples=4, max_new_tokens=3)
+    report = check_decodes_equivalent(*pair("llama_fused_qkv"), max_examples=4, max_new_tokens=3)
     assert report.passed and report.examples == 4
     assert [(r.kind, r.outcome, r.examples) for r in records] == [("decode", "passed", 4)]
 
 
 def test_check_generation_shrinks_the_mask_drop_to_one_padded_row(pair: Callable[..., Pair]) -> None:
     with pytest.raises(AssertionError) as failure:
-        check_generates_equivalent(*pair("llama_decode_mask_drop"), max_examples=20, max_new_tokens=6)
+        check_decodes_equivalent(*pair("llama_decode_mask_drop"), max_examples=20, max_new_tokens=6)
     message = str(failure.value)
-    assert message.startswith("check_generates_equivalent(seed=0, max_examples=20): example ")
+    assert message.startswith("check_decodes_equivalent(seed=0, max_examples=20): example ")
     # minimal: one row, one pad slot, two new tokens (the bug needs a single-token step)
     assert "attention_mask=[[0, 1]]" in message and "(of 2 new tokens)" in message
 
 
 def test_unknown_cache_implementation_is_a_usage_error(pair: Callable[..., Pair]) -> None:
     with pytest.raises(PatchUsageError, match="cache_implementation='offloaded' is not supported; use None"):
-        assert_generates_equivalent(*pair("llama_fused_qkv"), cache_implementation="offloaded")
+        assert_decodes_equivalent(*pair("llama_fused_qkv"), cache_implementation="offloaded")
     with pytest.raises(PatchUsageError, match="max_new_tokens=0; pass a positive int"):
-        assert_generates_equivalent(*pair("llama_fused_qkv"), max_new_tokens=0)
+        assert_decodes_equivalent(*pair("llama_fused_qkv"), max_new_tokens=0)
 
 
 # ---------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def test_unknown_cache_implementation_is_a_usage_error(pair: Callable[..., Pair]
 USER_TESTS = """
 import pytest
 from fixtures.patches import llama_decode_mask_drop, llama_fused_qkv, llama_new_kv_only, mistral_fused_qkv
-from pytest_modelpatch import assert_equivalent, assert_generates_equivalent
+from pytest_modelpatch import assert_equivalent, assert_decodes_equivalent
 
 CACHES = pytest.mark.parametrize("cache", [None, "static"])
 
@@ -248,28 +248,28 @@ CACHES = pytest.mark.parametrize("cache", [None, "static"])
 @CACHES
 def test_cache_bug(reference_model, patched_model, cache):
     assert_equivalent(reference_model, patched_model)
-    assert_generates_equivalent(reference_model, patched_model, cache_implementation=cache)
+    assert_decodes_equivalent(reference_model, patched_model, cache_implementation=cache)
 
 
 @pytest.mark.model("llama")
 @pytest.mark.patch(llama_decode_mask_drop.MAPPING)
 def test_mask_drop(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
-    assert_generates_equivalent(reference_model, patched_model)
+    assert_decodes_equivalent(reference_model, patched_model)
 
 
 @pytest.mark.model("llama")
 @pytest.mark.patch(llama_fused_qkv.MAPPING, conversions=llama_fused_qkv.CONVERSIONS, overwrite=True)
 @CACHES
 def test_fused(reference_model, patched_model, cache):
-    assert_generates_equivalent(reference_model, patched_model, cache_implementation=cache)
+    assert_decodes_equivalent(reference_model, patched_model, cache_implementation=cache)
 
 
 @pytest.mark.model("mistral", sliding_window=4)
 @pytest.mark.patch(mistral_fused_qkv.MAPPING, conversions=mistral_fused_qkv.CONVERSIONS, overwrite=True)
 @CACHES
 def test_sliding(reference_model, patched_model, cache):
-    assert_generates_equivalent(reference_model, patched_model, cache_implementation=cache, max_new_tokens=10)
+    assert_decodes_equivalent(reference_model, patched_model, cache_implementation=cache, max_new_tokens=10)
 """
 
 

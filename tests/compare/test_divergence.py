@@ -58,7 +58,7 @@ def test_narrow_bert_key_is_equivalent(pair: Callable[..., Pair]) -> None:
 
 def test_module_check_by_name_replays_real_arguments(pair: Callable[..., Pair]) -> None:
     reference, patched = pair("llama_fused_qkv")
-    report = assert_module_equivalent("model.layers.1.self_attn", reference=reference, patched=patched, inputs=ids())
+    report = assert_module_equivalent(reference, patched, "model.layers.1.self_attn", inputs=ids())
     assert report.passed and report.calls == 1
     assert str(report).startswith(
         "model.layers.1.self_attn (LlamaFusedQKVAttention) matches model.layers.1.self_attn (LlamaAttention)"
@@ -69,7 +69,7 @@ def test_module_check_fails_for_the_noncausal_attention(pair: Callable[..., Pair
     reference, patched = pair("llama_fused_qkv_noncausal")
     with pytest.raises(AssertionError) as failure:
         assert_module_equivalent(
-            reference.model.layers[1].self_attn, patched.model.layers[1].self_attn, reference=reference, inputs=ids()
+            reference, patched, (reference.model.layers[1].self_attn, patched.model.layers[1].self_attn), inputs=ids()
         )
     message = str(failure.value)
     assert message.startswith("LlamaFusedQKVNonCausalAttention (LlamaFusedQKVNonCausalAttention) differs from")
@@ -84,14 +84,14 @@ def test_module_check_catches_a_bug_the_model_outputs_hide(pair: Callable[..., P
     last_only = {**ids(), "logits_to_keep": 1}
     assert assert_equivalent(reference, patched, last_only).passed
     with pytest.raises(AssertionError, match="differs from model.layers.0.self_attn"):
-        assert_module_equivalent("model.layers.0.self_attn", reference=reference, patched=patched, inputs=last_only)
+        assert_module_equivalent(reference, patched, "model.layers.0.self_attn", inputs=last_only)
 
 
 def test_module_check_replays_cache_state_as_the_original_saw_it(pair: Callable[..., Pair]) -> None:
     # The reference forward fills the cache; the replay must get a copy taken at call time.
     reference, patched = pair("llama_fused_qkv")
     report = assert_module_equivalent(
-        "model.layers.0.self_attn", reference=reference, patched=patched, inputs={**ids(), "use_cache": True}
+        reference, patched, "model.layers.0.self_attn", inputs={**ids(), "use_cache": True}
     )
     assert report.passed
 
@@ -99,25 +99,20 @@ def test_module_check_replays_cache_state_as_the_original_saw_it(pair: Callable[
 def test_unknown_module_name_suggests_close_names(pair: Callable[..., Pair]) -> None:
     reference, patched = pair("llama_fused_qkv")
     with pytest.raises(PatchUsageError, match=r"no submodule 'model.layer.0.self_attn'.*'model.layers.0.self_attn'"):
-        assert_module_equivalent("model.layer.0.self_attn", reference=reference, patched=patched)
+        assert_module_equivalent(reference, patched, "model.layer.0.self_attn")
 
 
-def test_module_name_without_models_is_a_usage_error() -> None:
-    with pytest.raises(PatchUsageError, match=r"without reference=; pass the model"):
-        assert_module_equivalent("model.layers.0.self_attn")
-
-
-def test_module_objects_without_reference_model_is_a_usage_error(pair: Callable[..., Pair]) -> None:
+def test_a_module_neither_named_nor_paired_is_a_usage_error(pair: Callable[..., Pair]) -> None:
     reference, patched = pair("llama_fused_qkv")
-    with pytest.raises(PatchUsageError, match="pass reference="):
-        assert_module_equivalent(reference.model.layers[0].self_attn, patched.model.layers[0].self_attn)
+    with pytest.raises(PatchUsageError, match=r"a qualified name in both models or a \(reference module, patched"):
+        assert_module_equivalent(reference, patched, patched.model.layers[0].self_attn)  # type: ignore[arg-type]
 
 
 def test_module_that_never_runs_is_reported(pair: Callable[..., Pair]) -> None:
     reference, patched = pair("llama_fused_qkv")
     stray = torch.nn.Linear(2, 2)
     with pytest.raises(ModelPatchError, match="did not run in the reference forward"):
-        assert_module_equivalent(stray, stray, reference=reference, inputs=ids())
+        assert_module_equivalent(reference, patched, (stray, stray), inputs=ids())
 
 
 def test_a_field_one_implementation_never_produces_does_not_make_a_module_diverge(pytester: pytest.Pytester) -> None:

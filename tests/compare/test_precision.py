@@ -19,16 +19,15 @@ import torch
 
 from pytest_modelpatch import (
     assert_backward_equivalent,
+    assert_decodes_equivalent,
     assert_equivalent,
     assert_exports_equivalent,
-    assert_generates_equivalent,
     assert_module_equivalent,
     assert_trains_equivalent,
     check_equivalent,
-    seeded_model,
-    tiny_config,
 )
 from pytest_modelpatch.compare.running import ieee_float32
+from pytest_modelpatch.models import seeded_model, tiny_config
 
 CONFIG = tiny_config("llama", num_hidden_layers=1)
 BACKENDS = {
@@ -92,10 +91,10 @@ CHECKS: dict[str, Callable[[torch.nn.Module, torch.nn.Module], Any]] = {
     "assert_equivalent": assert_equivalent,
     "check_equivalent": lambda ref, pat: check_equivalent(ref, pat, max_examples=2),
     "assert_backward_equivalent": assert_backward_equivalent,
-    "assert_generates_equivalent": lambda ref, pat: assert_generates_equivalent(ref, pat, max_new_tokens=2),
+    "assert_decodes_equivalent": lambda ref, pat: assert_decodes_equivalent(ref, pat, max_new_tokens=2),
     "assert_trains_equivalent": lambda ref, pat: assert_trains_equivalent(ref, pat, steps=2),
     "assert_module_equivalent": lambda ref, pat: assert_module_equivalent(
-        ref.model.layers[0].mlp, pat.model.layers[0].mlp, reference=ref, patched=pat),
+        ref, pat, (ref.model.layers[0].mlp, pat.model.layers[0].mlp)),
 }  # fmt: skip
 
 

@@ -17,13 +17,14 @@ from hypothesis.control import current_build_context
 
 from fixtures import load_patch
 from pytest_modelpatch.compare import property_loop
-from pytest_modelpatch.compare.decoding_properties import check_generates_equivalent
+from pytest_modelpatch.compare.decoding_properties import check_decodes_equivalent
 from pytest_modelpatch.compare.equivalence import assert_equivalent
 from pytest_modelpatch.compare.property_checks import check_equivalent
 from pytest_modelpatch.compare.property_loop import GROUP_SIZE
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs, tiny_configs
 from pytest_modelpatch.models.checkpoints import cached_checkpoint
-from pytest_modelpatch.reporting.records import CheckRecord, configure_checks
+from pytest_modelpatch.reporting.records import CheckRecord
+from pytest_modelpatch.settings import configure_checks
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +253,7 @@ def test_check_generation_decodes_many_prompts_per_hypothesis_example(pair: Call
     reference, patched = pair("llama_fused_qkv")
     examples, handle = _hypothesis_examples_per_forward(patched)
     try:
-        report = check_generates_equivalent(reference, patched, max_examples=12, max_new_tokens=2)
+        report = check_decodes_equivalent(reference, patched, max_examples=12, max_new_tokens=2)
     finally:
         handle.remove()
     assert report.passed and report.examples == 12

@@ -16,7 +16,7 @@ LLAMA = seeded_model(tiny_config("llama"))
 CHECKS: dict[str, Callable[[torch.nn.Module, torch.nn.Module], object]] = {
     "assert_equivalent": assert_equivalent,
     "check_equivalent": lambda ref, pat: check_equivalent(ref, pat, max_examples=2),
-    "assert_module_equivalent": lambda ref, pat: assert_module_equivalent("model.norm", reference=ref, patched=pat),
+    "assert_module_equivalent": lambda ref, pat: assert_module_equivalent(ref, pat, "model.norm"),
 }
 
 

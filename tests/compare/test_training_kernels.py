@@ -102,7 +102,7 @@ def test_training_checks_tell_right_from_wrong_in_bf16_with_fused_losses_and_dro
 
 
 def _tiny_llama(**overrides: object) -> torch.nn.Module:
-    from pytest_modelpatch import seeded_model, tiny_config
+    from pytest_modelpatch.models import seeded_model, tiny_config
 
     return seeded_model(tiny_config("llama", num_hidden_layers=1, **overrides))
 

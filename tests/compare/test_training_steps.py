@@ -234,9 +234,9 @@ def test_a_wrapped_model_is_given_the_labels_the_model_inside_takes() -> None:
     # PEFT's PeftModel.forward takes **kwargs: without labels the checks trained on the default
     # reduction (a random projection of the outputs), not the model's own loss
     peft = pytest.importorskip("peft")
-    from pytest_modelpatch import seeded_model, tiny_config
     from pytest_modelpatch.compare.training import has_loss_targets, with_labels
     from pytest_modelpatch.families.inputs import example_inputs
+    from pytest_modelpatch.models import seeded_model, tiny_config
 
     config = tiny_config("llama", num_hidden_layers=1)
     wrapped = peft.get_peft_model(seeded_model(config), peft.LoraConfig(target_modules=["q_proj"], r=2))
@@ -247,8 +247,9 @@ def test_a_wrapped_model_is_given_the_labels_the_model_inside_takes() -> None:
 
 
 def test_a_reference_that_trains_nothing_is_a_usage_error() -> None:
-    from pytest_modelpatch import assert_trains_equivalent, seeded_model, tiny_config
+    from pytest_modelpatch import assert_trains_equivalent
     from pytest_modelpatch.errors import PatchUsageError
+    from pytest_modelpatch.models import seeded_model, tiny_config
 
     config = tiny_config("llama", num_hidden_layers=1)
     reference, patched = seeded_model(config), seeded_model(config)

@@ -7,8 +7,8 @@ import torch
 
 from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
-from pytest_modelpatch.families.shrink.configs import TINY_HEADS, TINY_INTERMEDIATE, TINY_VOCAB, TINY_WIDTH
 from pytest_modelpatch.families.shrink.consistency import fit_feature_layers
+from pytest_modelpatch.families.shrink.sizes import TINY_HEADS, TINY_INTERMEDIATE, TINY_VOCAB, TINY_WIDTH
 from pytest_modelpatch.models.checkpoints import seeded_model
 
 

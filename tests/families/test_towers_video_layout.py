@@ -8,7 +8,7 @@ import torch
 from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.families.inputs.video import TOWER_FRAMES
-from pytest_modelpatch.families.shrink.configs import TINY_WIDTH
+from pytest_modelpatch.families.shrink.sizes import TINY_WIDTH
 from pytest_modelpatch.models.checkpoints import seeded_model
 
 PARAMETER_BUDGET = 5_000_000

@@ -1,4 +1,4 @@
-"""isolated_patch_state() and without_patches() restore every global a patch can touch."""
+"""isolated_patch_state() and builtin_patch_state() restore every global a patch can touch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.mixtral import modeling_mixtral
 
-from pytest_modelpatch.isolation.guard import PatchStateGuard, isolated_patch_state, without_patches
+from pytest_modelpatch.isolation.guard import PatchStateGuard, builtin_patch_state, isolated_patch_state
 
 CONFIG = LlamaConfig(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -83,7 +83,7 @@ def test_without_patches_builds_the_original_model_and_keeps_the_patches(checkpo
         monkey_patching.register_patch_mapping({"LlamaAttention": RecordingAttention})
         conversion_mapping.register_checkpoint_conversion_mapping("llama", [WeightRenaming("x", "y")])
         patched = LlamaForCausalLM.from_pretrained(checkpoint)
-        with without_patches():
+        with builtin_patch_state():
             assert monkey_patching.get_patch_mapping() == {}
             assert conversion_mapping.get_checkpoint_conversion_mapping("llama") is None
             assert _attentions(checkpoint) == CONFIG.num_hidden_layers

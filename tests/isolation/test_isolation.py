@@ -288,7 +288,9 @@ def test_after():
     result = pytester.runpytest("-o", "modelpatch_leaks=warn")
     result.assert_outcomes(passed=2, warnings=1)
     result.stdout.fnmatch_lines(["*ModelPatchWarning*test_leaky leaked*"])
-    strict = pytester.runpytest("-o", "modelpatch_leaks=warn", "-W", "error::pytest_modelpatch.ModelPatchWarning")
+    strict = pytester.runpytest(
+        "-o", "modelpatch_leaks=warn", "-W", "error::pytest_modelpatch.errors.ModelPatchWarning"
+    )
     strict.assert_outcomes(passed=2, errors=1)
 
 

@@ -9,7 +9,8 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
-from pytest_modelpatch import PatchRegistry, PatchUsageError
+from pytest_modelpatch import PatchUsageError
+from pytest_modelpatch.isolation import PatchRegistry
 
 
 class FusedAttention(LlamaAttention):

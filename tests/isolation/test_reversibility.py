@@ -11,7 +11,7 @@ from transformers.core_model_loading import Chunk, Concatenate, ConversionOps, W
 
 from fixtures.patches import llama_fused_qkv, qwen2_moe
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.isolation.reversibility import assert_reversible, reversibility_problems
+from pytest_modelpatch.isolation.reversibility import assert_reversible, require_reversible, reversibility_problems
 
 
 class ScaleByTwo(ConversionOps):
@@ -74,13 +74,23 @@ def test_unusable_reverses_are_reported(op: Any, reason: str) -> None:
     assert reason in str(problem)
 
 
-def test_assert_reversible_raises_usage_error_with_the_fix() -> None:
-    with pytest.raises(PatchUsageError) as error:
-        assert_reversible({"llama": [fuse(ScaleByTwo())], "qwen2": [fuse(Chunk(0)), fuse(BrokenReverse(0))]})
+@pytest.mark.parametrize(
+    ("check", "raised"), [(assert_reversible, AssertionError), (require_reversible, PatchUsageError)]
+)
+def test_a_one_way_conversion_fails_the_check_and_is_refused_at_registration_with_the_fix(
+    check: Any, raised: type[Exception]
+) -> None:
+    with pytest.raises(raised) as error:
+        check({"llama": [fuse(ScaleByTwo())], "qwen2": [fuse(Chunk(0)), fuse(BrokenReverse(0))]})
     message = str(error.value)
     assert message.startswith("2 weight conversion(s) cannot be reversed")
     assert "conversion 'llama' [0]" in message and "conversion 'qwen2' [1]" in message
     assert "Give each custom ConversionOps a `reverse_op` property" in message
+    assert not isinstance(error.value, PatchUsageError) or raised is PatchUsageError  # a failed check, not a misuse
+
+
+def test_reversible_conversions_pass_the_check() -> None:
+    assert_reversible({"llama": [fuse(Concatenate(0))]})
 
 
 def test_registering_a_one_way_conversion_fails_at_registration(patch_registry: Any) -> None:

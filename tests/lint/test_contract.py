@@ -22,8 +22,8 @@ from fixtures import PATCH_MODULES, load_patch
 from fixtures.patches import llama_fused_qkv
 from pytest_modelpatch.errors import ModelPatchWarning, PatchUsageError
 from pytest_modelpatch.lint.findings import Kind
-from pytest_modelpatch.lint.patterns import Finding, lint_for_registration, run_lint
-from pytest_modelpatch.models.structure import meta_structures
+from pytest_modelpatch.lint.model_structures import meta_structures
+from pytest_modelpatch.lint.patterns import Finding, lint_for_registration, lint_patterns
 
 # transformers 5.24 renamed the attention's past_key_values to cache
 CACHE = "cache" if "cache" in inspect.signature(LlamaAttention.forward).parameters else "past_key_values"
@@ -75,7 +75,9 @@ def contract(
     conversions: dict[str, list[Any]] | None = None,
     checks: tuple[str, ...] = ("signature", "weights", "plan"),
 ) -> list[Finding]:
-    return run_lint(mapping, families=["llama"], conversions=conversions, checks=checks, structures=meta_structures)
+    return lint_patterns(
+        mapping, families=["llama"], conversions=conversions, checks=checks, structures=meta_structures
+    )
 
 
 def test_forward_missing_a_keyword_the_parent_passes_is_a_signature_finding() -> None:
@@ -183,7 +185,7 @@ def test_good_examples_have_a_clean_contract(name: str) -> None:
     patch = load_patch(name)
     if patch.EXPECTED != "equivalent":
         pytest.skip(f"{name} is not a good example ({patch.EXPECTED})")
-    found = run_lint(
+    found = lint_patterns(
         patch.MAPPING,
         families=[patch.MODEL_TYPE],
         conversions=patch.CONVERSIONS,
@@ -254,7 +256,7 @@ def test_a_no_op_patch_keeps_the_weight_names_where_conversions_add_the_base_pre
     family: str, class_name: str
 ) -> None:
     assert (
-        run_lint(
+        lint_patterns(
             {class_name: no_op(family, class_name)}, families=[family], checks=("weights",), structures=meta_structures
         )
         == []
@@ -271,7 +273,7 @@ class RenamedAcousticProjector(VibeVoiceAsrMultiModalProjector):
 
 
 def test_a_renamed_weight_under_the_base_prefix_is_still_a_weight_names_finding() -> None:
-    (finding,) = run_lint(
+    (finding,) = lint_patterns(
         {"VibeVoiceAsrMultiModalProjector": RenamedAcousticProjector},
         families=["vibevoice_asr"],
         checks=("weights",),
@@ -329,7 +331,7 @@ def test_a_no_op_patch_on_vibevoice_asr_runs_and_a_renaming_one_is_refused(pytes
 
 
 def test_the_function_the_cli_and_the_marker_give_the_same_findings(pytester: pytest.Pytester) -> None:
-    from pytest_modelpatch import lint_patterns
+    from pytest_modelpatch.lint import lint_patterns
 
     # the fused attention without its conversion: the checkpoint's q/k/v no longer load, llama's TP plan breaks
     # (and BROAD: families other than llama bind LlamaAttention too)

@@ -13,9 +13,9 @@ import pytest
 from fixtures.patches import llama_fused_qkv
 from pytest_modelpatch.lint.contract import cache as contract_cache
 from pytest_modelpatch.lint.contract import reading as contract_source
-from pytest_modelpatch.lint.patterns import Finding, run_lint
+from pytest_modelpatch.lint.model_structures import meta_structures
+from pytest_modelpatch.lint.patterns import Finding, lint_patterns
 from pytest_modelpatch.lint.scan_index import ScanIndex, load_index
-from pytest_modelpatch.models.structure import meta_structures
 
 MODELING_LLAMA = "transformers.models.llama.modeling_llama"
 
@@ -40,7 +40,7 @@ def fresh_process() -> None:
 
 
 def fused_qkv(index: ScanIndex, structures: Any = meta_structures) -> list[Finding]:
-    return run_lint(llama_fused_qkv.MAPPING, families=["llama"], index=index, structures=structures)
+    return lint_patterns(llama_fused_qkv.MAPPING, families=["llama"], index=index, structures=structures)
 
 
 def no_parsing(monkeypatch: pytest.MonkeyPatch) -> None:

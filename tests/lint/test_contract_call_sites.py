@@ -20,10 +20,10 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCau
 from benchmarks.lint_audit import identity_outcome, lint_pair, role_pairs, run_pair
 from pytest_modelpatch.families.catalog import tiny_config
 from pytest_modelpatch.lint.findings import Finding, Kind
-from pytest_modelpatch.lint.patterns import lint_for_registration, run_lint
+from pytest_modelpatch.lint.model_structures import meta_structures
+from pytest_modelpatch.lint.patterns import lint_for_registration, lint_patterns
 from pytest_modelpatch.lint.scan_index import load_index
 from pytest_modelpatch.models.specs import config_families
-from pytest_modelpatch.models.structure import meta_structures
 
 NORMS = "^(Llama|Gemma)RMSNorm$"
 
@@ -58,7 +58,9 @@ class XAttention(LlamaAttention):
 
 
 def signature(mapping: dict[str, type], family: str) -> list[Finding]:
-    return run_lint(mapping, families=[family], checks=("signature",))
+    return lint_patterns(
+        mapping, families=[family], checks=("signature",), structures=None
+    )  # no model built: every call
 
 
 def kinds(findings: list[Finding]) -> list[str]:
@@ -70,7 +72,7 @@ def kinds(findings: list[Finding]) -> list[str]:
 def test_a_norm_binds_in_every_family_whatever_it_names_its_tensor(norm: type, family: str) -> None:
     key = "^(Llama|Mistral|Gemma)RMSNorm$"
     families = config_families(tiny_config(family))  # as the patch marker lints: PaliGemma with its Gemma tower
-    findings = run_lint({key: norm}, families=families, checks=("signature",))
+    findings = lint_patterns({key: norm}, families=families, checks=("signature",), structures=None)
     assert set(kinds(findings)) <= {"RENAMED_PARAMETER"}  # a note, never a failing kind or a warning
     lint_for_registration({key: norm}, families=families, structures=meta_structures)
 
@@ -149,7 +151,7 @@ def test_a_lookup_table_call_is_read_as_a_call_site() -> None:
 
 def test_a_call_the_built_model_never_makes_is_not_judged() -> None:
     from fixtures.patches.bert_broad_attention import BertSdpaSelfAttention  # forward(hidden_states, mask, cache, ...)
-    from pytest_modelpatch import lint_patterns as with_models
+    from pytest_modelpatch.lint import lint_patterns as with_models
 
     mapping = {"^BertAttention$": BertSdpaSelfAttention}
     # BertLayer runs self.crossattention(h, None, enc, enc_mask, cache=..., **kwargs) in a decoder with cross-attention

@@ -21,8 +21,8 @@ from pytest_modelpatch.lint.patterns import (
     Kind,
     failing_findings,
     lint_for_registration,
+    lint_patterns,
     matched_classes,
-    run_lint,
     suggest,
 )
 from pytest_modelpatch.lint.scan_index import INDEX_FORMAT, ScanIndex, _read, changed_packages, index_path, load_index
@@ -45,7 +45,7 @@ def kinds(findings: list) -> Counter:
 
 # -- what the issue asks for ---------------------------------------------------
 def test_broad_attention_key_on_bert_flags_the_container_and_model_outputs(index: ScanIndex) -> None:
-    findings = run_lint({".*Attention": Replacement}, families=["bert"], index=index)
+    findings = lint_patterns({".*Attention": Replacement}, families=["bert"], index=index, structures=None)
     container = [f for f in findings if f.kind is Kind.CONTAINER]
     assert [f.class_name for f in container] == ["BertAttention"]
     assert set(container[0].contains) == {"BertSelfAttention", "BertCrossAttention"}
@@ -62,38 +62,38 @@ def test_broad_attention_key_on_bert_flags_the_container_and_model_outputs(index
 
 
 def test_anchored_self_attention_has_no_failing_finding_for_bert(index: ScanIndex) -> None:
-    findings = run_lint([".*SelfAttention$"], families=["bert"], index=index)
+    findings = lint_patterns([".*SelfAttention$"], families=["bert"], index=index)
     assert failing_findings(findings) == []
     assert kinds(findings) == Counter({"BROAD": 1})  # other families have SelfAttention classes too
 
 
 def test_exact_llama_attention_is_clean(index: ScanIndex) -> None:
-    assert run_lint(["LlamaAttention"], index=index) == []
-    (broad,) = run_lint(["LlamaAttention"], families=["llama"], index=index)
+    assert lint_patterns(["LlamaAttention"], index=index) == []
+    (broad,) = lint_patterns(["LlamaAttention"], families=["llama"], index=index)
     # transformers also re.search-es exact keys: "LlamaAttention" swaps DiffLlamaAttention too.
     assert broad.kind is Kind.BROAD and "DiffLlamaAttention in diffllama" in broad.message
 
 
 def test_key_for_a_missing_class_is_no_match_with_near_names(index: ScanIndex) -> None:
-    (finding,) = run_lint(["LlamaAtention"], index=index)
+    (finding,) = lint_patterns(["LlamaAtention"], index=index)
     assert finding.kind is Kind.NO_MATCH
     assert "'LlamaAttention'" in str(finding)
 
 
 def test_key_matching_only_outside_the_families_is_no_match_there(index: ScanIndex) -> None:
-    (finding,) = run_lint(["LlamaAttention"], families=["bert"], index=index)
+    (finding,) = lint_patterns(["LlamaAttention"], families=["bert"], index=index)
     assert finding.kind is Kind.NO_MATCH
     assert "it matches 2 elsewhere, e.g. DiffLlamaAttention, LlamaAttention" in finding.message
 
 
 def test_unparsable_key_is_invalid_regex(index: ScanIndex) -> None:
-    (finding,) = run_lint(["("], index=index)
+    (finding,) = lint_patterns(["("], index=index)
     assert finding.kind is Kind.INVALID_REGEX
     assert finding.kind in FAILING_KINDS
 
 
 def test_later_pattern_whose_matches_are_all_taken_is_shadowed(index: ScanIndex) -> None:
-    findings = run_lint([".*SelfAttention$", "BertSelfAttention"], families=["bert"], index=index)
+    findings = lint_patterns([".*SelfAttention$", "BertSelfAttention"], families=["bert"], index=index)
     # Exact names win over patterns, whatever the order.
     assert kinds(findings) == Counter({"SHADOWED": 1})
     shadowed = [f for f in findings if f.kind is Kind.SHADOWED]
@@ -101,7 +101,7 @@ def test_later_pattern_whose_matches_are_all_taken_is_shadowed(index: ScanIndex)
 
 
 def test_container_replaced_by_another_key_is_named(index: ScanIndex) -> None:
-    findings = run_lint(["LlamaDecoderLayer", "LlamaMLP"], families=["llama"], index=index)
+    findings = lint_patterns(["LlamaDecoderLayer", "LlamaMLP"], families=["llama"], index=index)
     (finding,) = [f for f in findings if f.kind is Kind.CONTAINER]
     assert finding.class_name == "LlamaDecoderLayer"
     assert "LlamaMLP (also replaced by 'LlamaMLP')" in str(finding)
@@ -110,7 +110,7 @@ def test_container_replaced_by_another_key_is_named(index: ScanIndex) -> None:
 
 def test_unknown_family_is_a_usage_error_with_suggestions(index: ScanIndex) -> None:
     with pytest.raises(PatchUsageError, match="did you mean 'bert'"):
-        run_lint(["X"], families=["bret"], index=index)
+        lint_patterns(["X"], families=["bret"], index=index)
 
 
 def test_model_type_spelling_of_a_family_is_accepted(index: ScanIndex) -> None:
@@ -306,7 +306,7 @@ def test_containment_covers_the_real_module_tree(index: ScanIndex, family: str) 
 def test_container_findings_hold_in_real_trees(index: ScanIndex, family: str, key: str) -> None:
     model = _meta_model(family)
     seen = {type(m).__name__: m for m in model.modules()}
-    containers = [f for f in run_lint([key], families=[family], index=index) if f.kind is Kind.CONTAINER]
+    containers = [f for f in lint_patterns([key], families=[family], index=index) if f.kind is Kind.CONTAINER]
     in_tree = [f for f in containers if f.class_name in seen]
     assert in_tree, [f.class_name for f in containers]
     for finding in in_tree:
@@ -315,7 +315,7 @@ def test_container_findings_hold_in_real_trees(index: ScanIndex, family: str, ke
 
 
 def test_broad_keys_across_all_families_are_counted(index: ScanIndex) -> None:
-    counts = {key: kinds(run_lint([key], index=index)) for key in (".*Attention", ".*MLP", ".*Experts", ".*Layer")}
+    counts = {key: kinds(lint_patterns([key], index=index)) for key in (".*Attention", ".*MLP", ".*Experts", ".*Layer")}
     for key, count in counts.items():
         print(f"{key:14} {dict(count)}")
     assert counts[".*Attention"]["CONTAINER"] > 50 and counts[".*Attention"]["NOT_A_MODULE"] > 0

@@ -59,7 +59,7 @@ def test_nan_bytes_of_the_same_size_are_rebuilt_in_a_fresh_session_and_load_fini
 
 
 def test_flipped_bytes_within_a_session_are_caught_under_verify_cache(entry: Path, tmp_path: Path) -> None:
-    from pytest_modelpatch.reporting.records import configure_checks
+    from pytest_modelpatch.settings import configure_checks
 
     good = _weights(entry).read_bytes()
     _flip_last_byte(_weights(entry))

@@ -138,3 +138,16 @@ def test_forgot_fixture():
     result = pytester.runpytest()
     result.stdout.fnmatch_lines(["*@pytest.mark.devices*sets the 'device' fixture, but the test does not use it*"])
     assert result.ret != 0
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("fp32", torch.float32), ("bfloat16", torch.bfloat16), ("BF16", torch.bfloat16), ("torch.float16", torch.float16)],
+)
+def test_to_torch_dtype_accepts_names_and_aliases(name: str, dtype: torch.dtype) -> None:
+    assert to_torch_dtype(name) is dtype and to_torch_dtype(dtype) is dtype
+
+
+def test_to_torch_dtype_lists_valid_names() -> None:
+    with pytest.raises(PatchUsageError, match="unknown dtype 'float8'.*bf16"):
+        to_torch_dtype("float8")

@@ -44,7 +44,8 @@ import json
 import pytest
 import torch
 
-from pytest_modelpatch import assert_equivalent, example_inputs
+from pytest_modelpatch import assert_equivalent
+from pytest_modelpatch.models import example_inputs
 from pytest_modelpatch.compare.outputs import vacuous_outputs
 
 FAMILIES = {families!r}

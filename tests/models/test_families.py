@@ -19,7 +19,6 @@ from pytest_modelpatch.models.checkpoints import (
     BUILD_INFO_FILE,
     cached_checkpoint,
     load_pretrained,
-    parse_dtype,
     seeded_model,
 )
 from pytest_modelpatch.models.specs import resolve_model_spec
@@ -216,19 +215,6 @@ def test_seeded_model_is_reproducible_per_seed_and_leaves_the_global_rng_alone()
     assert _same_weights(seeded_model(config, seed=3), seeded_model(config, seed=3))
     assert not _same_weights(seeded_model(config, seed=3), seeded_model(config, seed=4))
     assert torch.equal(torch.random.get_rng_state(), state)
-
-
-@pytest.mark.parametrize(
-    ("name", "dtype"),
-    [("fp32", torch.float32), ("bfloat16", torch.bfloat16), ("BF16", torch.bfloat16), ("torch.float16", torch.float16)],
-)
-def test_parse_dtype_accepts_names_and_aliases(name: str, dtype: torch.dtype) -> None:
-    assert parse_dtype(name) is dtype and parse_dtype(dtype) is dtype
-
-
-def test_parse_dtype_lists_valid_names() -> None:
-    with pytest.raises(PatchUsageError, match="unknown dtype 'float8'.*bf16"):
-        parse_dtype("float8")
 
 
 # -- the on-disk cache ------------------------------------------------------------

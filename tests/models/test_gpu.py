@@ -15,7 +15,7 @@ import torch
 from test_devices import MARKED
 
 from fixtures.patches import llama_fused_qkv, mechanisms, mistral_fused_qkv, qwen3_moe_router
-from pytest_modelpatch import assert_equivalent, assert_generates_equivalent, assert_trains_equivalent
+from pytest_modelpatch import assert_decodes_equivalent, assert_equivalent, assert_trains_equivalent
 
 # fresh_interpreter: pytester runs start a new interpreter, since CUDA does not work in a child forked
 # from a process that initialised it (the warm fork server's imports may ask torch.cuda.is_available())
@@ -41,7 +41,7 @@ def test_bf16_forward_and_greedy_generation_match_on_the_gpu(
     assert patched_model.device.type == "cuda" and patched_model.dtype == torch.bfloat16
     assert reference_model.device == patched_model.device
     assert_equivalent(reference_model, patched_model)  # the tolerance follows the dtype
-    assert_generates_equivalent(reference_model, patched_model)
+    assert_decodes_equivalent(reference_model, patched_model)
 
 
 @pytest.mark.model("llama", num_hidden_layers=1)

@@ -19,7 +19,7 @@ pytest.importorskip("kernels", reason="the kernels package (CI's transformers 5.
 KERNELIZED = """
 import pytest
 from fixtures.patches import mechanisms
-from pytest_modelpatch import assert_equivalent, assert_generates_equivalent
+from pytest_modelpatch import assert_equivalent, assert_decodes_equivalent
 
 
 @pytest.mark.model("llama")
@@ -29,7 +29,7 @@ def test_good_kernel(reference_model, patched_model):
     assert "fixtures/kernels/fixture-rmsnorm/" in patched_model.model.norm.forward.__code__.co_filename
     assert "forward" not in vars(reference_model.model.norm)
     assert_equivalent(reference_model, patched_model)
-    assert_generates_equivalent(reference_model, patched_model)
+    assert_decodes_equivalent(reference_model, patched_model)
 
 
 @pytest.mark.model("llama")

@@ -14,7 +14,7 @@ import pytest
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.per_test.patch_spec import IMPLEMENTATIONS
-from pytest_modelpatch.models.builder import ModelRequest, check_implementation
+from pytest_modelpatch.models.builder import ModelRequest, validate_implementation
 
 ATTENTION = """
 import pytest
@@ -140,7 +140,7 @@ import types
 
 import pytest
 import torch
-from pytest_modelpatch import assert_equivalent, assert_generates_equivalent
+from pytest_modelpatch import assert_equivalent, assert_decodes_equivalent
 
 SEEN = []
 
@@ -184,7 +184,7 @@ def test_instance_patcher(reference_model, patched_model):
     assert all(type(m).__name__ != "LlamaRMSNorm" or "forward" in vars(m) for m in patched_model.modules())
     assert not any("forward" in vars(m) for m in reference_model.modules())
     assert_equivalent(reference_model, patched_model)
-    assert_generates_equivalent(reference_model, patched_model, max_new_tokens=3)
+    assert_decodes_equivalent(reference_model, patched_model, max_new_tokens=3)
 """
 
 
@@ -232,7 +232,7 @@ PEFT = """
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from pytest_modelpatch import assert_equivalent, assert_generates_equivalent
+from pytest_modelpatch import assert_equivalent, assert_decodes_equivalent
 
 
 def zero_lora(model):
@@ -253,7 +253,7 @@ def random_lora(model):
 def test_zero_lora(reference_model, patched_model):
     assert type(patched_model).__name__ == "PeftModel"
     assert_equivalent(reference_model, patched_model)
-    assert_generates_equivalent(reference_model, patched_model, max_new_tokens=3)
+    assert_decodes_equivalent(reference_model, patched_model, max_new_tokens=3)
 
 
 @pytest.mark.model("llama")
@@ -290,7 +290,7 @@ EVERY_CHECK = """
 import pytest
 from fixtures.patches import mechanisms
 from pytest_modelpatch import (
-    assert_backward_equivalent, assert_compiles_equivalent, assert_exports_equivalent, check_equivalent, check_generates_equivalent,
+    assert_backward_equivalent, assert_compiles_equivalent, assert_exports_equivalent, check_equivalent, check_decodes_equivalent,
 )
 
 GOOD = pytest.mark.patch(transform=mechanisms.rmsnorm_instance_patcher)
@@ -298,7 +298,7 @@ BROKEN = pytest.mark.patch(transform=mechanisms.rmsnorm_instance_patcher_no_eps)
 CHECKS = {
     "property": lambda r, p: check_equivalent(r, p, max_examples=4),
     "backward": lambda r, p: assert_backward_equivalent(r, p),
-    "generation": lambda r, p: check_generates_equivalent(r, p, max_examples=2, max_new_tokens=2),
+    "generation": lambda r, p: check_decodes_equivalent(r, p, max_examples=2, max_new_tokens=2),
     "export": lambda r, p: assert_exports_equivalent(r, p),
     "compile": lambda r, p: assert_compiles_equivalent(r, p),
 }
@@ -425,7 +425,7 @@ def test_a_composite_models_implementations_are_reported_per_tower(pytester: pyt
 
 
 def test_every_implementation_axis_is_a_model_marker_keyword_with_its_name_check() -> None:
-    # one table (reporting.records.IMPLEMENTATION_AXES): a new axis fails here until the marker takes it
+    # one table (settings.IMPLEMENTATION_AXES): a new axis fails here until the marker takes it
     fields = {field.name for field in dataclasses.fields(ModelRequest)}
     assert IMPLEMENTATIONS and set(IMPLEMENTATIONS) <= fields
     for axis in IMPLEMENTATIONS:
@@ -433,4 +433,4 @@ def test_every_implementation_axis_is_a_model_marker_keyword_with_its_name_check
         assert request.load_kwargs() == {axis: "eager"}
         with pytest.raises(PatchUsageError, match=f"{axis}='no-such' is not an? "):
             ModelRequest.from_marker(("llama",), {axis: "no-such"}, "here")
-        check_implementation(axis, None)  # none chosen
+        validate_implementation(axis, None)  # none chosen

@@ -5,7 +5,7 @@ its own tests says little about their product (torch's OpInfo tests cross ops wi
 devices for that reason). The axes:
 
 - the check: ``assert_equivalent``, ``assert_backward_equivalent``, ``assert_trains_equivalent``,
-  ``assert_generates_equivalent``, ``check_equivalent``, and three in a row inside one test
+  ``assert_decodes_equivalent``, ``check_equivalent``, and three in a row inside one test
   (equivalent, then trains, then equivalent: what the first leaves behind is what the next sees);
 - where: one process, ``parallel("tp")``, ``parallel("fsdp")``, ``parallel("ddp")``;
 - the dtype: float32 and bfloat16;
@@ -51,7 +51,7 @@ CHECKS = {
     "equivalent": "`assert_equivalent`",
     "backward": "`assert_backward_equivalent`",
     "trains": "`assert_trains_equivalent`",
-    "generates": "`assert_generates_equivalent`",
+    "decodes": "`assert_decodes_equivalent`",
     "property": "`check_equivalent`",
     "sequence": "equivalent, trains, equivalent",
 }
@@ -101,7 +101,7 @@ from fixtures.patches import llama_fused_qkv_tp as qkv
 from fixtures.patches import llama_swiglu_autograd as swiglu
 from fixtures.patches import llama_swiglu_autograd_broken as swiglu_broken
 from pytest_modelpatch import (
-    assert_backward_equivalent, assert_equivalent, assert_generates_equivalent, assert_trains_equivalent,
+    assert_backward_equivalent, assert_equivalent, assert_decodes_equivalent, assert_trains_equivalent,
     check_equivalent,
 )
 
@@ -118,8 +118,8 @@ def run(check, reference, patched, nodeid):
         assert_backward_equivalent(reference, patched)
     elif check == "trains":
         assert_trains_equivalent(reference, patched, steps={STEPS})
-    elif check == "generates":
-        assert_generates_equivalent(reference, patched)
+    elif check == "decodes":
+        assert_decodes_equivalent(reference, patched)
     elif check == "property":
         check_equivalent(reference, patched, max_examples={EXAMPLES})
     else:
@@ -365,7 +365,7 @@ def test_a_cell_is_judged_by_its_report_not_by_its_outcome_alone() -> None:
         _report("test_broken_tp[float32-property]", text="E   AssertionError: check_equivalent(seed=0, max_examples=3"),
         _report("test_stock_tp[float32-trains]", text="E   RuntimeError: got mixed torch.Tensor and DTensor\nx.py:1"),
         _report("test_broken_tp[bfloat16-equivalent]", outcome="passed"),
-        _report("test_stock_tp[bfloat16-generates]", outcome="skipped", when="setup", skip="cannot do that sharded"),
+        _report("test_stock_tp[bfloat16-decodes]", outcome="skipped", when="setup", skip="cannot do that sharded"),
     ]
     cells = {(c.where, c.what, c.dtype, c.check): c for c in collect_cells(rows, WHERE)}
     crash = cells["fsdp", "stock", "float32", "sequence"]
@@ -376,7 +376,7 @@ def test_a_cell_is_judged_by_its_report_not_by_its_outcome_alone() -> None:
     error = cells["tp", "stock", "float32", "trains"]
     assert (error.verdict, error.detail) == ("error", "in call: RuntimeError: got mixed torch.Tensor and DTensor")
     assert cells["tp", "broken", "bfloat16", "equivalent"].verdict == "missed"
-    assert cells["tp", "stock", "bfloat16", "generates"].verdict == "refused"
+    assert cells["tp", "stock", "bfloat16", "decodes"].verdict == "refused"
     shown = table(list(cells.values()), CHECKS).splitlines()
     gap = "**missing** | " * 3  # the cells of the row these reports leave out
     assert f"| `tp` | stock model | bfloat16 | {gap}refused (1) | **missing** | **missing** |" in shown

@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotar
 from fixtures.patches import llama_fused_qkv, llama_fused_qkv_tp as tp
 from pytest_modelpatch import (
     assert_backward_equivalent, assert_compiles_equivalent, assert_equivalent, assert_exports_equivalent,
-    assert_generates_equivalent,
+    assert_decodes_equivalent,
 )
 
 
@@ -46,7 +46,7 @@ def test_stock_llama(reference_model, patched_model):
     assert type(patched_model.model.layers[0].self_attn.q_proj.weight).__name__ == "DTensor"
     assert_equivalent(reference_model, patched_model)
     assert_backward_equivalent(reference_model, patched_model)
-    assert_generates_equivalent(reference_model, patched_model)
+    assert_decodes_equivalent(reference_model, patched_model)
     assert_compiles_equivalent(reference_model, patched_model, backend="eager")
 
 
@@ -55,7 +55,7 @@ def test_stock_llama(reference_model, patched_model):
 @pytest.mark.parallel("tp")
 def test_own_attention_math(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
-    assert_generates_equivalent(reference_model, patched_model)
+    assert_decodes_equivalent(reference_model, patched_model)
 
 
 @pytest.mark.model("llama")

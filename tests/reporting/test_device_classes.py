@@ -16,9 +16,9 @@ import pytest
 from pytest_modelpatch.errors import ReportFileError
 from pytest_modelpatch.reporting import session
 from pytest_modelpatch.reporting.gate import Thresholds, evaluate
-from pytest_modelpatch.reporting.records import CheckRecord, record_check
+from pytest_modelpatch.reporting.records import CheckRecord, record_check, set_record_sink
 from pytest_modelpatch.reporting.report import device_class, load_report, row_from_record
-from pytest_modelpatch.reporting.session import attaching_checks, report_header
+from pytest_modelpatch.reporting.session import CheckSink, report_header
 
 A10, H100 = "NVIDIA A10G", "NVIDIA H100 80GB HBM3"
 
@@ -51,9 +51,12 @@ def test_rows_of_cuda_checks_carry_the_name_torch_gives_their_gpu(monkeypatch: p
         user_properties: list[tuple[str, Any]] = []
         stash = pytest.Stash()
 
-    with attaching_checks(Item()):
+    previous = set_record_sink(CheckSink(Item()))  # as the plugin does around a test
+    try:
         record_check(CheckRecord(kind="equivalence", outcome="passed", device="cuda:1", max_abs_error=0.0))
         record_check(CheckRecord(kind="equivalence", outcome="passed", device="cpu", max_abs_error=0.0))
+    finally:
+        set_record_sink(previous)
     rows = [value for name, value in Item.user_properties if name == "modelpatch_check"]
     assert [(r["device"], r["device_class"]) for r in rows] == [("cuda:1", H100), ("cpu", "cpu")]
     assert row_from_record(CheckRecord(kind="roundtrip", outcome="passed"), "t.py::test_b", 1)["device_class"] == "cpu"

@@ -39,7 +39,7 @@ from pytest_modelpatch import assert_module_equivalent
 @pytest.mark.model("llama")
 @pytest.mark.patch(unpatched=True)
 def test_mlp(reference_model, patched_model):
-    assert_module_equivalent("model.layers.0.mlp", reference=reference_model, patched=patched_model)
+    assert_module_equivalent(reference_model, patched_model, "model.layers.0.mlp")
 """
 
 

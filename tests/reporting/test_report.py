@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from pytest_modelpatch.reporting.records import CheckRecord, record_check
+from pytest_modelpatch.reporting.records import CheckRecord, record_check, set_record_sink
 from pytest_modelpatch.reporting.report import row_from_record, sort_rows, summary_lines
-from pytest_modelpatch.reporting.session import attaching_checks
+from pytest_modelpatch.reporting.session import CheckSink
 
 SUITE_EQUIVALENCE = """
 import pytest
@@ -26,7 +26,7 @@ class SameMLP(LlamaMLP):
 @pytest.mark.patch({"LlamaMLP": SameMLP})
 def test_mlp(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
-    assert_module_equivalent("model.layers.0.mlp", reference=reference_model, patched=patched_model)
+    assert_module_equivalent(reference_model, patched_model, "model.layers.0.mlp")
 
 
 def test_without_checks():
@@ -102,9 +102,12 @@ def test_sink_stamps_the_node_id_numbers_checks_and_adds_key_figures(records: li
             self.stash = pytest.Stash()  # as every pytest item has
 
     item = Item()
-    with attaching_checks(item):
+    previous = set_record_sink(CheckSink(item))  # as the plugin does around a test
+    try:
         record_check(CheckRecord(kind="equivalence", outcome="passed", max_abs_error=1e-7, max_rel_error=1e-6))
         record_check(CheckRecord(kind="equivalence", outcome="failed", max_abs_error=0.5))
+    finally:
+        set_record_sink(previous)
     record_check(CheckRecord(kind="roundtrip", outcome="passed"))  # after the test: the previous sink again
     assert [r.kind for r in records] == ["roundtrip"]
     rows = [value for name, value in item.user_properties if name == "modelpatch_check"]

@@ -23,13 +23,14 @@ from pytest_modelpatch.compare.graph.parity import (
     ParityReport,
     compare_traced,
     finish,
+    judge_usage,
     logits_inputs,
     skip_without,
     start_report,
 )  # fmt: skip
 from pytest_modelpatch.compare.graph.trace_failures import SourceLocation, describe_failure, locate, user_frames
 from pytest_modelpatch.compare.running import evaluating
-from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.same_model import require_same_model
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.errors import ModelPatchError
 
@@ -152,12 +153,15 @@ def assert_compiles_equivalent(
     atol: float | None = None,
     rtol: float | None = None,
     policy: str | TolerancePolicy | None = None,
+    allow_unused: bool = False,
 ) -> CompileReport:
     """Fail unless ``torch.compile`` of ``patched`` matches the eager ``reference``; graph breaks counted and located.
 
     ``backend=None`` is inductor where a C++ compiler exists, else aot_eager (noted in the report).
     ``fullgraph=True`` makes a graph break a failure located at its line; ``max_graph_breaks``
     fails the check beyond that many breaks. Inductor's default tolerance is the ``loose`` policy.
+    A replacement class that never ran (counted on one eager forward) fails the check, unless
+    ``allow_unused=True``.
 
     Example::
 
@@ -170,7 +174,7 @@ def assert_compiles_equivalent(
         import pytest
 
         pytest.skip(f"torch.compile is not supported with torch {torch.__version__} on this Python")
-    check_same_model(reference, patched, "assert_compiles_equivalent")
+    require_same_model(reference, patched, "assert_compiles_equivalent")
     start = time.perf_counter()
     note = ""
     if backend is None:
@@ -191,4 +195,5 @@ def assert_compiles_equivalent(
         compile_and_compare(
             report, reference, patched, first, inner_backend(backend, mode, dynamic), fullgraph, dynamic
         )
+    judge_usage(report, patched, first, allow_unused)
     return finish(report, start)

@@ -22,13 +22,14 @@ from pytest_modelpatch.compare.graph.parity import (
     ParityReport,
     compare_traced,
     finish,
+    judge_usage,
     logits_inputs,
     skip_without,
     start_report,
 )  # fmt: skip
 from pytest_modelpatch.compare.graph.trace_failures import describe_failure
 from pytest_modelpatch.compare.running import evaluating, model_device
-from pytest_modelpatch.compare.same_model import check_same_model
+from pytest_modelpatch.compare.same_model import require_same_model
 from pytest_modelpatch.compare.sharded import sharding_kind
 from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.errors import ModelPatchError
@@ -105,12 +106,14 @@ def assert_exports_equivalent(
     atol: float | None = None,
     rtol: float | None = None,
     policy: str | TolerancePolicy | None = None,
+    allow_unused: bool = False,
 ) -> ExportReport:
     """Fail unless ``torch.export`` of ``patched`` works and its program's logits match the eager ``reference``.
 
     ``dynamic=True`` exports batch and sequence as ``torch.export.Dim`` and also compares at a
     second shape; ``strict`` is ``torch.export.export``'s. On an export failure the message
-    names the line that broke it, the class it belongs to and torch's reason.
+    names the line that broke it, the class it belongs to and torch's reason. A replacement class
+    that never ran (counted on one eager forward) fails the check, unless ``allow_unused=True``.
 
     Example::
 
@@ -119,7 +122,7 @@ def assert_exports_equivalent(
     __tracebackhide__ = True
     skip_without("torch.export.export", "torch.export.Dim")
     skip_sharded(patched)
-    check_same_model(reference, patched, "assert_exports_equivalent")
+    require_same_model(reference, patched, "assert_exports_equivalent")
     start = time.perf_counter()
     first = logits_inputs(reference, inputs)
     shapes = [first, second_shape(reference, first)] if dynamic else [first]
@@ -130,6 +133,7 @@ def assert_exports_equivalent(
         export_and_compare(
             report, reference, patched, shapes, dynamic_shapes(reference, first) if dynamic else None, strict
         )
+    judge_usage(report, patched, first, allow_unused)
     return finish(report, start)
 
 

@@ -18,8 +18,9 @@ import torch
 from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
 from pytest_modelpatch.compare.graph.trace_failures import TraceFailure
 from pytest_modelpatch.compare.outputs import TensorComparison, compare_outputs, describe_tolerances
-from pytest_modelpatch.compare.running import describe_inputs, evaluating, model_device, placement
+from pytest_modelpatch.compare.running import describe_inputs, evaluating, model_device, placement, unwrapped
 from pytest_modelpatch.compare.tolerance import ToleranceSpec
+from pytest_modelpatch.models.usage import unused_message, unused_replacements
 
 # ---------------------------------------------------------------------------
 # The traced forward
@@ -119,10 +120,11 @@ class ParityReport(CheckReport):
         ""  # on a mismatch: whether the eager patched model matched, to tell a trace bug from a patch bug
     )
     duration_s: float = 0.0
+    unused: str = ""  # why the check proves nothing about some replacement, when one never ran
 
     @property
     def passed(self) -> bool:
-        return self.failure is None and all(c.passed for c in self.comparisons)
+        return self.failure is None and all(c.passed for c in self.comparisons) and not self.unused
 
     def trace_lines(self) -> list[str]:
         """What the trace itself found, shown when it did not fail (a compile's graph breaks)."""
@@ -143,8 +145,11 @@ class ParityReport(CheckReport):
         head = f"{self.how} of patched {self.patched} differs from eager reference {self.reference}{where}"
         if failures:
             head += f" in {len(failures)} of {len(self.comparisons)} outputs"
+        elif self.unused:
+            head = f"{self.how} of patched {self.patched} matches eager reference {self.reference}{where}, but proves"
+            head += " nothing about a replacement:"
         return "\n".join([
-            head, *lines, *([self.eager_patched] if self.eager_patched else []),
+            head, *lines, *([self.unused] if self.unused else []), *([self.eager_patched] if self.eager_patched else []),
             *(f"inputs: {text}" for text in self.inputs), *describe_tolerances(failures), *(f"  {c}" for c in failures),
         ])  # fmt: skip
 
@@ -193,6 +198,21 @@ def compare_traced(
             "the eager patched model matches the reference: the difference comes from tracing, not from the patch"
             if same else "the eager patched model differs too: run assert_equivalent for the first diverging module"
         )  # fmt: skip
+
+
+def judge_usage(report: ParityReport, patched: torch.nn.Module, inputs: dict[str, torch.Tensor], allow: bool) -> None:
+    """Fail a traced check whose patched model never ran a replacement on ``inputs``, unless ``allow``.
+
+    A traced graph runs no forward hooks, so one eager forward of the patched model on the first
+    inputs counts what ran, as ``assert_equivalent`` counts it. A trace that failed is judged by that.
+    """
+    if allow or report.failure is not None:
+        return
+    with torch.no_grad():
+        eager_logits(patched, inputs)
+    unused = [u.replacement for u in unused_replacements(unwrapped(patched))]
+    if unused:
+        report.unused = unused_message(unused, where="an eager forward on the traced inputs")
 
 
 def finish(report: R, start: float) -> R:

@@ -44,15 +44,6 @@ def required(model_class: type[PreTrainedModel], name: str) -> bool:
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
-def required_parameters(model_class: type[PreTrainedModel]) -> list[str]:
-    """The forward's parameters without a default, in order (``self`` excluded)."""
-    return [
-        name
-        for name, p in list(_signature(model_class.forward).parameters.items())[1:]
-        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
-
-
 def forward_parameters(model_class: type[PreTrainedModel]) -> frozenset[str]:
     """Names the model's ``forward`` accepts."""
     return frozenset(_signature(model_class.forward).parameters)

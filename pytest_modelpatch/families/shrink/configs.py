@@ -14,25 +14,16 @@ from pytest_modelpatch.families.shrink.audio import shrink_audio_level
 from pytest_modelpatch.families.shrink.consistency import TOKEN_ID_SUFFIXES, fit_feature_layers, rederive_defaults
 from pytest_modelpatch.families.shrink.layers import resize_per_layer_lists, shrink_layers, shrink_uncounted_layer_list
 from pytest_modelpatch.families.shrink.rules import apply_config_rule
-from pytest_modelpatch.families.shrink.sizes import (  # noqa: F401  (re-exported: tests and callers read them here)
+from pytest_modelpatch.families.shrink.sizes import (
     EXPERT_KEYS,
     FFN_KEYS,
     HEAD_KEYS,
     KV_HEAD_KEYS,
     MOE_FFN_KEYS,
-    TINY_EXPERTS,
     TINY_HEADS,
-    TINY_IMAGE,
-    TINY_INTERMEDIATE,
     TINY_LAYERS,
-    TINY_LORA_RANK,
-    TINY_MOE_INTERMEDIATE,
-    TINY_PATCH,
-    TINY_POSITIONS,
-    TINY_SLIDING_WINDOW,
     TINY_TOP_K,
     TINY_VOCAB,
-    TINY_WIDTH,
     TOP_K_KEYS,
     WIDTH_KEYS,
     is_int,

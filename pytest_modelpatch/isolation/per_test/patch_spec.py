@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_modelpatch.errors import PatchUsageError
-from pytest_modelpatch.reporting.records import IMPLEMENTATION_KEYWORDS
+from pytest_modelpatch.settings import IMPLEMENTATION_KEYWORDS
 
 if TYPE_CHECKING:
     from _pytest.nodes import Node  # what iter_markers_with_node yields; pytest exports no name for it

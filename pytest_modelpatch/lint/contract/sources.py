@@ -10,7 +10,7 @@
   cover the replaced class.
 
 These read sources only. The findings that compare the two :class:`Structure` objects
-``pytest_modelpatch.models.structure`` builds on the meta device (``WEIGHT_NAMES``, the TP/PP
+``pytest_modelpatch.lint.model_structures`` builds on the meta device (``WEIGHT_NAMES``, the TP/PP
 plans) are in :mod:`.structures`. This module also holds the types both share.
 """
 

@@ -4,7 +4,7 @@
   without the replacement, after the registered conversions rename the original's names.
 - ``PARALLEL_PLAN`` (a warning): TP/PP plan entries that no longer resolve in the patched model.
 
-Both compare the two :class:`~.contract.Structure` objects that ``pytest_modelpatch.models.structure``
+Both compare the two :class:`~.contract.Structure` objects that ``pytest_modelpatch.lint.model_structures``
 builds on the meta device; the source-level findings are in :mod:`.contract`.
 """
 

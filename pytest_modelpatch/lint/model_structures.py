@@ -2,7 +2,8 @@
 
 The contract lint (``pytest_modelpatch.lint.contract``) compares parameter and buffer names,
 shapes and parallelism plans of the original and the patched structure; building them needs
-torch and transformers, so it lives here. Models are built on the meta device (no memory, a few
+torch, transformers and the family's tiny config, all imported when a structure is first built, so
+``modelpatch lint`` with names only loads none of them. Models are built on the meta device (no memory, a few
 milliseconds), on CPU only when a replacement cannot be built there. The replacement classes are
 swapped into exactly the module attributes ``apply_patches`` would swap, for the build only, and
 put back before returning: nothing global stays changed.
@@ -13,17 +14,10 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from pytest_modelpatch.lint import patterns
-
-if TYPE_CHECKING:
-    from pytest_modelpatch.lint.contract.sources import StructureBuilder
-    from pytest_modelpatch.lint.findings import Finding
-    from pytest_modelpatch.lint.scan_index import ScanIndex
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -56,34 +50,6 @@ def meta_structures(
     """
     key = tuple(sorted((name, cls, tuple(modules)) for name, (cls, modules) in replacements.items()))
     return (_original(model_type) if original else None), _patched(model_type, key)
-
-
-def lint_patterns(
-    mapping_or_keys: Mapping[str, object] | Iterable[str] | str,
-    *,
-    families: Iterable[str] | None = None,
-    conversions: Mapping[str, list[Any]] | None = None,
-    checks: Iterable[str] | None = None,
-    structures: StructureBuilder | None = meta_structures,
-    index: ScanIndex | None = None,
-) -> list[Finding]:
-    """Findings for each key, matched as transformers matches them, with every check by default.
-
-    ``families`` limits the scope (matches elsewhere are ``BROAD``); with replacement classes and
-    a family in scope, the contract checks run too: ``SIGNATURE``/``UNUSED_ARGUMENT`` from the
-    sources, ``WEIGHT_NAMES`` and ``PARALLEL_PLAN`` from the family's tiny model built on the meta
-    device (once per family and replacement, cached as the patch marker's are). ``checks`` narrows
-    them (``"names"``, ``"signature"``, ``"weights"``, ``"plan"``). The patch marker, ``modelpatch
-    lint`` and this function give the same findings for the same input.
-
-    Example::
-
-        lint_patterns({"LlamaAttention": LlamaFusedQKVAttention}, families=["llama"])
-        # [WEIGHT_NAMES] ... missing keys ... qkv_proj ...; [PARALLEL_PLAN] layers.*.self_attn.q_proj ...
-    """
-    return patterns.run_lint(
-        mapping_or_keys, families=families, conversions=conversions, checks=checks, structures=structures, index=index
-    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,33 @@
+"""What checks report and how to read it: one record per check, the report file, the CI gate's
+verdict, and where two models first diverge (what a failed check's report names).
+
+The work is in ``reporting/`` and ``compare/``; this module is the public face of both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytest_modelpatch import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "CheckRecord": "reporting.records",
+    "load_report": "reporting.report",
+    "GateVerdict": "reporting.gate",
+    "Thresholds": "reporting.gate",
+    "first_divergence": "compare.divergence",
+    "divergence_profile": "compare.divergence",
+    "Divergence": "compare.divergence",
+}
+
+__all__ = sorted(_EXPORTS)
+
+_load = lazy_exports(__name__, _EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    return _load(name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
