@@ -53,13 +53,13 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import load_patch
-from pytest_modelpatch.compare import decoding_properties
-from pytest_modelpatch.compare.decoding_properties import check_generates_equivalent
-from pytest_modelpatch.compare.outputs import compare_outputs
-from pytest_modelpatch.compare.property_checks import check_equivalent
-from pytest_modelpatch.compare.property_loop import GROUP_SIZE, input_groups
-from pytest_modelpatch.compare.running import cache_keyword
-from pytest_modelpatch.compare.tolerance import resolve_tolerance
+from pytest_modelpatch.compare._engine.outputs import compare_outputs
+from pytest_modelpatch.compare._engine.property_loop import GROUP_SIZE, input_groups
+from pytest_modelpatch.compare._engine.running import cache_keyword
+from pytest_modelpatch.compare._engine.tolerance import resolve_tolerance
+from pytest_modelpatch.compare.decoding import properties as decoding_properties
+from pytest_modelpatch.compare.decoding.properties import check_generates_equivalent
+from pytest_modelpatch.compare.forward.properties import check_equivalent
 from pytest_modelpatch.families.strategies import drawn_bytes, model_inputs
 from pytest_modelpatch.isolation.guard import isolated_patch_state, without_patches
 from pytest_modelpatch.isolation.interception import hold_for_session

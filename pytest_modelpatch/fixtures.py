@@ -307,7 +307,7 @@ def patched_model(
             model = _load_patched(request, model_builder, model_request, dtype, device, choices)
         note_implementations(request.node, "patched", model)
         if kind == "tp":  # its activations and caches hold this rank's slice: gathered for each comparison
-            from pytest_modelpatch.compare.sharded import gathering_shards
+            from pytest_modelpatch.compare._engine.sharded import gathering_shards
 
             with gathering_shards():
                 yield model

@@ -169,7 +169,7 @@ def test_every_public_exception_and_warning_class_is_defined_in_errors() -> None
         if path == errors:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            # a private class is control flow inside one module (property_checks._ExampleFailed), not API
+            # a private class is control flow inside one module (forward.properties._ExampleFailed), not API
             if (
                 isinstance(node, ast.ClassDef)
                 and not node.name.startswith("_")

@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import Pair
 
-from pytest_modelpatch.compare.divergence import (
+from pytest_modelpatch.compare._engine.divergence import (
     assert_module_equivalent,
     first_divergence,
     record_module_calls,
 )
-from pytest_modelpatch.compare.equivalence import assert_equivalent
+from pytest_modelpatch.compare.forward.equivalence import assert_equivalent
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
 
 

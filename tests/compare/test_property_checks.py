@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 
 from fixtures import load_patch
-from pytest_modelpatch.compare import property_loop
-from pytest_modelpatch.compare.decoding_properties import check_generates_equivalent
-from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.property_checks import check_equivalent
-from pytest_modelpatch.compare.property_loop import GROUP_SIZE
+from pytest_modelpatch.compare._engine import property_loop
+from pytest_modelpatch.compare._engine.property_loop import GROUP_SIZE
+from pytest_modelpatch.compare.decoding.properties import check_generates_equivalent
+from pytest_modelpatch.compare.forward.equivalence import assert_equivalent
+from pytest_modelpatch.compare.forward.properties import check_equivalent
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs, tiny_configs
 from pytest_modelpatch.models.checkpoints import cached_checkpoint
 from pytest_modelpatch.reporting.records import CheckRecord, configure_checks

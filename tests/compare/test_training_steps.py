@@ -114,7 +114,7 @@ def test_training_catches_each_class_of_bug_and_passes_the_correct_patches(pytes
 def test_tied_groups_and_their_differences() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pytest_modelpatch.compare.ties import tie_differences, tied_groups
+    from pytest_modelpatch.compare._engine.ties import tie_differences, tied_groups
 
     config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=32, tie_word_embeddings=True)  # fmt: skip
@@ -135,7 +135,7 @@ def test_tied_groups_and_their_differences() -> None:
 def test_micro_batches_of_a_step_hold_different_numbers_of_real_tokens() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pytest_modelpatch.compare.training_steps import _items, accepts_loss_kwargs, training_batches
+    from pytest_modelpatch.compare.training.steps import _items, accepts_loss_kwargs, training_batches
 
     config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=64)  # fmt: skip
@@ -235,7 +235,7 @@ def test_a_wrapped_model_is_given_the_labels_the_model_inside_takes() -> None:
     # reduction (a random projection of the outputs), not the model's own loss
     peft = pytest.importorskip("peft")
     from pytest_modelpatch import seeded_model, tiny_config
-    from pytest_modelpatch.compare.training import has_loss_targets, with_labels
+    from pytest_modelpatch.compare.backward.step import has_loss_targets, with_labels
     from pytest_modelpatch.families.inputs import example_inputs
 
     config = tiny_config("llama", num_hidden_layers=1)

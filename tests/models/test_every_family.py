@@ -45,7 +45,7 @@ import pytest
 import torch
 
 from pytest_modelpatch import assert_equivalent, example_inputs
-from pytest_modelpatch.compare.outputs import vacuous_outputs
+from pytest_modelpatch.compare._engine.outputs import vacuous_outputs
 
 FAMILIES = {families!r}
 EXCEPTIONS = {exceptions!r}

@@ -1,7 +1,7 @@
 """``compare_flat`` for many small tensors at once: one vectorised pass per dtype, same results.
 
 A training step yields a few dozen gradients; comparing them one by one with
-:func:`~pytest_modelpatch.compare.outputs.compare_tensors` costs a dozen tensor ops each, more
+:func:`~pytest_modelpatch.compare._engine.outputs.compare_tensors` costs a dozen tensor ops each, more
 than the step itself on a tiny model. Here the tensors of one dtype are judged together, those
 of one size as the rows of one float64 block: the same float64 arithmetic, reduced per row, so
 every figure is the one ``compare_tensors`` gives. Tensors over tolerance, and anything this
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, compare_tensors
-from pytest_modelpatch.compare.sharded import whole
-from pytest_modelpatch.compare.tolerance import Tolerance, ToleranceSpec, dtype_label
+from pytest_modelpatch.compare._engine.outputs import TensorComparison, compare_flat, compare_tensors
+from pytest_modelpatch.compare._engine.sharded import whole
+from pytest_modelpatch.compare._engine.tolerance import Tolerance, ToleranceSpec, dtype_label
 
 _Pair = tuple[str, torch.Tensor, torch.Tensor]
 _TINY = 2.0**-100  # bounds below this would be judged near float32 subnormals: leave them to compare_tensors

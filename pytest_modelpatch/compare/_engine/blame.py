@@ -22,10 +22,15 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, describe_tolerances, flatten_outputs
-from pytest_modelpatch.compare.running import class_pair, evaluating, unwrapped
-from pytest_modelpatch.compare.tolerance import ToleranceSpec
-from pytest_modelpatch.compare.training import training_state
+from pytest_modelpatch.compare._engine.outputs import (
+    TensorComparison,
+    compare_flat,
+    describe_tolerances,
+    flatten_outputs,
+)
+from pytest_modelpatch.compare._engine.running import class_pair, evaluating, unwrapped
+from pytest_modelpatch.compare._engine.tolerance import ToleranceSpec
+from pytest_modelpatch.compare.backward.step import training_state
 
 _NAMED = 4  # module names shown in a blame line before "and N more"
 

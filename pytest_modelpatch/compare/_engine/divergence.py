@@ -23,10 +23,15 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.blame import Blame, ReplacedCall, blame_replacements, replaced_module_names
-from pytest_modelpatch.compare.check_report import CheckReport
-from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat, describe_tolerances, flatten_outputs
-from pytest_modelpatch.compare.running import (
+from pytest_modelpatch.compare._engine.blame import Blame, ReplacedCall, blame_replacements, replaced_module_names
+from pytest_modelpatch.compare._engine.outputs import (
+    TensorComparison,
+    compare_flat,
+    describe_tolerances,
+    flatten_outputs,
+)
+from pytest_modelpatch.compare._engine.reports import CheckReport
+from pytest_modelpatch.compare._engine.running import (
     class_pair,
     default_inputs,
     describe_inputs,
@@ -35,10 +40,10 @@ from pytest_modelpatch.compare.running import (
     placement,
     unwrapped,
 )
-from pytest_modelpatch.compare.same_model import check_same_model
-from pytest_modelpatch.compare.sharded import sharding_line
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
-from pytest_modelpatch.compare.training import training_state
+from pytest_modelpatch.compare._engine.same_model import check_same_model
+from pytest_modelpatch.compare._engine.sharded import sharding_line
+from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
+from pytest_modelpatch.compare.backward.step import training_state
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
 
 
@@ -75,7 +80,7 @@ def run_with_hooks(
 ) -> None:
     """One forward of ``model`` with ``(module, pre_hook, hook)`` installed (both with kwargs); removed after.
 
-    ``train``: run it in train mode with dropout off (``compare.training.training_state``), not eval.
+    ``train``: run it in train mode with dropout off (``compare.backward.step.training_state``), not eval.
     """
     handles = []
     try:
@@ -139,7 +144,7 @@ class Divergence:
     input_differences: list[TensorComparison] = field(default_factory=list)
     profile: list[tuple[str, float]] = field(default_factory=list, repr=False)
     mutated_inputs: list[str] = field(default_factory=list)  # changed in place by the patched module only
-    sharding: str = ""  # a sharded patched model: how, and the rank that saw it (compare.sharded.sharding_line)
+    sharding: str = ""  # a sharded patched model: how, and the rank that saw it (compare._engine.sharded.sharding_line)
     other_form: list[TensorComparison] = field(
         default_factory=list
     )  # its inputs and outputs one side lacks or holds otherwise

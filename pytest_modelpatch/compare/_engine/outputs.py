@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.sharded import whole
-from pytest_modelpatch.compare.tolerance import Tolerance, ToleranceSpec, dtype_label
+from pytest_modelpatch.compare._engine.sharded import whole
+from pytest_modelpatch.compare._engine.tolerance import Tolerance, ToleranceSpec, dtype_label
 
 _MISSING: Any = object()
 
@@ -339,7 +339,7 @@ def compare_flat(
     """Compare two ``path -> leaf`` dicts; a path on one side only is a problem unless ``common_only``.
 
     ``oracle``: the same paths from a float64 run of the reference, for the ``oracle`` policy.
-    A sharded patched model's leaves are made whole first (:func:`~pytest_modelpatch.compare.sharded.whole`).
+    A sharded patched model's leaves are made whole first (:func:`~pytest_modelpatch.compare._engine.sharded.whole`).
     """
     patched = whole(reference, patched)
     paths = [*reference, *(p for p in patched if p not in reference)]

@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from pytest_modelpatch.compare.outputs import ComparedTensors, TensorComparison
+from pytest_modelpatch.compare._engine.outputs import ComparedTensors, TensorComparison
 from pytest_modelpatch.reporting.records import CheckRecord, record_check
 
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.outputs import TensorComparison, _describe_leaf, flatten_outputs
-from pytest_modelpatch.compare.tolerance import ToleranceSpec, dtype_label
+from pytest_modelpatch.compare._engine.outputs import TensorComparison, _describe_leaf, flatten_outputs
+from pytest_modelpatch.compare._engine.tolerance import ToleranceSpec, dtype_label
 from pytest_modelpatch.models.devices import first_parameter_device, seeded_generators
 from pytest_modelpatch.reporting.records import IMPLEMENTATION_AXES, describe_implementations, implementations_of
 

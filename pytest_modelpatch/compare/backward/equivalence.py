@@ -1,7 +1,7 @@
 """Compare a patched model's training step with the reference's: loss, outputs, every gradient.
 
 ``assert_backward_equivalent`` runs one seeded forward and backward of both models in train
-mode with dropout off (``compare.training``), compares the loss, the train-mode outputs, the
+mode with dropout off (``compare.backward.step``), compares the loss, the train-mode outputs, the
 gradient of every parameter by qualified name and the gradient of the input embeddings, and
 on a difference names the first module in backward order whose gradient diverges. Custom
 ``autograd.Function`` kernels, gradient checkpointing and ``if self.training`` paths are
@@ -18,26 +18,20 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.backward_divergence import (
-    BackwardCall,
-    BackwardDivergence,
-    backward_calls,
-    first_backward_divergence,
-)
-from pytest_modelpatch.compare.batched import compare_flat_batched
-from pytest_modelpatch.compare.blame import (
+from pytest_modelpatch.compare._engine.batched import compare_flat_batched
+from pytest_modelpatch.compare._engine.blame import (
     ReplacedCall,
     blame_backward,
     capturing_replaced_calls,
     replaced_module_names,
 )
-from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
-from pytest_modelpatch.compare.divergence import Divergence, find_divergence
-from pytest_modelpatch.compare.outputs import TensorComparison, describe_tolerances, flatten_outputs
-from pytest_modelpatch.compare.running import default_inputs, describe_inputs, placement, unwrapped
-from pytest_modelpatch.compare.same_model import check_same_model
-from pytest_modelpatch.compare.sharded import logical_tensors
-from pytest_modelpatch.compare.tolerance import (
+from pytest_modelpatch.compare._engine.divergence import Divergence, find_divergence
+from pytest_modelpatch.compare._engine.outputs import TensorComparison, describe_tolerances, flatten_outputs
+from pytest_modelpatch.compare._engine.reports import CheckReport, given_inputs
+from pytest_modelpatch.compare._engine.running import default_inputs, describe_inputs, placement, unwrapped
+from pytest_modelpatch.compare._engine.same_model import check_same_model
+from pytest_modelpatch.compare._engine.sharded import logical_tensors
+from pytest_modelpatch.compare._engine.tolerance import (
     DEFAULT_POLICY,
     DtypeTolerance,
     TolerancePolicy,
@@ -45,7 +39,13 @@ from pytest_modelpatch.compare.tolerance import (
     judged_as,
     resolve_tolerance,
 )
-from pytest_modelpatch.compare.training import LossFn, TrainingRun, training_run, with_labels
+from pytest_modelpatch.compare.backward.divergence import (
+    BackwardCall,
+    BackwardDivergence,
+    backward_calls,
+    first_backward_divergence,
+)
+from pytest_modelpatch.compare.backward.step import LossFn, TrainingRun, training_run, with_labels
 from pytest_modelpatch.isolation.pristine import running_pristine
 from pytest_modelpatch.models.usage import unused_message, unused_replacements
 
@@ -323,7 +323,7 @@ def assert_backward_equivalent(
 
     Both models run in train mode with dropout off, under one seed, on the same inputs (default:
     drawn from the config, with labels). The loss is the model's own, ``loss(outputs)``, or a
-    fixed random projection of the outputs (:func:`~pytest_modelpatch.compare.training.default_reduction`).
+    fixed random projection of the outputs (:func:`~pytest_modelpatch.compare.backward.step.default_reduction`).
     Compared: the loss, the outputs, every parameter's gradient by name (through the patched
     model's weight conversions) and the input embeddings' gradient. Both models are left as found.
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
-from pytest_modelpatch.compare.divergence import Divergence, find_divergence
-from pytest_modelpatch.compare.outputs import TensorComparison, compare_tensors, describe_tolerances
-from pytest_modelpatch.compare.running import (
+from pytest_modelpatch.compare._engine.divergence import Divergence, find_divergence
+from pytest_modelpatch.compare._engine.outputs import TensorComparison, compare_tensors, describe_tolerances
+from pytest_modelpatch.compare._engine.reports import CheckReport, given_inputs
+from pytest_modelpatch.compare._engine.running import (
     cache_keyword,
     describe_inputs,
     evaluating,
@@ -32,8 +32,8 @@ from pytest_modelpatch.compare.running import (
     unfilled_cache_hint,
     unwrapped,
 )
-from pytest_modelpatch.compare.same_model import check_same_model
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
+from pytest_modelpatch.compare._engine.same_model import check_same_model
+from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.pristine import pristine
 

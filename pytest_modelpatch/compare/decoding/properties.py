@@ -15,16 +15,16 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from pytest_modelpatch.compare.check_report import conclude
-from pytest_modelpatch.compare.decoding import (
+from pytest_modelpatch.compare._engine.property_loop import PropertyLoop, PropertyOutcome
+from pytest_modelpatch.compare._engine.reports import conclude
+from pytest_modelpatch.compare._engine.running import describe_inputs
+from pytest_modelpatch.compare._engine.same_model import check_same_model
+from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, resolve_tolerance
+from pytest_modelpatch.compare.decoding.equivalence import (
     check_cache_implementation,
     compare_decoding,
     decode_pair,
 )
-from pytest_modelpatch.compare.property_loop import PropertyLoop, PropertyOutcome
-from pytest_modelpatch.compare.running import describe_inputs
-from pytest_modelpatch.compare.same_model import check_same_model
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs
 from pytest_modelpatch.reporting.records import SETTINGS
 

@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
-from pytest_modelpatch.compare.divergence import Divergence, find_divergence
-from pytest_modelpatch.compare.outputs import TensorComparison, describe_tolerances
-from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
-from pytest_modelpatch.compare.running import (
+from pytest_modelpatch.compare._engine.divergence import Divergence, find_divergence
+from pytest_modelpatch.compare._engine.outputs import TensorComparison, describe_tolerances
+from pytest_modelpatch.compare._engine.reports import CheckReport, given_inputs
+from pytest_modelpatch.compare._engine.running import (
     cache_hint_for,
     default_inputs,
     describe_inputs,
@@ -27,11 +26,12 @@ from pytest_modelpatch.compare.running import (
     placement,
     unwrapped,
 )
-from pytest_modelpatch.compare.same_model import check_same_model
-from pytest_modelpatch.compare.sharded import sharding_line
-from pytest_modelpatch.compare.ties import tie_differences
-from pytest_modelpatch.compare.timing import timing_if_enabled
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
+from pytest_modelpatch.compare._engine.same_model import check_same_model
+from pytest_modelpatch.compare._engine.sharded import sharding_line
+from pytest_modelpatch.compare._engine.ties import tie_differences
+from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
+from pytest_modelpatch.compare.forward.routing import RoutingFlips, compare_routed
+from pytest_modelpatch.compare.forward.timing import timing_if_enabled
 from pytest_modelpatch.models.usage import coverage_lines, unused_message, unused_replacements
 
 # ---------------------------------------------------------------------------
@@ -54,7 +54,7 @@ class EquivalenceReport(CheckReport):
     duration_s: float = 0.0
     extra: list[str] = field(default_factory=list)
     unused: str = ""  # why the check proves nothing about some replacement, when one never ran
-    ties: list[str] = field(default_factory=list)  # parameters the two models tie differently (compare.ties)
+    ties: list[str] = field(default_factory=list)  # parameters the two models tie differently (compare._engine.ties)
     coverage: list[str] = field(default_factory=list)  # what the compared forward reached only partly
     routing: RoutingFlips | None = None  # MoE models: expert choices that differed from the reference's
     timing: dict[str, Any] | None = None  # --modelpatch-timing: both models' forwards timed on these inputs
@@ -118,7 +118,7 @@ def compare_models(
     """Run both models on ``inputs`` and compare; on a difference, find the first diverging module."""
     start = time.perf_counter()
     with evaluating(reference, patched):
-        # MoE models: near-tie expert choices that flipped are forced to the reference's (compare/routing.py)
+        # MoE models: near-tie expert choices that flipped are forced to the reference's (compare/forward/routing.py)
         comparisons, routing = compare_routed(reference, patched, inputs, spec)
     report = EquivalenceReport(
         reference=type(reference).__name__, patched=type(patched).__name__, comparisons=comparisons,

@@ -18,17 +18,17 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from hypothesis.strategies import SearchStrategy
 
-from pytest_modelpatch.compare.backward import compare_training
-from pytest_modelpatch.compare.check_report import conclude
-from pytest_modelpatch.compare.equivalence import EquivalenceReport, compare_models
-from pytest_modelpatch.compare.outputs import TensorComparison
-from pytest_modelpatch.compare.property_loop import PropertyLoop, PropertyOutcome
-from pytest_modelpatch.compare.routing import RoutingFlips, compare_routed
-from pytest_modelpatch.compare.running import describe_inputs, evaluating, placement
-from pytest_modelpatch.compare.same_model import check_same_model
-from pytest_modelpatch.compare.timing import timing_if_enabled
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
-from pytest_modelpatch.compare.training import has_loss_targets, with_labels
+from pytest_modelpatch.compare._engine.outputs import TensorComparison
+from pytest_modelpatch.compare._engine.property_loop import PropertyLoop, PropertyOutcome
+from pytest_modelpatch.compare._engine.reports import conclude
+from pytest_modelpatch.compare._engine.running import describe_inputs, evaluating, placement
+from pytest_modelpatch.compare._engine.same_model import check_same_model
+from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
+from pytest_modelpatch.compare.backward.equivalence import compare_training
+from pytest_modelpatch.compare.backward.step import has_loss_targets, with_labels
+from pytest_modelpatch.compare.forward.equivalence import EquivalenceReport, compare_models
+from pytest_modelpatch.compare.forward.routing import RoutingFlips, compare_routed
+from pytest_modelpatch.compare.forward.timing import timing_if_enabled
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.usage import patch_usage, unused_message
 from pytest_modelpatch.reporting.records import SETTINGS, CheckRecord

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.outputs import TensorComparison, compare_outputs
-from pytest_modelpatch.compare.running import forward, oracle_outputs
-from pytest_modelpatch.compare.tolerance import ToleranceSpec
+from pytest_modelpatch.compare._engine.outputs import TensorComparison, compare_outputs
+from pytest_modelpatch.compare._engine.running import forward, oracle_outputs
+from pytest_modelpatch.compare._engine.tolerance import ToleranceSpec
 
 _ROUTERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
 _SHOWN = 3  # clear flips described in a report
@@ -186,7 +186,7 @@ def compare_routed(
     """Compare both models' outputs on ``inputs``; for MoE models, force the reference's routing at near-tie flips.
 
     Returns the comparisons and, for models with routers, the flips seen (``None`` for dense models,
-    which run exactly as :func:`~pytest_modelpatch.compare.outputs.compare_outputs` would).
+    which run exactly as :func:`~pytest_modelpatch.compare._engine.outputs.compare_outputs` would).
 
     Example::
 

@@ -10,7 +10,7 @@ parameter (by the checkpoint's names, through weight conversions) and the top-k 
 of an eval batch. Gradient accumulation is transformers' Trainer's: micro-batches with different
 numbers of real tokens, ``num_items_in_batch`` passed to a model that takes loss keywords, the loss
 divided by the steps otherwise. A bfloat16 or float16 reference's own drift is the yardstick of
-each step (``compare.training_drift``). Both models are put back as found: weights, buffers,
+each step (``compare.training.drift``). Both models are put back as found: weights, buffers,
 gradients, modes and the random state.
 """
 
@@ -27,12 +27,11 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.backward import GRADIENT_POLICY, checkpoint_gradients
-from pytest_modelpatch.compare.batched import compare_flat_batched
-from pytest_modelpatch.compare.check_report import CheckReport
-from pytest_modelpatch.compare.divergence import Divergence, find_divergence
-from pytest_modelpatch.compare.outputs import TensorComparison, compare_tensors, describe_tolerances
-from pytest_modelpatch.compare.running import (
+from pytest_modelpatch.compare._engine.batched import compare_flat_batched
+from pytest_modelpatch.compare._engine.divergence import Divergence, find_divergence
+from pytest_modelpatch.compare._engine.outputs import TensorComparison, compare_tensors, describe_tolerances
+from pytest_modelpatch.compare._engine.reports import CheckReport
+from pytest_modelpatch.compare._engine.running import (
     describe_inputs,
     forward,
     ieee_float32,
@@ -40,8 +39,8 @@ from pytest_modelpatch.compare.running import (
     placement,
     unwrapped,
 )
-from pytest_modelpatch.compare.same_model import check_same_model
-from pytest_modelpatch.compare.sharded import (
+from pytest_modelpatch.compare._engine.same_model import check_same_model
+from pytest_modelpatch.compare._engine.sharded import (
     local_part,
     logical_tensors,
     nonzero_anywhere,
@@ -49,15 +48,16 @@ from pytest_modelpatch.compare.sharded import (
     resharded,
     sharding_kind,
 )  # fmt: skip
-from pytest_modelpatch.compare.ties import tie_differences
-from pytest_modelpatch.compare.tolerance import (
+from pytest_modelpatch.compare._engine.ties import tie_differences
+from pytest_modelpatch.compare._engine.tolerance import (
     DEFAULT_POLICY,
     DtypeTolerance,
     TolerancePolicy,
     ToleranceSpec,
     resolve_tolerance,
 )  # fmt: skip
-from pytest_modelpatch.compare.training import (
+from pytest_modelpatch.compare.backward.equivalence import GRADIENT_POLICY, checkpoint_gradients
+from pytest_modelpatch.compare.backward.step import (
     LossFn,
     as_configured,
     data_parallel_inner,
@@ -65,7 +65,7 @@ from pytest_modelpatch.compare.training import (
     training_state,
     with_labels,
 )  # fmt: skip
-from pytest_modelpatch.compare.training_drift import (
+from pytest_modelpatch.compare.training.drift import (
     DRIFT_FACTOR,
     Bias,
     DriftFigures,
@@ -180,7 +180,7 @@ class TrainingReport(CheckReport):
     divergence: Divergence | None = None  # the first diverging module, at the first step whose loss diverged
     divergence_step: int = 0
     drifted: str = ""  # why no module is named: the weights had drifted apart everywhere by that step
-    drift: DriftFigures | None = None  # a low-precision reference's own drift (compare.training_drift)
+    drift: DriftFigures | None = None  # a low-precision reference's own drift (compare.training.drift)
     biases: list[Bias] = field(default_factory=list)
     inputs: str = ""
     device: str = ""
@@ -468,7 +468,7 @@ def assert_trains_equivalent(
     sign_steps = ADAM_SIGN_STEPS * lr if optimizer is None else 0.0
     spread = _ranks_hint(patched, batches)  # a collective: asked on every rank, pass or fail
     last = 1 + (steps - 1) * GROWTH
-    if low_precision(reference):  # its own drift first: the yardstick of every step (compare.training_drift)
+    if low_precision(reference):  # its own drift first: the yardstick of every step (compare.training.drift)
         report.drift = _float32_drift(reference, batches, make, loss)
     with kept_as_found(reference), kept_as_found(patched):
         _train(reference, patched, batches, make, loss, spec, report, sign_steps)
@@ -500,7 +500,7 @@ def assert_trains_equivalent(
 
 
 def scalar_comparison(path: str, reference: float, patched: float, spec: ToleranceSpec) -> TensorComparison:
-    """Two numbers compared as :func:`~pytest_modelpatch.compare.outputs.compare_tensors` compares one-element float32 tensors."""
+    """Two numbers compared as :func:`~pytest_modelpatch.compare._engine.outputs.compare_tensors` compares one-element float32 tensors."""
     tolerance = spec.for_dtype(torch.float32)
     difference = abs(patched - reference) if math.isfinite(patched) or patched != reference else 0.0
     if math.isnan(patched) != math.isnan(reference):

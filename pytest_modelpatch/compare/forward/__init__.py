@@ -1,0 +1,6 @@
+"""Forward equivalence: ``assert_equivalent`` on given inputs, ``check_equivalent`` over drawn ones.
+
+``equivalence`` runs both models and compares every output tensor; ``properties`` draws inputs
+through the engine's property loop; ``routing`` forces mixture-of-experts near-ties back to the
+reference's choice; ``timing`` times both models when ``--modelpatch-timing`` asks.
+"""
