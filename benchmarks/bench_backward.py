@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `fixtures` importable fro
 import torch
 
 from fixtures import load_patch
-from pytest_modelpatch.compare._engine.running import default_inputs
+from pytest_modelpatch.compare._engine.inputs import default_inputs
 from pytest_modelpatch.compare.backward.equivalence import assert_backward_equivalent
 from pytest_modelpatch.compare.backward.step import with_labels
 from pytest_modelpatch.isolation.interception import hold_for_session

@@ -53,9 +53,9 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import load_patch
+from pytest_modelpatch.compare._engine.hints import cache_keyword
 from pytest_modelpatch.compare._engine.outputs import compare_outputs
 from pytest_modelpatch.compare._engine.property_loop import GROUP_SIZE, input_groups
-from pytest_modelpatch.compare._engine.running import cache_keyword
 from pytest_modelpatch.compare._engine.tolerance import resolve_tolerance
 from pytest_modelpatch.compare.decoding import properties as decoding_properties
 from pytest_modelpatch.compare.decoding.properties import check_generates_equivalent

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare._engine.devices import evaluating
 from pytest_modelpatch.compare._engine.outputs import flatten_outputs
-from pytest_modelpatch.compare._engine.running import evaluating, forward
+from pytest_modelpatch.compare._engine.running import forward
 
 # config.json keys that save_pretrained rewrites on every save; a change there says nothing about the patch
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "name_or_path"})

@@ -28,7 +28,7 @@ from pytest_modelpatch import (
     seeded_model,
     tiny_config,
 )
-from pytest_modelpatch.compare._engine.running import ieee_float32
+from pytest_modelpatch.compare._engine.precision import ieee_float32
 
 CONFIG = tiny_config("llama", num_hidden_layers=1)
 BACKENDS = {

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
+from pytest_modelpatch.compare._engine.devices import evaluating
 from pytest_modelpatch.compare._engine.outputs import compare_outputs
-from pytest_modelpatch.compare._engine.running import evaluating, forward
+from pytest_modelpatch.compare._engine.running import forward
 from pytest_modelpatch.compare._engine.tolerance import resolve_tolerance
 from pytest_modelpatch.compare.forward.routing import RouterCall, compare_routed, find_flips, router_names
 from pytest_modelpatch.models.weights import spread_weights

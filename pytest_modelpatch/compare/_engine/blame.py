@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare._engine.devices import evaluating, unwrapped
+from pytest_modelpatch.compare._engine.hints import class_pair
 from pytest_modelpatch.compare._engine.outputs import (
     TensorComparison,
     compare_flat,
     describe_tolerances,
     flatten_outputs,
 )
-from pytest_modelpatch.compare._engine.running import class_pair, evaluating, unwrapped
 from pytest_modelpatch.compare._engine.tolerance import ToleranceSpec
 from pytest_modelpatch.compare.backward.step import training_state
 

@@ -24,6 +24,9 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare._engine.blame import Blame, ReplacedCall, blame_replacements, replaced_module_names
+from pytest_modelpatch.compare._engine.devices import evaluating, placement, unwrapped
+from pytest_modelpatch.compare._engine.hints import class_pair
+from pytest_modelpatch.compare._engine.inputs import default_inputs, describe_inputs
 from pytest_modelpatch.compare._engine.outputs import (
     TensorComparison,
     compare_flat,
@@ -31,15 +34,7 @@ from pytest_modelpatch.compare._engine.outputs import (
     flatten_outputs,
 )
 from pytest_modelpatch.compare._engine.reports import CheckReport
-from pytest_modelpatch.compare._engine.running import (
-    class_pair,
-    default_inputs,
-    describe_inputs,
-    evaluating,
-    forward,
-    placement,
-    unwrapped,
-)
+from pytest_modelpatch.compare._engine.running import forward
 from pytest_modelpatch.compare._engine.same_model import check_same_model
 from pytest_modelpatch.compare._engine.sharded import sharding_line
 from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance

@@ -22,7 +22,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from pytest_modelpatch.compare._engine.running import ieee_float32
+from pytest_modelpatch.compare._engine.precision import ieee_float32
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes
 from pytest_modelpatch.reporting.records import CheckRecord
 

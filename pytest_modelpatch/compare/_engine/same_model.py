@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare._engine.running import unwrapped
+from pytest_modelpatch.compare._engine.devices import unwrapped
 from pytest_modelpatch.errors import ModelMismatchError
 
 # sizes a patch never changes; compared on the text config when both models have them

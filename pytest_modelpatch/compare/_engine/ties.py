@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pytest_modelpatch.compare._engine.running import unwrapped
+from pytest_modelpatch.compare._engine.devices import unwrapped
 
 
 def tied_groups(model: torch.nn.Module) -> list[tuple[str, ...]]:

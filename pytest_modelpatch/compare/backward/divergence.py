@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare._engine.blame import Blame
+from pytest_modelpatch.compare._engine.hints import class_pair
 from pytest_modelpatch.compare._engine.outputs import (
     TensorComparison,
     compare_flat,
     describe_tolerances,
     flatten_outputs,
 )
-from pytest_modelpatch.compare._engine.running import class_pair
 from pytest_modelpatch.compare._engine.tolerance import ToleranceSpec
 
 

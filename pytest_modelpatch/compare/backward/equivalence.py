@@ -25,10 +25,11 @@ from pytest_modelpatch.compare._engine.blame import (
     capturing_replaced_calls,
     replaced_module_names,
 )
+from pytest_modelpatch.compare._engine.devices import placement, unwrapped
 from pytest_modelpatch.compare._engine.divergence import Divergence, find_divergence
+from pytest_modelpatch.compare._engine.inputs import default_inputs, describe_inputs
 from pytest_modelpatch.compare._engine.outputs import TensorComparison, describe_tolerances, flatten_outputs
 from pytest_modelpatch.compare._engine.reports import CheckReport, given_inputs
-from pytest_modelpatch.compare._engine.running import default_inputs, describe_inputs, placement, unwrapped
 from pytest_modelpatch.compare._engine.same_model import check_same_model
 from pytest_modelpatch.compare._engine.sharded import logical_tensors
 from pytest_modelpatch.compare._engine.tolerance import (

@@ -23,8 +23,10 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from pytest_modelpatch.compare._engine.devices import model_device, unwrapped
 from pytest_modelpatch.compare._engine.outputs import flatten_outputs
-from pytest_modelpatch.compare._engine.running import forward, ieee_float32, model_device, unwrapped
+from pytest_modelpatch.compare._engine.precision import ieee_float32
+from pytest_modelpatch.compare._engine.running import forward
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.devices import seeded_generators
 

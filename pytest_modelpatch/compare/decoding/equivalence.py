@@ -18,20 +18,12 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare._engine.devices import evaluating, model_device, move_inputs, placement, unwrapped
 from pytest_modelpatch.compare._engine.divergence import Divergence, find_divergence
+from pytest_modelpatch.compare._engine.hints import cache_keyword, implementations_line, unfilled_cache_hint
+from pytest_modelpatch.compare._engine.inputs import describe_inputs
 from pytest_modelpatch.compare._engine.outputs import TensorComparison, compare_tensors, describe_tolerances
 from pytest_modelpatch.compare._engine.reports import CheckReport, given_inputs
-from pytest_modelpatch.compare._engine.running import (
-    cache_keyword,
-    describe_inputs,
-    evaluating,
-    implementations_line,
-    model_device,
-    move_inputs,
-    placement,
-    unfilled_cache_hint,
-    unwrapped,
-)
 from pytest_modelpatch.compare._engine.same_model import check_same_model
 from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.errors import PatchUsageError

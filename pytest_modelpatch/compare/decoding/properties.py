@@ -15,9 +15,9 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
+from pytest_modelpatch.compare._engine.inputs import describe_inputs
 from pytest_modelpatch.compare._engine.property_loop import PropertyLoop, PropertyOutcome
 from pytest_modelpatch.compare._engine.reports import conclude
-from pytest_modelpatch.compare._engine.running import describe_inputs
 from pytest_modelpatch.compare._engine.same_model import check_same_model
 from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.compare.decoding.equivalence import (

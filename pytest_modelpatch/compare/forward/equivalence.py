@@ -14,18 +14,12 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare._engine.devices import evaluating, placement, unwrapped
 from pytest_modelpatch.compare._engine.divergence import Divergence, find_divergence
+from pytest_modelpatch.compare._engine.hints import cache_hint_for, implementations_line
+from pytest_modelpatch.compare._engine.inputs import default_inputs, describe_inputs
 from pytest_modelpatch.compare._engine.outputs import TensorComparison, describe_tolerances
 from pytest_modelpatch.compare._engine.reports import CheckReport, given_inputs
-from pytest_modelpatch.compare._engine.running import (
-    cache_hint_for,
-    default_inputs,
-    describe_inputs,
-    evaluating,
-    implementations_line,
-    placement,
-    unwrapped,
-)
 from pytest_modelpatch.compare._engine.same_model import check_same_model
 from pytest_modelpatch.compare._engine.sharded import sharding_line
 from pytest_modelpatch.compare._engine.ties import tie_differences

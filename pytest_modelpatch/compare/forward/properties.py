@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from hypothesis.strategies import SearchStrategy
 
+from pytest_modelpatch.compare._engine.devices import evaluating, placement
+from pytest_modelpatch.compare._engine.inputs import describe_inputs
 from pytest_modelpatch.compare._engine.outputs import TensorComparison
 from pytest_modelpatch.compare._engine.property_loop import PropertyLoop, PropertyOutcome
 from pytest_modelpatch.compare._engine.reports import conclude
-from pytest_modelpatch.compare._engine.running import describe_inputs, evaluating, placement
 from pytest_modelpatch.compare._engine.same_model import check_same_model
 from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.backward.equivalence import compare_training

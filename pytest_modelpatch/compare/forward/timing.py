@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare._engine.running import evaluating, model_device, move_inputs
+from pytest_modelpatch.compare._engine.devices import evaluating, model_device, move_inputs
 from pytest_modelpatch.reporting.records import SETTINGS
 
 DEFAULT_WARMUP = 2

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare._engine.running import evaluating
+from pytest_modelpatch.compare._engine.devices import evaluating
 from pytest_modelpatch.compare._engine.same_model import check_same_model
 from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.compare.graph.dynamo_state import fresh_dynamo

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare._engine.running import evaluating, model_device
+from pytest_modelpatch.compare._engine.devices import evaluating, model_device
 from pytest_modelpatch.compare._engine.same_model import check_same_model
 from pytest_modelpatch.compare._engine.sharded import sharding_kind
 from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, resolve_tolerance

@@ -15,9 +15,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from pytest_modelpatch.compare._engine.devices import evaluating, model_device, placement
+from pytest_modelpatch.compare._engine.inputs import describe_inputs
 from pytest_modelpatch.compare._engine.outputs import TensorComparison, compare_outputs, describe_tolerances
 from pytest_modelpatch.compare._engine.reports import CheckReport, given_inputs
-from pytest_modelpatch.compare._engine.running import describe_inputs, evaluating, model_device, placement
 from pytest_modelpatch.compare._engine.tolerance import ToleranceSpec
 from pytest_modelpatch.compare.graph.trace_failures import TraceFailure
 

@@ -28,17 +28,13 @@ from typing import Any
 import torch
 
 from pytest_modelpatch.compare._engine.batched import compare_flat_batched
+from pytest_modelpatch.compare._engine.devices import model_device, placement, unwrapped
 from pytest_modelpatch.compare._engine.divergence import Divergence, find_divergence
+from pytest_modelpatch.compare._engine.inputs import describe_inputs
 from pytest_modelpatch.compare._engine.outputs import TensorComparison, compare_tensors, describe_tolerances
+from pytest_modelpatch.compare._engine.precision import ieee_float32
 from pytest_modelpatch.compare._engine.reports import CheckReport
-from pytest_modelpatch.compare._engine.running import (
-    describe_inputs,
-    forward,
-    ieee_float32,
-    model_device,
-    placement,
-    unwrapped,
-)
+from pytest_modelpatch.compare._engine.running import forward
 from pytest_modelpatch.compare._engine.same_model import check_same_model
 from pytest_modelpatch.compare._engine.sharded import (
     local_part,
