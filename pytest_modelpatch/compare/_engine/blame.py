@@ -31,7 +31,7 @@ from pytest_modelpatch.compare._engine.outputs import (
     flatten_outputs,
 )
 from pytest_modelpatch.compare._engine.tolerance import ToleranceSpec
-from pytest_modelpatch.compare.backward.step import training_state
+from pytest_modelpatch.compare._engine.train_mode import training_state
 
 _NAMED = 4  # module names shown in a blame line before "and N more"
 

@@ -38,7 +38,7 @@ from pytest_modelpatch.compare._engine.running import forward
 from pytest_modelpatch.compare._engine.same_model import check_same_model
 from pytest_modelpatch.compare._engine.sharded import sharding_line
 from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
-from pytest_modelpatch.compare.backward.step import training_state
+from pytest_modelpatch.compare._engine.train_mode import training_state
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
 
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare._engine.train_mode import data_parallel_inner
 from pytest_modelpatch.compare.backward.equivalence import checkpoint_gradients
-from pytest_modelpatch.compare.backward.step import data_parallel_inner
 
 # Measured in bfloat16 on CPU, 16 AdamW steps at lr 1e-2, correct kernels over the tiny families
 # (llama's SwiGLU autograd, split-K MLP and fused linear-cross-entropy; sdpa against eager on

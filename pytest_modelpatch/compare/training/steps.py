@@ -52,15 +52,9 @@ from pytest_modelpatch.compare._engine.tolerance import (
     ToleranceSpec,
     resolve_tolerance,
 )  # fmt: skip
+from pytest_modelpatch.compare._engine.train_mode import as_configured, data_parallel_inner, training_state
 from pytest_modelpatch.compare.backward.equivalence import GRADIENT_POLICY, checkpoint_gradients
-from pytest_modelpatch.compare.backward.step import (
-    LossFn,
-    as_configured,
-    data_parallel_inner,
-    training_loss,
-    training_state,
-    with_labels,
-)  # fmt: skip
+from pytest_modelpatch.compare.backward.step import LossFn, training_loss, with_labels
 from pytest_modelpatch.compare.training.drift import (
     DRIFT_FACTOR,
     Bias,
