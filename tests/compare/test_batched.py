@@ -13,8 +13,8 @@ from pytest_modelpatch.compare._engine import batched
 from pytest_modelpatch.compare._engine.batched import compare_flat_batched
 from pytest_modelpatch.compare._engine.inputs import default_inputs
 from pytest_modelpatch.compare._engine.outputs import TensorComparison, compare_flat
-from pytest_modelpatch.compare._engine.tolerance import resolve_tolerance
-from pytest_modelpatch.compare.backward.equivalence import GRADIENT_POLICY, gradient_tolerance
+from pytest_modelpatch.compare._engine.tolerance import GRADIENT_POLICY, resolve_tolerance
+from pytest_modelpatch.compare.backward.equivalence import gradient_tolerance
 from pytest_modelpatch.compare.backward.step import training_run, with_labels
 from pytest_modelpatch.isolation.pristine import pristine
 

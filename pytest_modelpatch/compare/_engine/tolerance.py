@@ -24,6 +24,10 @@ reference itself is::
 
     rmse(patched, fp64) <= factor * rmse(reference, fp64) + floor
 
+Every built-in policy lives here: the five a user names (``default``, ``strict``, ``loose``,
+``sqnr``, ``oracle``) and the two the checks choose when the user chose none: ``GRADIENT_POLICY``
+for gradients and ``TRAINING_POLICY`` for the losses and gradient norms of optimizer steps.
+
 Overrides, highest first: explicit arguments, the ``tolerance`` marker, the
 ``modelpatch_atol`` / ``modelpatch_rtol`` ini keys, the policy's per-dtype values.
 This module imports no torch at import time: the plugin sets a test's overrides
@@ -178,6 +182,39 @@ def oracle_policy(factor: float = ORACLE_FACTOR, floor: Mapping[str, float] | No
 
 
 ORACLE_POLICY = oracle_policy()
+
+# Gradients sum over every token and pass back through every layer, so they carry more
+# round-off than outputs. Measured on the good example patches (swiglu/rmsnorm autograd kernels,
+# fused QKV, split-K MLP), tiny Llama, CPU, 3 input sizes: fp32 gradients differ by up to 13 ulps
+# of the tensor's max |value| (the outputs: 4), bf16 by up to 4; so 16 and 8 ulps, about 1.2-2x
+# headroom, with the output policy's atol/rtol otherwise (fp32 rtol 1e-5: 2.3e-5 needed at 4 ulps). Never fewer
+# ulps than the outputs are allowed: float32 outputs get 256 (correct implementations over every family).
+GRADIENT_POLICY = TolerancePolicy(
+    "gradient",
+    {
+        "float64": DtypeTolerance(atol=1e-7, rtol=1e-7, ulps=16),
+        "float32": DtypeTolerance(atol=1e-5, rtol=1e-5, ulps=max(16, DEFAULT_POLICY.entry("float32").ulps)),
+        "float16": DtypeTolerance(atol=1e-5, rtol=1e-3, ulps=8),
+        "bfloat16": DtypeTolerance(atol=1e-5, rtol=1.6e-2, ulps=8),
+    },
+)
+
+# The loss, the gradient norm and the eval log-probabilities of two trainings of one model are
+# scalars or small vectors averaged over many tokens: far less round-off than one output element.
+# Measured on the good example kernels (SwiGLU and RMSNorm autograd, reordered MLP), tiny Llama,
+# 8 AdamW steps at lr 1e-3: fp32 losses within 2.4e-7 (rel 8e-8), gradient norms within rel 1.2e-7;
+# bf16 losses within 5.9e-3 (rel 1.9e-3). So rel 1e-5 and 5e-3, 100x and 2.5x their headroom at
+# the last step before growth; parameters are judged as gradients are (GRADIENT_POLICY: 16 ulps of
+# the tensor's max |value| in fp32, 8 in bf16: a bf16 weight near 1 may differ by one step of 7.8e-3).
+TRAINING_POLICY = TolerancePolicy(
+    "training",
+    {
+        "float64": DtypeTolerance(atol=1e-9, rtol=1e-9, ulps=4),
+        "float32": DtypeTolerance(atol=1e-6, rtol=1e-5, ulps=4),
+        "float16": DtypeTolerance(atol=1e-4, rtol=1e-3, ulps=4),
+        "bfloat16": DtypeTolerance(atol=1e-3, rtol=5e-3, ulps=4),
+    },
+)
 POLICIES: dict[str, TolerancePolicy] = {
     p.name: p for p in (DEFAULT_POLICY, STRICT_POLICY, LOOSE_POLICY, SQNR_POLICY, ORACLE_POLICY)
 }

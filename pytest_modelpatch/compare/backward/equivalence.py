@@ -34,7 +34,7 @@ from pytest_modelpatch.compare._engine.same_model import check_same_model
 from pytest_modelpatch.compare._engine.sharded import logical_tensors
 from pytest_modelpatch.compare._engine.tolerance import (
     DEFAULT_POLICY,
-    DtypeTolerance,
+    GRADIENT_POLICY,
     TolerancePolicy,
     ToleranceSpec,
     judged_as,
@@ -49,23 +49,6 @@ from pytest_modelpatch.compare.backward.divergence import (
 from pytest_modelpatch.compare.backward.step import LossFn, TrainingRun, training_run, with_labels
 from pytest_modelpatch.isolation.pristine import running_pristine
 from pytest_modelpatch.models.usage import unused_message, unused_replacements
-
-# Gradients sum over every token and pass back through every layer, so they carry more
-# round-off than outputs. Measured on the good example patches (swiglu/rmsnorm autograd kernels,
-# fused QKV, split-K MLP), tiny Llama, CPU, 3 input sizes: fp32 gradients differ by up to 13 ulps
-# of the tensor's max |value| (the outputs: 4), bf16 by up to 4; so 16 and 8 ulps, about 1.2-2x
-# headroom, with the output policy's atol/rtol otherwise (fp32 rtol 1e-5: 2.3e-5 needed at 4 ulps). Never fewer
-# ulps than the outputs are allowed: float32 outputs get 256 (correct implementations over every family).
-GRADIENT_POLICY = TolerancePolicy(
-    "gradient",
-    {
-        "float64": DtypeTolerance(atol=1e-7, rtol=1e-7, ulps=16),
-        "float32": DtypeTolerance(atol=1e-5, rtol=1e-5, ulps=max(16, DEFAULT_POLICY.entry("float32").ulps)),
-        "float16": DtypeTolerance(atol=1e-5, rtol=1e-3, ulps=8),
-        "bfloat16": DtypeTolerance(atol=1e-5, rtol=1.6e-2, ulps=8),
-    },
-)
-
 
 _LOSSES = ("loss", "outputs.loss")  # the model's loss, and the same value among its outputs
 

@@ -47,13 +47,14 @@ from pytest_modelpatch.compare._engine.sharded import (
 from pytest_modelpatch.compare._engine.ties import tie_differences
 from pytest_modelpatch.compare._engine.tolerance import (
     DEFAULT_POLICY,
-    DtypeTolerance,
+    GRADIENT_POLICY,
+    TRAINING_POLICY,
     TolerancePolicy,
     ToleranceSpec,
     resolve_tolerance,
 )  # fmt: skip
 from pytest_modelpatch.compare._engine.train_mode import as_configured, data_parallel_inner, training_state
-from pytest_modelpatch.compare.backward.equivalence import GRADIENT_POLICY, checkpoint_gradients
+from pytest_modelpatch.compare.backward.equivalence import checkpoint_gradients
 from pytest_modelpatch.compare.backward.step import LossFn, training_loss, with_labels
 from pytest_modelpatch.compare.training.drift import (
     DRIFT_FACTOR,
@@ -71,22 +72,6 @@ from pytest_modelpatch.models.devices import seed_generators
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
-# The loss, the gradient norm and the eval log-probabilities of two trainings of one model are
-# scalars or small vectors averaged over many tokens: far less round-off than one output element.
-# Measured on the good example kernels (SwiGLU and RMSNorm autograd, reordered MLP), tiny Llama,
-# 8 AdamW steps at lr 1e-3: fp32 losses within 2.4e-7 (rel 8e-8), gradient norms within rel 1.2e-7;
-# bf16 losses within 5.9e-3 (rel 1.9e-3). So rel 1e-5 and 5e-3, 100x and 2.5x their headroom at
-# the last step before growth; parameters are judged as gradients are (GRADIENT_POLICY: 16 ulps of
-# the tensor's max |value| in fp32, 8 in bf16: a bf16 weight near 1 may differ by one step of 7.8e-3).
-TRAINING_POLICY = TolerancePolicy(
-    "training",
-    {
-        "float64": DtypeTolerance(atol=1e-9, rtol=1e-9, ulps=4),
-        "float32": DtypeTolerance(atol=1e-6, rtol=1e-5, ulps=4),
-        "float16": DtypeTolerance(atol=1e-4, rtol=1e-3, ulps=4),
-        "bfloat16": DtypeTolerance(atol=1e-3, rtol=5e-3, ulps=4),
-    },
-)
 # Round-off compounds over updates: step s is judged at (1 + s * GROWTH) times the tolerance, the
 # final parameters and eval log-probabilities at the last step's (bf16 losses: 9.7e-4 at step 0,
 # 5.9e-3 at step 7: about linear).
