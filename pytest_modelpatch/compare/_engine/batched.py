@@ -121,7 +121,7 @@ def _figures(pairs: list[_Pair], sizes: list[int], slack_rtol: float) -> dict[in
     blocks = list(_blocks(sizes, width, per_block))
     device, dtype = pairs[0][1].device, pairs[0][1].dtype
     stride = max(rows for _, rows in blocks) * width
-    # Gathered in the tensors' own dtype, then widened: ~40% faster than one widening cat, and a
+    # Gathered in the tensors' own dtype, then widened: faster than one widening cat, and a
     # block found equal there (outputs often are) is never widened.
     gathered = [torch.empty(stride, dtype=dtype, device=device) for _ in range(2)]
     padding = torch.zeros(width, dtype=dtype, device=device) if any(n % width for n in sizes) else None

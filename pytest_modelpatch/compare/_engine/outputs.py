@@ -57,7 +57,7 @@ def flatten_outputs(value: Any, path: str = "", *, caches: bool = True) -> Itera
         dict(flatten_outputs(model(**inputs)))["logits"]  # also "cache.layers[0].keys" (past_key_values before 5.24)
     """
     # Walked into a list, not through nested generators: every check flattens both outputs of
-    # every example, and a chain of ``yield from`` cost ~10 us a tiny Llama's output.
+    # every example, and a chain of ``yield from`` costs more than the walk itself.
     found: list[tuple[str, Any]] = []
     _flatten_into(found, value, path, caches)
     return iter(found)

@@ -28,9 +28,9 @@ from pytest_modelpatch.reporting.records import CheckRecord
 
 # At most this many inputs per hypothesis example, on every route inputs come by.
 # hypothesis' own cost per example (its engine, seeding and restoring every PRNG, drawing the
-# group's bytes one by one, bookkeeping: ~0.5 ms here) is as much as a default tiny model's
-# forward, so a group pays it once. 32 rather than 16: 1.23x against 1.32x a check of 50
-# examples over the bare forwards (31 alternating pairs), and the same minimal example shrunk.
+# group's bytes one by one, bookkeeping) is as much as a default tiny model's forward, so a
+# group pays it once. 32 rather than 16: a check costs less over the bare forwards, and the same
+# minimal example is shrunk (docs/benchmarks.md, property checks).
 # ``max_examples`` still counts inputs compared, each once; a failing group shrinks to the
 # fewest inputs that end with a failing one, and that input, shrunk too, is the one reported.
 GROUP_SIZE = 32
@@ -104,7 +104,7 @@ class PropertyLoop:
             self._one_group(items, route, check, prepare)
 
         # as hypothesis.find() does: with no database the key is unused, and deriving it (a digest of
-        # one_group's tokenized source) cost every call ~2 ms, as much as ten tiny forwards
+        # one_group's tokenized source) costs every call as much as several tiny forwards
         one_group._hypothesis_internal_database_key = None  # type: ignore[attr-defined]
         try:
             with ieee_float32():  # once for the loop: each example's own block is then free
@@ -185,8 +185,7 @@ class _Route:
     def build_ahead(self, items: list[Any], loop: PropertyLoop) -> dict[Hashable, Any]:
         """The new inputs of a ``model_inputs`` group, built before any model runs.
 
-        Built just after a forward, an input costs ~2.5x as much (~0.13 against ~0.05 ms for a tiny
-        Llama), its memory gone cold. Inputs other strategies draw are built as they are drawn.
+        Built just after a forward, an input costs more, its memory gone cold. Inputs other strategies draw are built as they are drawn.
         """
         if self.drawn is None:
             return {}
@@ -224,7 +223,7 @@ def _group_count(first_byte: int) -> int:
 def input_groups(drawn: DrawnBytes) -> SearchStrategy[list[bytes]]:
     """What one hypothesis example draws from ``model_inputs``: the bytes of 1 to ``GROUP_SIZE`` inputs."""
     size = drawn.size
-    # One byte string, not a list: hypothesis' cost per list element (~0.1 ms) is as much as
+    # One byte string, not a list: hypothesis' cost per list element is as much as
     # building the input. Its first byte is the count, scaled so that shrinking it drops the
     # inputs after a failing one; the passing ones before it shrink to zero bytes. No integer
     # strategy: hypothesis sometimes draws integers from the literals of the modules loaded, so

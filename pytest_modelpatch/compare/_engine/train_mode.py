@@ -209,8 +209,8 @@ class _Scan:
         """Every module still has these children and parameters, and no attribute was added or removed.
 
         C-level comparisons (identity first; parameters by identity alone, as a tensor's ``==`` is
-        elementwise), where re-walking ``named_modules()`` costs ~0.1 ms a tiny model on each side
-        of every backward check.
+        elementwise), where re-walking ``named_modules()`` would cost a tiny model's share
+        of every backward check on each side.
         """
         modules = self.modules(model)
         live, saved = self._children
@@ -250,7 +250,7 @@ def parameter_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None
     """``{name: p.grad for name, p in model.named_parameters() if p.requires_grad}``, from the cached scan.
 
     Same names, order and de-duplication of shared parameters as ``named_parameters``, whose
-    generators cost ~0.1 ms a tiny model on each side of every backward check. Under
+    generators cost a tiny model's share of every backward check on each side. Under
     ``DistributedDataParallel`` the names are the wrapped model's, as the reference names them.
     """
     return {
@@ -295,7 +295,7 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
         dropouts += [(config, k, v) for k, v in vars(config).items() if _is_dropout_attr(k, v)]
     saved += dropouts
     grads = [(p, p.grad) for _, p in scan.parameters]
-    # the dropout functions' mode costs ~0.2 ms a tiny Llama's forward and backward: only where a dropout is on
+    # the dropout functions' mode slows a tiny model's forward and backward: only where a dropout is on
     off = _dropout_functions_off() if any(v not in (0.0, _ABSENT) for _, _, v in dropouts) else nullcontext()
     outer = _ZEROED.get(model)  # a nested block (a divergence search inside a training run) keeps the outer's
     try:
@@ -324,7 +324,7 @@ def _train(model: torch.nn.Module, modules: list[torch.nn.Module]) -> None:
     """``model.train()``; when no module's class does more than set its flag, the flags are set directly.
 
     ``nn.Module.train`` walks the tree through ``named_children`` and ``__setattr__``'s parameter
-    checks: ~0.15 ms a tiny model, as much as its loss. transformers' override only re-applies
+    checks: as much as a tiny model's loss. transformers' override only re-applies
     kernels when ``use_kernels`` is on; any other override (a kernel library's) runs as it is.
     """
     modeling_utils = sys.modules.get("transformers.modeling_utils")

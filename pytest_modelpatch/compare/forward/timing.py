@@ -13,7 +13,7 @@ never timed: they include output capture and the comparison itself.
   elsewhere with ``time.perf_counter``.
 - Both models are called as checks call them, ``model(**inputs)`` under ``no_grad``. A
   shared reference enters the test's pristine scope on every call (``models/reference.py``),
-  so ``reference_s`` includes that (tens of microseconds); at the default tiny size it
+  so ``reference_s`` includes that; at the default tiny size it
   leans ``speedup`` slightly in the patch's favour, at real sizes it vanishes in the noise.
 - Peak bytes: on CUDA, ``torch.cuda.max_memory_allocated`` during one forward minus what was
   allocated when it started (the forward's working memory; both models' weights excluded).
