@@ -21,7 +21,7 @@ Then the same paired ratio on every route inputs reach a property check by (``--
 a mapping of strategies (``{"input_ids": strategy}``), and ``check_generates_equivalent`` against both models'
 bare greedy decoding loops on the prompts it drew. Goal: <= 1.3x on each.
 
-Figures before and after each change are recorded in docs/properties.md ("Cost"); on a shared
+Figures are recorded in docs/benchmarks.md ("Property checks"); on a shared
 2-core machine compare them only within one run of alternating before/after benches.
 
 Usage::

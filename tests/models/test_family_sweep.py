@@ -47,7 +47,7 @@ def test_overrides_apply_to_every_family(reference_model):
 def test_a_llama_style_norm_passes_on_llama_mistral_llava_and_fails_on_the_gemmas_on_numbers(
     pytester: pytest.Pytester, name: str
 ) -> None:
-    # whatever the norm calls its tensor, the lint lets it through (#41): the Gemma rows fail on (1 + weight)
+    # whatever the norm calls its tensor, the lint lets it through: the Gemma rows fail on (1 + weight)
     pytester.makepyfile(test_sweep=SWEEP.format(name=name))
     result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
     result.assert_outcomes(passed=4, failed=2)
