@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from _support.runs import IN_ORDER
 from conftest import Pair, load_pair
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -198,7 +199,7 @@ def test_mask(reference_model, patched_model):
 def test_default_drawn_inputs_reach_padded_attention_masks(pytester: pytest.Pytester) -> None:
     # an attention that ignores the mask is only wrong on padded rows: check_equivalent must draw them
     pytester.makepyfile(MASK_IGNORING)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*check_equivalent(seed=*failed*"])
     masks = re.findall(r"inputs: .*?attention_mask=(\[\[[01, \[\]]*\]\])", result.stdout.str())

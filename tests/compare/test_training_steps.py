@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from _support.runs import IN_ORDER
 
 TRAINING = """
 import pytest
@@ -222,7 +223,7 @@ def test_the_plain_reference_is_another_model(reference_model):
 def test_a_lora_on_both_models_trains_the_same_and_a_kernel_that_skips_it_is_named(pytester: pytest.Pytester) -> None:
     pytest.importorskip("peft")
     pytester.makepyfile(test_lora=LORA)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA", "-W", "ignore::FutureWarning")
+    result = pytester.runpytest(*IN_ORDER, "-rA", "-W", "ignore::FutureWarning")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["FAILED test_lora.py::test_a_fused_mlp_that_reads_up_proj_weight_ignores_its_lora*"])
     # the first step after the update diverges, and the adapter the kernel reads past never trains
