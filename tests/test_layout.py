@@ -257,6 +257,10 @@ def test_compare_is_cut_by_capability_on_one_engine() -> None:
     assert len(top) <= 8, f"compare/ holds {len(top)} modules at its top; put them in a capability room: {top}"
     rooms = sorted(p.name for p in compare.iterdir() if (p / "__init__.py").exists())
     assert rooms == sorted(COMPARE_ROOMS), rooms
+    for room in rooms:
+        assert ast.get_docstring(ast.parse((compare / room / "__init__.py").read_text())), (
+            f"compare/{room}/ must say what it holds"
+        )
     wrong = []
     for module, targets in _graph().items():
         parts = module.split(".")
