@@ -35,9 +35,9 @@ if __package__ in (None, ""):  # run as a script: make `fixtures` importable fro
 import torch
 
 from fixtures import load_patch
-from pytest_modelpatch.compare.backward import assert_backward_equivalent
-from pytest_modelpatch.compare.running import default_inputs
-from pytest_modelpatch.compare.training import with_labels
+from pytest_modelpatch.compare._engine.inputs import default_inputs
+from pytest_modelpatch.compare.backward.equivalence import assert_backward_equivalent
+from pytest_modelpatch.compare.backward.step import with_labels
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.per_test.patch_spec import PatchSpec
 from pytest_modelpatch.isolation.registration import ActivePatches

@@ -31,7 +31,7 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import load_patch, tiny_config
-from pytest_modelpatch.compare.decoding import assert_decodes_equivalent, default_prompts
+from pytest_modelpatch.compare.decoding.equivalence import assert_decodes_equivalent, default_prompts
 from pytest_modelpatch.isolation.guard import builtin_patch_state, isolated_patch_state
 from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained
 

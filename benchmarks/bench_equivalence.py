@@ -21,7 +21,7 @@ Then the same paired ratio on every route inputs reach a property check by (``--
 a mapping of strategies (``{"input_ids": strategy}``), and ``check_decodes_equivalent`` against both models'
 bare greedy decoding loops on the prompts it drew. Goal: <= 1.3x on each.
 
-Figures before and after each change are recorded in docs/properties.md ("Cost"); on a shared
+Figures are recorded in docs/benchmarks.md ("Property checks"); on a shared
 2-core machine compare them only within one run of alternating before/after benches.
 
 Usage::
@@ -53,13 +53,13 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.monkey_patching import register_patch_mapping
 
 from fixtures import load_patch
-from pytest_modelpatch.compare import decoding_properties
-from pytest_modelpatch.compare.decoding_properties import check_decodes_equivalent
-from pytest_modelpatch.compare.outputs import compare_outputs
-from pytest_modelpatch.compare.property_checks import check_equivalent
-from pytest_modelpatch.compare.property_loop import GROUP_SIZE, input_groups
-from pytest_modelpatch.compare.running import cache_keyword
-from pytest_modelpatch.compare.tolerance import resolve_tolerance
+from pytest_modelpatch.compare._engine.hints import cache_keyword
+from pytest_modelpatch.compare._engine.outputs import compare_outputs
+from pytest_modelpatch.compare._engine.property_loop import GROUP_SIZE, input_groups
+from pytest_modelpatch.compare._engine.tolerance import resolve_tolerance
+from pytest_modelpatch.compare.decoding.equivalence import properties as decoding_properties
+from pytest_modelpatch.compare.decoding.properties import check_decodes_equivalent
+from pytest_modelpatch.compare.forward.properties import check_equivalent
 from pytest_modelpatch.families.strategies import drawn_bytes, model_inputs
 from pytest_modelpatch.isolation.guard import builtin_patch_state, isolated_patch_state
 from pytest_modelpatch.isolation.interception import hold_for_session

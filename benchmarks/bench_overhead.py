@@ -5,9 +5,8 @@ leak guard has a modeling module and the attention registries to watch). Baselin
 same run with ``-p no:modelpatch``, measured in the same invocation, alternating, best of
 ``ROUNDS``. Printed: the test loop's time (first setup to last teardown, from a conftest
 hook, so torch's import does not dilute the ratio) and the whole process's wall time.
-Goals (issues #14, #19): the run of 1000 tests at most 1.02x as long with the plugin as without it,
-which is the process line (the issues measured 1.10-1.15x there, 0.7-1.1 ms a test, when they were
-filed), and at most about 0.1 ms a test, which is the test loop's difference. The loop ratio itself
+Goals: the run of 1000 tests at most 1.02x as long with the plugin as without it,
+which is the process line, and at most about 0.1 ms a test, which is the test loop's difference. The loop ratio itself
 is printed too: the baseline loop costs ~0.6-0.7 ms a test, so 0.1 ms is ~1.15x there. The guard
 runs from hooks (``isolation/per_test/scopes.py``'s ``IsolationScopes.open``), not from an autouse fixture, whose
 set-up and tear-down alone cost every test ~0.025 ms. Two scenarios: a bare import, and a session

@@ -2,7 +2,7 @@
 
 1. Resolving ``families="patched"`` for the mapping ``{"^(Llama|Gemma)RMSNorm$": ...}`` in a fresh
    process: cold (an empty cache folder: the lint's scan index and the table of every family's
-   towers are built) and warm (both read from the cache). Goals (issue #32): at most 10 s cold,
+   towers are built) and warm (both read from the cache). Goals: at most 10 s cold,
    1 s warm. The time counts ``sweep_families`` alone, after torch and transformers are imported,
    as they are in a pytest session that builds models.
 2. One swept test, ``@pytest.mark.model(["llama", "gemma", "llava", "paligemma"])``, against the

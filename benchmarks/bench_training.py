@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make `fixtures` importable fro
 import torch
 
 from fixtures import load_patch
-from pytest_modelpatch.compare.training_steps import assert_trains_equivalent, training_batches
+from pytest_modelpatch.compare.training.steps import assert_trains_equivalent, training_batches
 from pytest_modelpatch.isolation.interception import hold_for_session
 from pytest_modelpatch.isolation.per_test.patch_spec import PatchSpec
 from pytest_modelpatch.isolation.registration import ActivePatches

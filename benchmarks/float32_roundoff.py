@@ -40,9 +40,11 @@ import torch
 from split_families import split_over_processes
 from transformers.utils import logging as transformers_logging
 
-from pytest_modelpatch.compare.outputs import flatten_outputs
-from pytest_modelpatch.compare.running import default_inputs, evaluating, forward
-from pytest_modelpatch.compare.tolerance import DEFAULT_POLICY, ulp
+from pytest_modelpatch.compare._engine.devices import evaluating
+from pytest_modelpatch.compare._engine.inputs import default_inputs
+from pytest_modelpatch.compare._engine.outputs import flatten_outputs
+from pytest_modelpatch.compare._engine.running import forward
+from pytest_modelpatch.compare._engine.tolerance import DEFAULT_POLICY, ulp
 from pytest_modelpatch.families.catalog import available_model_types
 from pytest_modelpatch.models.builder import LoadChoices, ModelBuilder, ModelRequest
 from pytest_modelpatch.models.memory_cache import CacheBound

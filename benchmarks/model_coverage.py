@@ -35,8 +35,8 @@ import torch
 from split_families import split_over_processes
 from transformers.utils import logging as transformers_logging
 
-from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.outputs import vacuous_outputs
+from pytest_modelpatch.compare._engine.outputs import vacuous_outputs
+from pytest_modelpatch.compare.forward.equivalence import assert_equivalent
 from pytest_modelpatch.families.catalog import available_model_types, model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest

@@ -176,7 +176,7 @@ def patched_model(
             model = _load_patched(request, model_builder, model_request, dtype, device, choices)
         note_implementations(request.node, "patched", model)
         if kind in ("tp", MESH):  # its activations and caches hold its TP rank's slice: gathered for each comparison
-            from pytest_modelpatch.compare.sharded import gathering_shards
+            from pytest_modelpatch.compare._engine.sharded import gathering_shards
             from pytest_modelpatch.parallel.sharding import tensor_parallel_group
 
             with gathering_shards(tensor_parallel_group(model) if kind == MESH else None):

@@ -508,7 +508,7 @@ def _set_test_tolerance(item: pytest.Item) -> Any:
         ini_set = config.stash[_TOLERANCE_INI_SET] = any(config.getini(k) for k in _TOLERANCE_INI)
     if not ini_set and "tolerance" not in item.keywords:
         return None
-    from pytest_modelpatch.compare.tolerance import ToleranceOverride, set_test_tolerance
+    from pytest_modelpatch.compare._engine.tolerance import ToleranceOverride, set_test_tolerance
 
     overrides = []
     mark = item.get_closest_marker("tolerance")

@@ -15,9 +15,9 @@ _EXPORTS: dict[str, str] = {
     "load_report": "reporting.report",
     "GateVerdict": "reporting.gate",
     "Thresholds": "reporting.gate",
-    "first_divergence": "compare.divergence",
-    "divergence_profile": "compare.divergence",
-    "Divergence": "compare.divergence",
+    "first_divergence": "compare._engine.divergence",
+    "divergence_profile": "compare._engine.divergence",
+    "Divergence": "compare._engine.divergence",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -18,7 +18,7 @@ changes that:
 Output blocks (```text, ```console, ```bash) are not run. A ```text block marked
 ``<!-- doc: output -->`` quotes the failure of the expect-fail block above it (``<!-- doc: output:
 NAME -->``: of ``QUOTE_SOURCES[NAME]``): each line it quotes must be in the real failure, its
-figures up to CPU round-off (``quoted_output.py``). So must quickstart's quote of the main job.
+figures up to CPU round-off (``_support/quoted_output.py``). So must quickstart's quote of the main job.
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from quoted_output import same_line, same_lines
+from _support.quoted_output import same_line, same_lines
+from _support.runs import keep_the_lint_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [*sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "README.md"]
 REFERENCE = REPO_ROOT / "docs" / "reference.md"
-# pytester points HOME at its tmp dir: keep the lint's scan index where it is, or every run rebuilds it
-LINT_CACHE = __import__("pytest_modelpatch.lint.scan_index", fromlist=["cache_dir"]).cache_dir()
 
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
 _DIRECTIVE = re.compile(r"^\s*<!--\s*doc:\s*(?P<name>[\w-]+)\s*(?::\s*(?P<arg>.*?))?\s*-->\s*$")
@@ -221,7 +220,7 @@ def test_python_block_runs_as_documented(
         pytest.skip(f"{block.id}: {block.directive_arg}")
     if block.directive == "file":
         assert re.fullmatch(r"\w+\.py", block.directive_arg), f"{block}: <!-- doc: file: NAME.py --> needs a module"
-    monkeypatch.setenv("MODELPATCH_CACHE_DIR", os.environ.get("MODELPATCH_CACHE_DIR") or str(LINT_CACHE))
+    keep_the_lint_cache(monkeypatch)
     run = run_test_modules(block.path, pytester) if block.is_test_module else run_snippets(block.path, tmp_path)
     check_outcomes(block, run)
 
@@ -598,7 +597,7 @@ def quoted_failure(quote: CodeBlock, pytester: pytest.Pytester, tmp_path: Path) 
 def test_quoted_failure_is_what_the_code_raises(
     quote: CodeBlock, pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("MODELPATCH_CACHE_DIR", os.environ.get("MODELPATCH_CACHE_DIR") or str(LINT_CACHE))
+    keep_the_lint_cache(monkeypatch)
     message = quoted_failure(quote, pytester, tmp_path)
     real = real_lines(message)
     stale = [line for line in quoted_lines(quote.code) if not any(same_line(line, r) for r in real)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from _support.runs import IN_ORDER
 
 BAD_MARKERS = {
     "both": ('@pytest.mark.model("llama", families="all")', "reference_model",
@@ -23,7 +24,7 @@ def test_a_bad_marker_fails_its_test_and_every_other_test_runs(pytester: pytest.
         test_bad="import pytest\n" + cases,
         test_good="import pytest\n\n\n@pytest.mark.parametrize('n', [1, 2])\ndef test_runs(n):\n    assert n\n",
     )
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-W", "ignore::pytest.PytestUnknownMarkWarning")
+    result = pytester.runpytest(*IN_ORDER, "-W", "ignore::pytest.PytestUnknownMarkWarning")
     result.assert_outcomes(passed=2, errors=len(BAD_MARKERS))
     assert "Interrupted" not in result.stdout.str()
     for case, (_, _, message) in BAD_MARKERS.items():
@@ -58,7 +59,7 @@ def test_a_bad_marker_on_a_parametrized_test_fails_each_of_its_items(pytester: p
 @pytest.mark.parametrize("name", ["patches", "modell", "paralel", "dtype", "toleranse"])
 def test_a_mark_close_to_a_plugin_marker_fails_with_did_you_mean(pytester: pytest.Pytester, name: str) -> None:
     pytester.makepyfile(f"import pytest\n\n\n@pytest.mark.{name}\ndef test_marked():\n    pass\n")
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines([f"*@pytest.mark.{name} is not a marker pytest-modelpatch knows*Did you mean*"])
 
@@ -76,13 +77,13 @@ def test_a_registered_or_unrelated_mark_is_left_alone(pytester: pytest.Pytester)
             pass
         """
     )
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-W", "ignore::pytest.PytestUnknownMarkWarning")
+    result = pytester.runpytest(*IN_ORDER, "-W", "ignore::pytest.PytestUnknownMarkWarning")
     result.assert_outcomes(passed=1)
 
 
 def test_under_strict_markers_pytest_refuses_the_file_and_says_did_you_mean(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("import pytest\n\n\n@pytest.mark.patches({})\ndef test_marked():\n    pass\n")
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "--strict-markers")
+    result = pytester.runpytest(*IN_ORDER, "--strict-markers")
     assert result.ret != 0
     result.stdout.fnmatch_lines(["*'patches' not found in `markers` configuration option*",
                                  "PatchUsageError: @pytest.mark.patches is not a marker pytest-modelpatch knows. "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quoted_output import same_line, same_lines
+from _support.quoted_output import same_line, same_lines
 
 ROW = "xfailed  1.37      700       equivalence#1  LlamaForCausalLM     float32@cpu   docs/examples/t.py::test_scale"
 PASSED = "passed   5.36e-06  0.0247    equivalence#1  Qwen3VLModel         float32@cpu   docs/examples/t.py::test_vl"

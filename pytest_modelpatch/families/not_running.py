@@ -1,6 +1,6 @@
 """The families whose tiny model does not run here, with where they stop and why.
 
-The tables ``docs/families.md`` prints (``tests/models/test_every_family.py`` checks they are equal):
+The tables ``docs/families.md`` prints (``tests/families/test_every_family.py`` checks they are equal):
 a family sweep (``@pytest.mark.model(families="all")``) skips these with the reason instead of
 failing on them. The reasons were measured on the transformers version ``.ci/constraints.txt`` pins.
 """

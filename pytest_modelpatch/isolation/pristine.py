@@ -209,8 +209,8 @@ def running_pristine() -> Iterator[None]:
     conversion mapping, ``patch_output_recorders``), never in a forward or backward, and a reference
     pins its capture hooks at build time (``models/reference.py``). A model's call sees exactly the
     module globals and class attributes this swaps, so it computes what it computes in
-    :func:`pristine`, without two copies of the registries per call (3-4x a tiny model's forward
-    overhead). Build models in :func:`pristine`, never in this.
+    :func:`pristine`, without two copies of the registries per call (several times a tiny model's
+    forward overhead). Build models in :func:`pristine`, never in this.
     """
     scope = current_scope()
     if scope is None:

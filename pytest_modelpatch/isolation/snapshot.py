@@ -238,8 +238,8 @@ class PatchStateSnapshot:
     def _probe(self) -> list[Any]:
         """Every object restore() puts back, as nested tuples and lists built by C-level calls.
 
-        ~8 us with the 251 built-in conversion entries (1390 converters) loaded: a Python loop
-        over the entries here cost every test of a session 0.24 ms once any model had loaded.
+        C-level calls because a Python loop over the built-in conversion entries (over a thousand
+        converters) costs every test of a session once any model has loaded.
         """
         mp, cm, fm = (sys.modules.get(name) for name in (MONKEY_PATCHING, CONVERSION_MAPPING, FUSION_MAPPING))
         parts: list[Any] = [mp, cm, fm, [vars(a.owner).get(a.name, _MISSING) for a in self.attributes]]
@@ -301,7 +301,7 @@ class PatchStateSnapshot:
         cache = cm._checkpoint_conversion_mapping_cache
         if self.conversions is None:
             # The cache was not built yet: drop it only when something was registered
-            # into it, since rebuilding it costs ~0.1 s.
+            # into it, since rebuilding it costs more than most tests.
             if cache is not None and (dirty_registration or registered is None):
                 cm._checkpoint_conversion_mapping_cache = None
             return
@@ -361,7 +361,7 @@ _BUILTIN_CONVERSIONS: dict[str, Any] = {}
 
 
 def builtin_conversions(cm: types.ModuleType) -> dict[str, Any]:
-    """transformers' own conversion table, built once per process (a build costs ~0.1-0.5 s)."""
+    """transformers' own conversion table, built once per process (a build costs more than most tests)."""
     if not _BUILTIN_CONVERSIONS:
         _BUILTIN_CONVERSIONS.update(cm._build_checkpoint_conversion_mapping())
     return _BUILTIN_CONVERSIONS

@@ -141,8 +141,8 @@ def first_parameter_device(model: Any) -> Any:
 def seed_generators(device: Any, seed: int) -> None:
     """Seed the generators a model on ``device`` draws from: the CPU's, and its accelerator's.
 
-    Not ``torch.manual_seed``, which seeds every backend there is and costs ~90 us on a machine
-    without them (more than a tiny model's forward): a training check seeds twice a step.
+    Not ``torch.manual_seed``, which seeds every backend there is and costs more than a tiny
+    model's forward on a machine without them: a training check seeds twice a step.
     """
     import torch
 

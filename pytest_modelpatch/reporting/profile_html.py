@@ -10,7 +10,7 @@ hides in a hover tooltip.
 
 Example::
 
-    profile = divergence_profile(reference_model, patched_model, inputs)  # from pytest_modelpatch.compare.divergence
+    profile = divergence_profile(reference_model, patched_model, inputs)  # from pytest_modelpatch.compare._engine.divergence
     write_profile_html(Path("profile.html"), [{"nodeid": "t.py::t", "check": "equivalence#1", "profile": profile}])
 """
 

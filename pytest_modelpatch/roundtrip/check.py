@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import transformers
 
-from pytest_modelpatch.compare.check_report import conclude
-from pytest_modelpatch.compare.running import unwrapped
+from pytest_modelpatch.compare._engine.devices import unwrapped
+from pytest_modelpatch.compare._engine.reports import conclude
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.isolation.guard import builtin_patch_state, isolated_patch_state
 from pytest_modelpatch.models.builder import LoadChoices

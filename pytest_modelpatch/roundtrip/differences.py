@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from pytest_modelpatch.compare.outputs import flatten_outputs
-from pytest_modelpatch.compare.running import evaluating, forward
+from pytest_modelpatch.compare._engine.devices import evaluating
+from pytest_modelpatch.compare._engine.outputs import flatten_outputs
+from pytest_modelpatch.compare._engine.running import forward
 
 # config.json keys that save_pretrained rewrites on every save; a change there says nothing about the patch
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "name_or_path"})
@@ -26,7 +27,7 @@ _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "nam
 class OutputDiff:
     """One output tensor of the reference model against the same output after the round-trip.
 
-    ``name`` is the tensor's path in the output tree, as ``compare.outputs.flatten_outputs``
+    ``name`` is the tensor's path in the output tree, as ``compare._engine.outputs.flatten_outputs``
     names it (``logits``, ``hidden_states[1]``, ``cache.layers[0].keys``).
     """
 
@@ -42,7 +43,7 @@ class OutputDiff:
 
 
 def output_leaves(model: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """One forward pass, run and flattened as every check runs it (``compare.running``, ``compare.outputs``): ``path -> leaf``.
+    """One forward pass, run and flattened as every check runs it (``compare._engine.running``, ``compare._engine.outputs``): ``path -> leaf``.
 
     ``forward`` seeds the pass, so a model that draws in eval mode (ViT-MAE's masking) draws
     the same before and after the round-trip; nested outputs and cache layers are kept.

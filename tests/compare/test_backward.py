@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import Pair
 
-from pytest_modelpatch.compare.backward import assert_backward_equivalent
-from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.property_checks import check_backward_equivalent
+from pytest_modelpatch.compare.backward.equivalence import assert_backward_equivalent
+from pytest_modelpatch.compare.forward.equivalence import assert_equivalent
+from pytest_modelpatch.compare.forward.properties import check_backward_equivalent
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.reporting.records import CheckRecord
 
@@ -192,7 +192,7 @@ def test_property_check_with_backward_compares_no_example_without_a_scored_token
 
 
 def test_training_state_sees_a_dropout_added_or_replaced_after_an_earlier_check() -> None:
-    from pytest_modelpatch.compare.training import training_state
+    from pytest_modelpatch.compare._engine.train_mode import training_state
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
     with training_state(model):
@@ -211,7 +211,7 @@ def test_a_scanned_model_is_not_kept_alive_by_the_scan_cache() -> None:
     import gc
     import weakref
 
-    from pytest_modelpatch.compare.training import parameter_gradients, training_state
+    from pytest_modelpatch.compare._engine.train_mode import parameter_gradients, training_state
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
     model.attention_dropout = 0.1  # a dropout attribute on the model itself
@@ -227,7 +227,7 @@ def test_a_scanned_model_is_not_kept_alive_by_the_scan_cache() -> None:
 def test_training_state_runs_a_modules_own_train_and_restores_every_flag() -> None:
     # a kernel library's module may override train() (keep a frozen part in eval, re-pack weights):
     # setting each module's flag directly, the fast path, must not skip it
-    from pytest_modelpatch.compare.training import training_state
+    from pytest_modelpatch.compare._engine.train_mode import training_state
 
     class FrozenNorm(torch.nn.Module):
         def __init__(self) -> None:
@@ -249,7 +249,7 @@ def test_training_state_runs_a_modules_own_train_and_restores_every_flag() -> No
 
 
 def test_parameter_gradients_name_what_named_parameters_names_after_the_model_changes() -> None:
-    from pytest_modelpatch.compare.training import parameter_gradients
+    from pytest_modelpatch.compare._engine.train_mode import parameter_gradients
 
     def expected(model: torch.nn.Module) -> dict[str, Any]:
         return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}

@@ -9,13 +9,13 @@ import pytest
 import torch
 from conftest import Pair
 
-from pytest_modelpatch.compare import batched
-from pytest_modelpatch.compare.backward import GRADIENT_POLICY, gradient_tolerance
-from pytest_modelpatch.compare.batched import compare_flat_batched
-from pytest_modelpatch.compare.outputs import TensorComparison, compare_flat
-from pytest_modelpatch.compare.running import default_inputs
-from pytest_modelpatch.compare.tolerance import resolve_tolerance
-from pytest_modelpatch.compare.training import training_run, with_labels
+from pytest_modelpatch.compare._engine import batched
+from pytest_modelpatch.compare._engine.batched import compare_flat_batched
+from pytest_modelpatch.compare._engine.inputs import default_inputs
+from pytest_modelpatch.compare._engine.outputs import TensorComparison, compare_flat
+from pytest_modelpatch.compare._engine.tolerance import GRADIENT_POLICY, resolve_tolerance
+from pytest_modelpatch.compare.backward.equivalence import gradient_tolerance
+from pytest_modelpatch.compare.backward.step import training_run, with_labels
 from pytest_modelpatch.isolation.pristine import pristine
 
 

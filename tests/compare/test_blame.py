@@ -12,6 +12,7 @@ import json
 import re
 
 import pytest
+from _support.runs import IN_ORDER
 
 MODELS = """
 import pytest
@@ -91,7 +92,7 @@ def _blame_line(text: str) -> str:
 
 def _run(pytester: pytest.Pytester, tests: str) -> pytest.RunResult:
     pytester.makepyfile(test_blame=MODELS + tests)
-    return pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA", "--modelpatch-report", "report.json",
+    return pytester.runpytest(*IN_ORDER, "-rA", "--modelpatch-report", "report.json",
                               "--modelpatch-html", "profile.html")  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from pytest_modelpatch import (
     assert_equivalent,
     check_decodes_equivalent,
 )
-from pytest_modelpatch.compare.decoding import default_prompts
+from pytest_modelpatch.compare.decoding.equivalence import default_prompts
 from pytest_modelpatch.families.catalog import tiny_config as tiny_config_of
 from pytest_modelpatch.models.checkpoints import cached_checkpoint
 

@@ -6,14 +6,15 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _support.runs import IN_ORDER
 from conftest import Pair
 
-from pytest_modelpatch.compare.divergence import (
+from pytest_modelpatch.compare._engine.divergence import (
     assert_module_equivalent,
     first_divergence,
     record_module_calls,
 )
-from pytest_modelpatch.compare.equivalence import assert_equivalent
+from pytest_modelpatch.compare.forward.equivalence import assert_equivalent
 from pytest_modelpatch.errors import ModelPatchError, PatchUsageError
 
 
@@ -132,7 +133,7 @@ def test_a_field_one_implementation_never_produces_does_not_make_a_module_diverg
             assert_equivalent(reference_model, patched_model)
         """
     )
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
         "E       first diverging module: language_model.layers.0.self_attn (GemmaAttention)",

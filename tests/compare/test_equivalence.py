@@ -9,13 +9,13 @@ import torch
 from conftest import Pair, cache_field
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.outputs import compare_outputs, flatten_outputs
-from pytest_modelpatch.compare.tolerance import (
+from pytest_modelpatch.compare._engine.outputs import compare_outputs, flatten_outputs
+from pytest_modelpatch.compare._engine.tolerance import (
     DtypeTolerance,
     TolerancePolicy,
     resolve_tolerance,
 )
+from pytest_modelpatch.compare.forward.equivalence import assert_equivalent
 from pytest_modelpatch.reporting.records import CheckRecord
 
 
@@ -181,7 +181,7 @@ def test_failure_in_a_user_test_points_at_the_users_line(pytester: pytest.Pytest
         """
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
-        from pytest_modelpatch.compare.equivalence import assert_equivalent
+        from pytest_modelpatch.compare.forward.equivalence import assert_equivalent
 
         def test_scaled():
             torch.manual_seed(0)

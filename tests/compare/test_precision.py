@@ -26,7 +26,7 @@ from pytest_modelpatch import (
     assert_trains_equivalent,
     check_equivalent,
 )
-from pytest_modelpatch.compare.running import ieee_float32
+from pytest_modelpatch.compare._engine.precision import ieee_float32
 from pytest_modelpatch.models import seeded_model, tiny_config
 
 CONFIG = tiny_config("llama", num_hidden_layers=1)

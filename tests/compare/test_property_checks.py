@@ -10,17 +10,18 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from _support.runs import IN_ORDER
 from conftest import Pair, load_pair
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.control import current_build_context
 
 from fixtures import load_patch
-from pytest_modelpatch.compare import property_loop
-from pytest_modelpatch.compare.decoding_properties import check_decodes_equivalent
-from pytest_modelpatch.compare.equivalence import assert_equivalent
-from pytest_modelpatch.compare.property_checks import check_equivalent
-from pytest_modelpatch.compare.property_loop import GROUP_SIZE
+from pytest_modelpatch.compare._engine import property_loop
+from pytest_modelpatch.compare._engine.property_loop import GROUP_SIZE
+from pytest_modelpatch.compare.decoding.properties import check_decodes_equivalent
+from pytest_modelpatch.compare.forward.equivalence import assert_equivalent
+from pytest_modelpatch.compare.forward.properties import check_equivalent
 from pytest_modelpatch.families.strategies import DrawnBytes, drawn_bytes, model_inputs, tiny_configs
 from pytest_modelpatch.models.checkpoints import cached_checkpoint
 from pytest_modelpatch.reporting.records import CheckRecord
@@ -199,7 +200,7 @@ def test_mask(reference_model, patched_model):
 def test_default_drawn_inputs_reach_padded_attention_masks(pytester: pytest.Pytester) -> None:
     # an attention that ignores the mask is only wrong on padded rows: check_equivalent must draw them
     pytester.makepyfile(MASK_IGNORING)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*check_equivalent(seed=*failed*"])
     masks = re.findall(r"inputs: .*?attention_mask=(\[\[[01, \[\]]*\]\])", result.stdout.str())

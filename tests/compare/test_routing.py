@@ -8,13 +8,15 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from _support.runs import IN_ORDER
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 
-from pytest_modelpatch.compare.outputs import compare_outputs
-from pytest_modelpatch.compare.routing import RouterCall, compare_routed, find_flips, router_names
-from pytest_modelpatch.compare.running import evaluating, forward
-from pytest_modelpatch.compare.tolerance import resolve_tolerance
+from pytest_modelpatch.compare._engine.devices import evaluating
+from pytest_modelpatch.compare._engine.outputs import compare_outputs
+from pytest_modelpatch.compare._engine.running import forward
+from pytest_modelpatch.compare._engine.tolerance import resolve_tolerance
+from pytest_modelpatch.compare.forward.routing import RouterCall, compare_routed, find_flips, router_names
 from pytest_modelpatch.models.weights import spread_weights
 
 # ---------------------------------------------------------------------------
@@ -130,7 +132,7 @@ def test_per_expert_loop(reference_model, patched_model, dtype):
 
 def test_bf16_mixtral_with_per_expert_loop_passes_200_examples(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(LOOP)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-s", "--modelpatch-report", "r.json")
+    result = pytester.runpytest(*IN_ORDER, "-s", "--modelpatch-report", "r.json")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
         ["routing: * near-tie expert choice(s) flipped in * example(s) *forced to the reference's*"]
@@ -164,7 +166,7 @@ def test_assert(reference_model, patched_model, dtype):
 
 def test_wrong_expert_router_fails_in_bf16_and_fp32(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(BROKEN)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(failed=4)
     result.stdout.fnmatch_lines(
         [

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pytest_modelpatch import assert_equivalent
-from pytest_modelpatch.compare.running import forward
+from pytest_modelpatch.compare._engine.running import forward
 from pytest_modelpatch.families.catalog import tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.models.checkpoints import seeded_model

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from pytest_modelpatch.compare.tolerance import (
+from pytest_modelpatch.compare._engine.tolerance import (
     DEFAULT_POLICY,
     DtypeTolerance,
     ToleranceOverride,
@@ -137,7 +137,7 @@ def test_marker_and_ini_reach_assert_equivalent_in_a_real_run(pytester: pytest.P
         """
         import pytest
         import torch
-        from pytest_modelpatch.compare.equivalence import assert_equivalent
+        from pytest_modelpatch.compare.forward.equivalence import assert_equivalent
 
         class Scale(torch.nn.Module):
             def __init__(self, factor):
@@ -194,7 +194,7 @@ def test_sqnr_policy_has_per_dtype_defaults_and_a_named_threshold() -> None:
 
 
 def test_sqnr_is_ten_log10_of_signal_over_noise() -> None:
-    from pytest_modelpatch.compare.outputs import compare_tensors, sqnr_db
+    from pytest_modelpatch.compare._engine.outputs import compare_tensors, sqnr_db
 
     reference = torch.ones(100, dtype=torch.float64)
     assert sqnr_db(reference, reference + 0.01) == pytest.approx(40.0)  # signal 100, noise 0.01
@@ -302,7 +302,7 @@ def test_reordered_accumulation_passes_oracle_and_a_small_bias_fails_it(pytester
 
 
 def test_oracle_policy_numbers_and_names() -> None:
-    from pytest_modelpatch.compare.tolerance import oracle_policy
+    from pytest_modelpatch.compare._engine.tolerance import oracle_policy
 
     tolerance = resolve_tolerance(policy="oracle").for_dtype(torch.bfloat16)
     assert (tolerance.oracle_factor, tolerance.oracle_floor) == (2.0, 1e-3)

@@ -114,7 +114,7 @@ def _dropouts(model: torch.nn.Module, outer: Any, inner: Any) -> tuple[float, ..
 def test_training_state_zeroes_dropout_fields_of_nested_configs_and_as_configured_puts_them_back() -> None:
     from transformers import PretrainedConfig
 
-    from pytest_modelpatch.compare.training import as_configured, training_state
+    from pytest_modelpatch.compare._engine.train_mode import as_configured, training_state
 
     model = _tiny_llama(attention_dropout=0.25)
     inner = PretrainedConfig(resid_pdrop=0.1, drop_path_rate=0.2, layer_norm_eps=0.5)
@@ -139,7 +139,7 @@ def test_training_state_zeroes_dropout_fields_of_nested_configs_and_as_configure
 
 
 def test_dropout_functions_stay_untouched_when_no_dropout_is_configured() -> None:
-    from pytest_modelpatch.compare.training import training_state
+    from pytest_modelpatch.compare._engine.train_mode import training_state
 
     model = _tiny_llama()  # attention_dropout 0: nothing to turn off, no function mode to pay for
     with training_state(model):
@@ -148,7 +148,7 @@ def test_dropout_functions_stay_untouched_when_no_dropout_is_configured() -> Non
 
 
 def test_a_probability_kept_in_a_partial_is_turned_off_by_the_call_it_makes() -> None:
-    from pytest_modelpatch.compare.training import training_state
+    from pytest_modelpatch.compare._engine.train_mode import training_state
 
     model = _tiny_llama(attention_dropout=0.5)
     attend = functools.partial(torch.nn.functional.scaled_dot_product_attention, dropout_p=0.5)
@@ -161,8 +161,8 @@ def test_a_probability_kept_in_a_partial_is_turned_off_by_the_call_it_makes() ->
 
 def test_a_failure_after_weights_drifted_apart_names_what_the_patch_replaced_not_the_first_module() -> None:
     from fixtures.patches import llama_swiglu_autograd as fused_mlp
-    from pytest_modelpatch.compare.tolerance import resolve_tolerance
-    from pytest_modelpatch.compare.training_steps import _locate
+    from pytest_modelpatch.compare._engine.tolerance import resolve_tolerance
+    from pytest_modelpatch.compare.training.steps import _locate
 
     reference = _tiny_llama()
     patched = _tiny_llama()

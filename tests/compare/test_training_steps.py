@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from _support.runs import IN_ORDER
 
 TRAINING = """
 import pytest
@@ -114,7 +115,7 @@ def test_training_catches_each_class_of_bug_and_passes_the_correct_patches(pytes
 def test_tied_groups_and_their_differences() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pytest_modelpatch.compare.ties import tie_differences, tied_groups
+    from pytest_modelpatch.compare._engine.ties import tie_differences, tied_groups
 
     config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=32, tie_word_embeddings=True)  # fmt: skip
@@ -135,7 +136,7 @@ def test_tied_groups_and_their_differences() -> None:
 def test_micro_batches_of_a_step_hold_different_numbers_of_real_tokens() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pytest_modelpatch.compare.training_steps import _items, accepts_loss_kwargs, training_batches
+    from pytest_modelpatch.compare.training.steps import _items, accepts_loss_kwargs, training_batches
 
     config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=64)  # fmt: skip
@@ -222,7 +223,7 @@ def test_the_plain_reference_is_another_model(reference_model):
 def test_a_lora_on_both_models_trains_the_same_and_a_kernel_that_skips_it_is_named(pytester: pytest.Pytester) -> None:
     pytest.importorskip("peft")
     pytester.makepyfile(test_lora=LORA)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA", "-W", "ignore::FutureWarning")
+    result = pytester.runpytest(*IN_ORDER, "-rA", "-W", "ignore::FutureWarning")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["FAILED test_lora.py::test_a_fused_mlp_that_reads_up_proj_weight_ignores_its_lora*"])
     # the first step after the update diverges, and the adapter the kernel reads past never trains
@@ -234,7 +235,7 @@ def test_a_wrapped_model_is_given_the_labels_the_model_inside_takes() -> None:
     # PEFT's PeftModel.forward takes **kwargs: without labels the checks trained on the default
     # reduction (a random projection of the outputs), not the model's own loss
     peft = pytest.importorskip("peft")
-    from pytest_modelpatch.compare.training import has_loss_targets, with_labels
+    from pytest_modelpatch.compare.backward.step import has_loss_targets, with_labels
     from pytest_modelpatch.families.inputs import example_inputs
     from pytest_modelpatch.models import seeded_model, tiny_config
 

@@ -259,7 +259,7 @@ def test_the_realtime_text_model_gets_the_delay_condition_its_parent_would_hand_
 
 
 def test_the_delay_condition_takes_the_dtype_of_a_model_loaded_in_bfloat16(tmp_path: Path) -> None:
-    from pytest_modelpatch.compare.running import default_inputs
+    from pytest_modelpatch.compare._engine.inputs import default_inputs
     from pytest_modelpatch.models.builder import ModelBuilder, ModelRequest
 
     model = ModelBuilder(tmp_path).reference(ModelRequest("voxtral_realtime_text"), dtype="bfloat16")

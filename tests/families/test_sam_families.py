@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_modelpatch.compare.equivalence import assert_equivalent
+from pytest_modelpatch.compare.forward.equivalence import assert_equivalent
 from pytest_modelpatch.families.catalog import model_class_for, tiny_config
 from pytest_modelpatch.families.inputs import example_inputs
 from pytest_modelpatch.families.shrink.rules.timm import TINY_RESNET_ARGS

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import pytest
+from _support.runs import IN_ORDER
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
 from transformers.models.vibevoice_asr.modeling_vibevoice_asr import VibeVoiceAsrMultiModalProjector
 
@@ -357,7 +358,7 @@ def test_the_function_the_cli_and_the_marker_give_the_same_findings(pytester: py
             pass
         """
     )
-    marked = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    marked = pytester.runpytest(*IN_ORDER)
     marked.assert_outcomes(errors=1)
     registration = [f for f in found if str(f.kind) == "WEIGHT_NAMES"]  # what fails registration
     for finding in registration:

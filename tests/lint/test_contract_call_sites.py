@@ -1,4 +1,4 @@
-"""SIGNATURE judges what transformers' calls pass, not the original's parameter names (#41).
+"""SIGNATURE judges what transformers' calls pass, not the original's parameter names.
 
 transformers 5.24 names the norm's argument ``x`` in Gemma and ``hidden_states`` in Llama, and
 every layer passes it by position: a kernel written once binds in both. What does not bind is
@@ -197,7 +197,7 @@ def test_a_mark_refuses_the_x_attention_at_setup_naming_the_call_site(pytester: 
 # the audit (benchmarks/lint_audit.py), on a sample
 # ---------------------------------------------------------------------------
 
-# deepseek_v4 and lxmert had calls misread as the class's own (two of 12 false findings before #41);
+# deepseek_v4 and lxmert had calls misread as the class's own (two of 12 false findings when SIGNATURE judged parameter names);
 # blip_2's tiny model cannot be built here, which once read as the replacement's WEIGHT_NAMES failure
 IDENTITY_SAMPLE = [
     "llama",

@@ -43,7 +43,7 @@ def kinds(findings: list) -> Counter:
     return Counter(str(f.kind) for f in findings)
 
 
-# -- what the issue asks for ---------------------------------------------------
+# -- what the pattern lint finds ---------------------------------------------
 def test_broad_attention_key_on_bert_flags_the_container_and_model_outputs(index: ScanIndex) -> None:
     findings = lint_patterns({".*Attention": Replacement}, families=["bert"], index=index, structures=None)
     container = [f for f in findings if f.kind is Kind.CONTAINER]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _support.runs import IN_ORDER
 
 SWEEP = """
 import pytest
@@ -47,9 +48,9 @@ def test_overrides_apply_to_every_family(reference_model):
 def test_a_llama_style_norm_passes_on_llama_mistral_llava_and_fails_on_the_gemmas_on_numbers(
     pytester: pytest.Pytester, name: str
 ) -> None:
-    # whatever the norm calls its tensor, the lint lets it through (#41): the Gemma rows fail on (1 + weight)
+    # whatever the norm calls its tensor, the lint lets it through: the Gemma rows fail on (1 + weight)
     pytester.makepyfile(test_sweep=SWEEP.format(name=name))
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result = pytester.runpytest(*IN_ORDER, "-rA")
     result.assert_outcomes(passed=4, failed=2)
     for family in ("llama", "mistral", "llava"):
         result.stdout.fnmatch_lines([f"PASSED test_sweep.py::test_norm[[]{family}[]]"], consecutive=False)
@@ -72,7 +73,7 @@ def test_a_sweep_that_is_not_a_list_of_model_types_is_a_usage_error(pytester: py
             pass
         """
     )
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*a sweep is a list of distinct model types*"])
 
@@ -98,7 +99,7 @@ def test_gemma_norm(reference_model, patched_model):
 
 def test_families_patched_runs_every_family_the_mapping_reaches_towers_included(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_patched=PATCHED_SWEEP)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA", "--modelpatch-report", "report.json")
+    result = pytester.runpytest(*IN_ORDER, "-rA", "--modelpatch-report", "report.json")
     # GemmaRMSNorm runs in Gemma, in PaliGemma's text tower and in Pi0's (a PaliGemma)
     result.assert_outcomes(passed=3, failed=3)
     for family in ("gemma", "paligemma", "pi0"):
@@ -133,11 +134,11 @@ def test_families_all_runs_every_family_and_skips_the_documented_ones_with_their
             assert reference_model.config.model_type
         """
     )
-    collected = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "--collect-only", "-q")
+    collected = pytester.runpytest(*IN_ORDER, "--collect-only", "-q")
     assert f"{len(available_model_types())} tests collected" in collected.stdout.str()
     chosen = [f"test_families_all_runs_every_family_and_skips_the_documented_ones_with_their_reason.py::test_builds[{family}]"
               for family in ("bark", "dinat", "mistral")]  # fmt: skip
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rs", *chosen)
+    result = pytester.runpytest(*IN_ORDER, "-rs", *chosen)
     result.assert_outcomes(passed=1, skipped=2)
     result.stdout.fnmatch_lines(["*bark does not run here (inputs): `BarkModel` has no forward*",
                                  "*dinat does not run here (build): needs natten*"], consecutive=False)  # fmt: skip
@@ -157,7 +158,7 @@ def test_a_families_sweep_that_cannot_be_resolved_is_a_usage_error_naming_the_te
     # one session, a file per case: each file's collection error stands alone
     pytester.makepyfile(**{f"test_{case}": f"import pytest\n\n\n{marks}\ndef test_swept(reference_model):\n    pass\n"
                            for case, (marks, _) in UNRESOLVABLE.items()})  # fmt: skip
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(errors=len(UNRESOLVABLE))
     for case, (_, message) in UNRESOLVABLE.items():
         result.stdout.fnmatch_lines(
@@ -244,7 +245,7 @@ SDPA_REFUSAL = (
 
 def test_a_refused_implementation_is_not_applicable_in_a_sweep_and_an_error_alone(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_refused=NOT_APPLICABLE)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rsE", "--modelpatch-report", "report.json")
+    result = pytester.runpytest(*IN_ORDER, "-rsE", "--modelpatch-report", "report.json")
     # swept: llama passes twice, qwen3_moe once; xlm (sdpa), llama (grouped_mm) and ctrl (checkpointing) are
     # skipped with transformers' reason; alone, xlm errors, and so does the user's own ValueError in a sweep
     result.assert_outcomes(passed=3, skipped=3, errors=2)

@@ -104,7 +104,7 @@ def test_float32_checks_run_without_the_callers_tf32(
 ) -> None:
     # the reference's patch embedding is a Conv3d (cuDNN: TF32 by default on Ampere and later),
     # the fused one a Linear: on an H200 they differed by 1e-3 until checks ran at IEEE float32
-    from pytest_modelpatch.compare.running import default_inputs
+    from pytest_modelpatch.compare._engine.inputs import default_inputs
 
     backends = (torch.backends.cudnn.conv, torch.backends.cuda.matmul)
     saved = [flag.fp32_precision for flag in backends]

@@ -2,7 +2,7 @@
 
 It fails on an error, on a round-off failure (a false alarm of the default tolerance) and on a
 failure docs/families.md does not explain; here on a few families, and through its pure parts on
-made-up outcomes. CI's family-sweep step runs it over every family (tests/models/test_every_family.py).
+made-up outcomes. CI's family-sweep step runs it over every family (tests/families/test_every_family.py).
 """
 
 from __future__ import annotations

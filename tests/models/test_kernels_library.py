@@ -13,6 +13,7 @@ tested in ``test_load_choices.py``.
 from __future__ import annotations
 
 import pytest
+from _support.runs import IN_ORDER
 
 pytest.importorskip("kernels", reason="the kernels package (CI's transformers 5.17 lane installs kernels 0.16.2)")
 
@@ -41,7 +42,7 @@ def test_kernel_without_epsilon(reference_model, patched_model):
 
 def test_a_local_kernel_through_kernelize_passes_and_its_buggy_twin_fails(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_kernels=KERNELIZED)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result = pytester.runpytest(*IN_ORDER, "-rA")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
         "*first diverging module: *norm* (LlamaRMSNorm)*",

@@ -11,6 +11,7 @@ import dataclasses
 import json
 
 import pytest
+from _support.runs import IN_ORDER
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.isolation.per_test.patch_spec import IMPLEMENTATIONS
@@ -71,7 +72,7 @@ def test_typo(patched_model):
 
 def test_a_custom_attention_is_judged_against_eager_and_a_wrong_scale_fails(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_attention=ATTENTION)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA", "--modelpatch-report", "report.json")
+    result = pytester.runpytest(*IN_ORDER, "-rA", "--modelpatch-report", "report.json")
     result.assert_outcomes(passed=3, failed=1, errors=1, warnings=1)
     result.stdout.fnmatch_lines(["*implementations: attention eager (reference) vs wrong_scale_attn (patched)*"])
     # the report row names each side's implementation too, so a gate or a dashboard can tell the runs apart
@@ -129,7 +130,7 @@ def test_model_marker_takes_experts_implementation(reference_model, patched_mode
 
 def test_batched_mm_experts_pass_and_experts_that_route_to_the_wrong_experts_fail(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_experts=EXPERTS)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result = pytester.runpytest(*IN_ORDER, "-rA")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*implementations: experts eager (reference) vs wrong_router (patched)*"])
     result.stdout.fnmatch_lines(["FAILED test_experts.py::test_wrong_router*"])
@@ -190,7 +191,7 @@ def test_instance_patcher(reference_model, patched_model):
 
 def test_transforms_reach_the_patched_model_only_and_a_changed_weight_fails(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_transforms=TRANSFORMS)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result = pytester.runpytest(*IN_ORDER, "-rA")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["FAILED test_transforms.py::test_weight_changed*"])
     result.stdout.fnmatch_lines(["*first diverging module: model.layers.0.mlp.down_proj*"])
@@ -219,7 +220,7 @@ def test_bad_load_choices_are_usage_errors(pytester: pytest.Pytester) -> None:
             pass
         """
     )
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(errors=3)
     result.stdout.fnmatch_lines(["*transform must be a callable fn(model) returning a model or None*"])
     result.stdout.fnmatch_lines(
@@ -279,7 +280,7 @@ def test_another_model_is_still_refused(patched_model):
 def test_a_zero_lora_passes_and_a_random_lora_fails_naming_the_adapted_projection(pytester: pytest.Pytester) -> None:
     pytest.importorskip("peft")
     pytester.makepyfile(test_peft=PEFT)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA", "-W", "ignore::FutureWarning")
+    result = pytester.runpytest(*IN_ORDER, "-rA", "-W", "ignore::FutureWarning")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["FAILED test_peft.py::test_random_lora*"])
     # PEFT's LoRA layer is a class named Linear too; the name is the wrapped model's, as in the reference
@@ -321,7 +322,7 @@ def test_broken(check, reference_model, patched_model):
 
 def test_every_check_runs_a_transformed_patched_model_and_catches_a_broken_transform(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_every_check=EVERY_CHECK)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result = pytester.runpytest(*IN_ORDER, "-rA")
     result.assert_outcomes(passed=5, failed=5)
     for check in ("property", "backward", "generation", "export", "compile"):
         result.stdout.fnmatch_lines([f"PASSED test_every_check.py::test_good[[]{check}[]]*"], consecutive=False)
@@ -363,7 +364,7 @@ def test_a_roundtrip_saves_the_transformed_model_and_a_transform_that_changes_a_
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makepyfile(test_roundtrip_choices=ROUNDTRIP)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result = pytester.runpytest(*IN_ORDER, "-rA")
     result.assert_outcomes(passed=1, failed=2)
     result.stdout.fnmatch_lines([
         "PASSED test_roundtrip_choices.py::test_instance_patcher",
@@ -408,7 +409,7 @@ def test_one_tower_left_on_eager(reference_model, patched_model):
 
 def test_a_composite_models_implementations_are_reported_per_tower(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_towers=TOWERS)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "--modelpatch-report", "report.json")
+    result = pytester.runpytest(*IN_ORDER, "--modelpatch-report", "report.json")
     result.assert_outcomes(passed=1, failed=1)
     rows = {row["nodeid"]: row for row in json.loads((pytester.path / "report.json").read_text())["rows"]}
     # the eager reference reaches every tower of LLaVA (its CLIP vision tower and its Llama text model), as sdpa does

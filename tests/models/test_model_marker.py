@@ -7,11 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _support.runs import IN_ORDER
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.models.builder import ModelRequest
-
-RUN = ("-p", "no:randomly", "-p", "no:xdist")
 
 
 def test_both_built_models_carry_every_override(pytester: pytest.Pytester) -> None:
@@ -37,7 +36,7 @@ def test_both_built_models_carry_every_override(pytester: pytest.Pytester) -> No
             assert not torch.equal(reference_model.model.norm.weight, torch.ones(64))
         """
     )
-    pytester.runpytest(*RUN).assert_outcomes(passed=2)
+    pytester.runpytest(*IN_ORDER).assert_outcomes(passed=2)
 
 
 def test_attn_implementation_reaches_the_models_it_hides_a_sdpa_only_bug(pytester: pytest.Pytester) -> None:
@@ -63,7 +62,7 @@ def test_attn_implementation_reaches_the_models_it_hides_a_sdpa_only_bug(pyteste
             check(reference_model, patched_model, "sdpa")
         """
     )
-    result = pytester.runpytest(*RUN)
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(
         ["*_ test_sdpa _*", "*AssertionError: patched LlamaForCausalLM differs from reference*"]
@@ -119,7 +118,7 @@ def test_a_misspelled_override_is_a_setup_error_in_a_real_run(pytester: pytest.P
             pass
         """
     )
-    result = pytester.runpytest(*RUN)
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(
         ["*num_hiden_layers=5 is not a field of LlamaConfig*Did you mean 'num_hidden_layers'?*"]
@@ -185,7 +184,7 @@ def test_each_test_resolves_its_model_request_once(pytester: pytest.Pytester) ->
             pass
         """
     )
-    result = pytester.runpytest(*RUN)
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(passed=3)
     counts = {line.split()[1]: int(line.split()[2]) for line in result.outlines if line.startswith("RESOLVED ")}
     assert counts == {"test_once.py::test_patched_pair": 1, "test_once.py::test_reference_only": 1}

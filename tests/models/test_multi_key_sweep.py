@@ -11,6 +11,7 @@ ones where a key replaces nothing among them.
 from __future__ import annotations
 
 import pytest
+from _support.runs import IN_ORDER
 
 LIGER = """
 import pytest
@@ -73,7 +74,7 @@ def test_a_norm_and_mlp_sweep_gives_no_errors_where_one_key_replaces_nothing(
     pytester: pytest.Pytester, activation: str, outcome: str
 ) -> None:
     pytester.makepyfile(test_liger=LIGER.format(activation=activation))
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA", *_chosen("test_liger"), *MLP_ALONE)
+    result = pytester.runpytest(*IN_ORDER, "-rA", *_chosen("test_liger"), *MLP_ALONE)
     # errors=0: assert_outcomes counts every outcome it is not given as 0
     result.assert_outcomes(**{outcome: len(CHOSEN) + len(MLP_ALONE)})
     for test in [*_chosen("test_liger"), *MLP_ALONE]:
@@ -85,7 +86,7 @@ def test_a_norm_and_mlp_sweep_gives_no_errors_where_one_key_replaces_nothing(
 
 def test_a_family_that_never_builds_the_class_is_not_swept(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_liger=LIGER.format(activation="nn.functional.silu"))
-    collected = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "--collect-only", "-q")
+    collected = pytester.runpytest(*IN_ORDER, "--collect-only", "-q")
     lines = collected.stdout.str()
     assert "errors" not in lines and "test_liger.py::test_mlp[qwen2_5_vl]" in lines, lines
     for family in NEVER_BUILT:
@@ -128,7 +129,7 @@ def test_named_alone_a_key_that_replaces_nothing_is_a_finding_and_its_suggested_
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makepyfile(test_strict=STRICT)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-rA")
+    result = pytester.runpytest(*IN_ORDER, "-rA")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines([
         "*[[]NO_MATCH[]] pattern '^(Llama|Qwen2|Mistral)RMSNorm$' matches no class in *qwen2_vl*",
@@ -155,7 +156,7 @@ def test_in_a_sweep_a_key_that_replaces_nothing_anywhere_is_a_usage_error_with_a
 ) -> None:
     pytester.makepyfile(test_typo=TYPO.format(allow=""))
     # a usage error found at collection fails its own test at setup, with the message
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-q")
+    result = pytester.runpytest(*IN_ORDER, "-q")
     assert result.parseoutcomes().get("errors") == 1, result.stdout.str()
     result.stdout.fnmatch_lines(
         [
@@ -164,6 +165,6 @@ def test_in_a_sweep_a_key_that_replaces_nothing_anywhere_is_a_usage_error_with_a
         ]
     )
     pytester.makepyfile(test_typo=TYPO.format(allow=", allow={'^MistralRMSNrom$': ['NO_MATCH']}"))
-    followed = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "--collect-only", "-q")
+    followed = pytester.runpytest(*IN_ORDER, "--collect-only", "-q")
     followed.stdout.fnmatch_lines(["test_typo.py::test_typo[[]mistral[]]"], consecutive=False)
     assert "error" not in followed.stdout.str()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from _support.runs import IN_ORDER
 
 SUITE = """
 import pytest
@@ -60,7 +61,7 @@ def test_a_patched_model_with_no_patch_fails_naming_what_is_missing_and_a_real_p
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makepyfile(test_suite=SUITE)
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist", "-W", "ignore::pytest.PytestUnknownMarkWarning")
+    result = pytester.runpytest(*IN_ORDER, "-W", "ignore::pytest.PytestUnknownMarkWarning")
     result.assert_outcomes(passed=4, errors=3)
     for name in ("test_nothing", "test_marked_but_empty"):
         result.stdout.fnmatch_lines(
@@ -85,6 +86,6 @@ def test_unpatched_must_be_a_bool(pytester: pytest.Pytester) -> None:
             pass
         """
     )
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*unpatched must be True*or False, got 'yes'*"])

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _support.runs import IN_ORDER
 
 from pytest_modelpatch.errors import PatchUsageError
 from pytest_modelpatch.families.catalog import tiny_config
 from pytest_modelpatch.models.checkpoints import cached_checkpoint, load_pretrained, seeded_model
 from pytest_modelpatch.models.weights import spread_weights
-
-RUN = ("-p", "no:randomly", "-p", "no:xdist")
 
 
 def test_norm_weights_and_biases_leave_transformers_defaults() -> None:
@@ -112,11 +111,11 @@ def test_a_norm_ignoring_its_weight_and_a_dropped_bias_fail_on_the_default_tiny_
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makepyfile(BUGS.format(init=""))
-    result = pytester.runpytest(*RUN)
+    result = pytester.runpytest(*IN_ORDER)
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(["*patched LlamaForCausalLM differs from reference*", "*patched Bert* differs*"])
 
 
 def test_init_transformers_opts_out_and_the_same_bugs_pass(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(BUGS.format(init=', init="transformers"'))
-    pytester.runpytest(*RUN).assert_outcomes(passed=2)
+    pytester.runpytest(*IN_ORDER).assert_outcomes(passed=2)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fixtures.patches import llama_rmsnorm_autograd as right
 from fixtures.patches import llama_rmsnorm_autograd_broken as broken
 from pytest_modelpatch import assert_backward_equivalent, assert_equivalent
-from pytest_modelpatch.compare.sharded import sharding_line
+from pytest_modelpatch.compare._engine.sharded import sharding_line
 
 
 @pytest.mark.model("llama")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _support.runs import IN_ORDER
 
 from pytest_modelpatch.reporting.gate import Thresholds, evaluate
 from pytest_modelpatch.reporting.report import load_report, write_report
@@ -80,7 +81,7 @@ def test_a_setup_error_without_a_row_fails_the_gate_and_a_clean_report_passes(
 def test_the_session_gate_names_a_failing_test_that_wrote_no_row(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_suite=SUITE)
     pytester.makeini("[pytest]\nmodelpatch_max_abs_error = 1e-3\n")
-    result = pytester.runpytest("-p", "no:randomly", "-p", "no:xdist")
+    result = pytester.runpytest(*IN_ORDER)
     result.stdout.fnmatch_lines(["modelpatch gate FAILED: 1 checks, 1 failures",
                                  "FAIL test_suite.py::test_errors_in_setup: the test errored in setup: RuntimeError*"])  # fmt: skip
 

@@ -162,7 +162,7 @@ def test_divergence_profile_is_zero_before_the_changed_layer_and_drawn_as_html(t
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pytest_modelpatch.compare.divergence import divergence_profile, first_divergence
+    from pytest_modelpatch.compare._engine.divergence import divergence_profile, first_divergence
     from pytest_modelpatch.reporting.profile_html import write_profile_html
 
     torch.manual_seed(0)

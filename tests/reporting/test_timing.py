@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_modelpatch.compare.timing import (
+from pytest_modelpatch.compare.forward.timing import (
     ModelTiming,
     clock_for,
     cuda_event_seconds,

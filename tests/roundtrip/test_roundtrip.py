@@ -172,9 +172,10 @@ def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 def test_fused_patch_embeddings_match_the_conv3d_model_and_leak_nothing(qwen3_vl: tuple[Any, Path]) -> None:
     from transformers.monkey_patching import get_patch_mapping
 
-    from pytest_modelpatch.compare.outputs import compare_outputs
-    from pytest_modelpatch.compare.running import evaluating, forward
-    from pytest_modelpatch.compare.tolerance import resolve_tolerance
+    from pytest_modelpatch.compare._engine.devices import evaluating
+    from pytest_modelpatch.compare._engine.outputs import compare_outputs
+    from pytest_modelpatch.compare._engine.running import forward
+    from pytest_modelpatch.compare._engine.tolerance import resolve_tolerance
     from pytest_modelpatch.roundtrip.check import load_with_fusion
 
     reference, path = qwen3_vl

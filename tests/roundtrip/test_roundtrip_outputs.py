@@ -1,4 +1,4 @@
-"""The round-trip's output step: forward passes run and flattened as every check does (compare.outputs), judged bit for bit."""
+"""The round-trip's output step: forward passes run and flattened as every check does (compare._engine.outputs), judged bit for bit."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from fixtures.make_checkpoints import build_model
 from fixtures.patches import llama_fused_qkv
-from pytest_modelpatch.compare.outputs import flatten_outputs
+from pytest_modelpatch.compare._engine.outputs import flatten_outputs
 from pytest_modelpatch.families.catalog import tiny_config
 from pytest_modelpatch.models.checkpoints import seeded_model
 from pytest_modelpatch.roundtrip.check import assert_roundtrip
@@ -66,7 +66,7 @@ def test_a_model_source_compares_every_output_path_cache_layers_included(patch_r
 
 def test_a_model_that_draws_in_eval_mode_round_trips_with_identical_outputs(tmp_path: Path) -> None:
     # ViT-MAE masks random patches in every forward, eval mode included: the reference and the
-    # reloaded model must draw the same mask (compare.running.forward seeds each pass)
+    # reloaded model must draw the same mask (compare._engine.running.forward seeds each pass)
     model = seeded_model(tiny_config("vit_mae"))
     torch.manual_seed(5)
     report = assert_roundtrip(model, tmp_path=tmp_path)

@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare._engine.devices import evaluating
+from pytest_modelpatch.compare._engine.same_model import require_same_model
+from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.compare.graph.dynamo_state import fresh_dynamo
 from pytest_modelpatch.compare.graph.parity import (
     LogitsOnly,
@@ -29,9 +32,6 @@ from pytest_modelpatch.compare.graph.parity import (
     start_report,
 )  # fmt: skip
 from pytest_modelpatch.compare.graph.trace_failures import SourceLocation, describe_failure, locate, user_frames
-from pytest_modelpatch.compare.running import evaluating
-from pytest_modelpatch.compare.same_model import require_same_model
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.errors import ModelPatchError
 
 _COMPILERS = ("g++", "c++", "clang++", "cc", "gcc", "clang")

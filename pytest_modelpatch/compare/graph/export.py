@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+from pytest_modelpatch.compare._engine.devices import evaluating, model_device
+from pytest_modelpatch.compare._engine.same_model import require_same_model
+from pytest_modelpatch.compare._engine.sharded import sharding_kind
+from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.compare.graph.dynamo_state import fresh_dynamo
 from pytest_modelpatch.compare.graph.parity import (
     LogitsOnly,
@@ -28,10 +32,6 @@ from pytest_modelpatch.compare.graph.parity import (
     start_report,
 )  # fmt: skip
 from pytest_modelpatch.compare.graph.trace_failures import describe_failure
-from pytest_modelpatch.compare.running import evaluating, model_device
-from pytest_modelpatch.compare.same_model import require_same_model
-from pytest_modelpatch.compare.sharded import sharding_kind
-from pytest_modelpatch.compare.tolerance import TolerancePolicy, resolve_tolerance
 from pytest_modelpatch.errors import ModelPatchError
 
 

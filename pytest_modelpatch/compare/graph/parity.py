@@ -3,7 +3,7 @@
 :class:`LogitsOnly` wraps a model as ``(input_ids, attention_mask) -> logits``, so that output
 objects and caches stay out of the graph; :func:`compare_traced` runs what was exported or compiled
 on each input and compares its logits with the eager, unpatched reference's through
-``compare.outputs``; :class:`ParityReport` is the report both checks end with.
+``compare._engine.outputs``; :class:`ParityReport` is the report both checks end with.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from pytest_modelpatch.compare.check_report import CheckReport, given_inputs
+from pytest_modelpatch.compare._engine.devices import evaluating, model_device, placement, unwrapped
+from pytest_modelpatch.compare._engine.inputs import describe_inputs
+from pytest_modelpatch.compare._engine.outputs import TensorComparison, compare_outputs, describe_tolerances
+from pytest_modelpatch.compare._engine.reports import CheckReport, given_inputs
+from pytest_modelpatch.compare._engine.tolerance import ToleranceSpec
 from pytest_modelpatch.compare.graph.trace_failures import TraceFailure
-from pytest_modelpatch.compare.outputs import TensorComparison, compare_outputs, describe_tolerances
-from pytest_modelpatch.compare.running import describe_inputs, evaluating, model_device, placement, unwrapped
-from pytest_modelpatch.compare.tolerance import ToleranceSpec
 from pytest_modelpatch.models.usage import unused_message, unused_replacements
 
 # ---------------------------------------------------------------------------

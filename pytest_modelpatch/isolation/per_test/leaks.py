@@ -89,7 +89,7 @@ class LeakTally:
 class ReusableSnapshots:
     """The snapshots a finished test guard left equal to the live state, and the moment they hold for.
 
-    Retaking them for every test is most of the guard's cost (~0.1 ms a test). The session's
+    Retaking them for every test is most of the guard's cost. The session's
     ``IsolationScopes`` holds one (session state on the plugin object, not in module globals);
     its moment moves when a wider-scoped fixture sets up or tears down, or a watched module is
     executed (``library_state.executions()``, which mirrors the import system and stays there).

@@ -97,7 +97,7 @@ class IsolationScopes:
         so fixtures of wider scope set up for it are outside it (each has its own guard), and
         closed by a finalizer registered then, so it runs after the function-scoped fixtures'
         teardown and before any wider fixture's. A hook, not an autouse fixture: pytest's
-        fixture machinery alone would cost every test of the session ~25 us. An error (a bad
+        fixture machinery alone would cost every test of the session more than the guard. An error (a bad
         marker) is kept for the end of setup: raised inside pytest_fixture_setup, before the
         fixture ran, it would leave pytest's fixture cache inconsistent for every later test.
         """
