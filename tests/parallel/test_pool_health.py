@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -163,7 +162,9 @@ def _controller(path: Path, started: Path) -> subprocess.Popen[bytes]:
     # hypothesis' own plugin imports hypothesis in its terminal summary (seconds on a loaded machine): not ours to time
     plugins = ["-p", "no:randomly", "-p", "no:hypothesispytest", "-p", "no:cacheprovider"]
     command = [sys.executable, "-m", "pytest", *plugins, "-q", "test_sleeps.py"]
-    env = {**os.environ, "MODELPATCH_TEST_STARTED": str(started),
+    # a temporary folder of their own: a pool another test starts meanwhile removes dead controllers' folders too
+    (path / "tmp").mkdir(exist_ok=True)
+    env = {**os.environ, "MODELPATCH_TEST_STARTED": str(started), "TMPDIR": str(path / "tmp"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
     # Ctrl-C as a terminal sends it: a child inherits an ignored SIGINT (an xdist worker's, on some Pythons),
     # and Python then installs no KeyboardInterrupt handler
@@ -194,8 +195,8 @@ def _ranks_of(controller: int) -> list[int]:
     return found
 
 
-def _pool_folder(controller: int) -> Path:
-    for folder in Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"):
+def _pool_folder(path: Path, controller: int) -> Path:
+    for folder in (path / "tmp").glob(f"{FOLDER_PREFIX}*"):
         try:
             if (folder / OWNER_FILE).read_text().split()[0] == str(controller):
                 return folder
@@ -214,7 +215,7 @@ def test_ctrl_c_returns_at_once_and_a_killed_controllers_folder_goes_with_the_ne
         killed = _controller(pytester.path, started)
         controllers.append(killed)
         _wait_for(started, killed)
-        left = _pool_folder(killed.pid)
+        left = _pool_folder(pytester.path, killed.pid)
         killed.kill()  # SIGKILL: no teardown runs; its ranks die with it, its folder stays
         killed.communicate()
         deadline = time.monotonic() + 20
@@ -228,7 +229,7 @@ def test_ctrl_c_returns_at_once_and_a_killed_controllers_folder_goes_with_the_ne
         controllers.append(interrupted)
         _wait_for(started, interrupted)
         assert not left.exists(), "the next pool did not remove the folder of a dead controller"
-        own = _pool_folder(interrupted.pid)
+        own = _pool_folder(pytester.path, interrupted.pid)
         start = time.monotonic()
         interrupted.send_signal(signal.SIGINT)
         output = interrupted.communicate(timeout=60)[0].decode(errors="replace")
