@@ -10,15 +10,19 @@ torch nor transformers; each public name is loaded from its module on first acce
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
 __version__ = "0.1.0"
 
 
-def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
-    """The loader behind a face module's ``__getattr__``: each of ``exports`` (name -> module under
-    ``pytest_modelpatch``) is imported on first access and kept, so a face imports nothing heavy."""
+def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A face module's ``__getattr__`` and ``__dir__``: each of ``exports`` (name -> module under
+    ``pytest_modelpatch``) is imported on first access and kept, so a face imports nothing heavy.
+
+    Example: ``__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)``.
+    """
 
     def load(name: str) -> Any:
         module = exports.get(name)
@@ -28,7 +32,10 @@ def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
         setattr(importlib.import_module(package), name, value)
         return value
 
-    return load
+    def listing() -> list[str]:
+        return sorted(set(vars(sys.modules[package])) | set(exports))
+
+    return load, listing
 
 
 # public name -> module that defines it. The naming rule (docs/reference.md): assert_* runs one
@@ -75,11 +82,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-_load = lazy_exports(__name__, _EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    return _load(name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)[0]
 
 
 def __dir__() -> list[str]:

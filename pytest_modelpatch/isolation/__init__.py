@@ -12,8 +12,6 @@ Public (docs/reference.md): the patch state snapshot, ``pristine``, the registry
 
 from __future__ import annotations
 
-from typing import Any
-
 from pytest_modelpatch import lazy_exports
 
 _EXPORTS: dict[str, str] = {
@@ -28,12 +26,4 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 
-_load = lazy_exports(__name__, _EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    return _load(name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
