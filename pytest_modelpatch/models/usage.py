@@ -108,6 +108,11 @@ def track_patch_usage(model: torch.nn.Module, classes: set[type]) -> None:
             module.register_forward_hook(route(name))
 
 
+def _tracking(model: torch.nn.Module) -> _Tracking | None:
+    """The counts of the tracked model ``model`` is or wraps: a wrapper (DDP, PEFT) holds it as a submodule."""
+    return next((m.__dict__[_COUNTS] for m in model.modules() if _COUNTS in m.__dict__), None)
+
+
 def unused_replacements(model: torch.nn.Module) -> list[PatchUsage]:
     """Replacement classes with instances in ``model`` that did not run in its last forward."""
     return [u for u in patch_usage(model) if u.instances and not u.calls_in_last_forward]
@@ -121,7 +126,7 @@ def patch_usage(model: torch.nn.Module) -> list[PatchUsage]:
         patched_model(**inputs)
         assert all(u.calls_in_last_forward == u.instances for u in patch_usage(patched_model))
     """
-    tracked: _Tracking = getattr(model, _COUNTS, None) or _Tracking(frozenset())
+    tracked = _tracking(model) or _Tracking(frozenset())
     classes = tracked.classes
     members = [m for m in model.modules() if type(m) in classes]
     instances = Counter(type(m) for m in members)
@@ -140,7 +145,7 @@ def coverage_lines(model: torch.nn.Module) -> list[str]:
     Example: ``["ModuleListExperts: 1 of 2 instance(s) ran ...", "model.layers.0.mlp.gate: experts 3, 7 of 8 got no tokens"]``.
     """
     lines = [str(u) for u in patch_usage(model) if u.instances and u.instances_run < u.instances]
-    tracked: _Tracking | None = getattr(model, _COUNTS, None)
+    tracked = _tracking(model)
     if tracked is not None and tracked.classes:
         for name, (experts, per_expert) in tracked.experts.items():
             idle = [e for e in range(experts) if not per_expert[e]]
