@@ -100,19 +100,25 @@ def test_a_norm_without_upcast_in_bf16_passes_or_names_the_norm_first_never_lm_h
     pytester: pytest.Pytester,
 ) -> None:
     result = _run(pytester, BF16)
-    # the default policy judges it no worse than round-off: it passes; under a tighter rtol it fails at lm_head
-    result.assert_outcomes(passed=1, failed=1)
-    text = result.stdout.str()
-    result.stdout.fnmatch_lines(["PASSED test_blame.py::test_no_upcast[[]bfloat16[]]"], consecutive=False)
-    failure = text[text.index("test_no_upcast_tight") :]
-    blame = _blame_line(failure)
-    assert blame.startswith("replaced module whose own output differs, within tolerance alone: model.layers.0."), blame
-    assert "NoUpcastNorm" in blame and failure.index(blame) < failure.index("first diverging module: lm_head")
-    # the row and the page name what the text does
     rows = {r["nodeid"].split("::")[-1]: r for r in json.loads((pytester.path / "report.json").read_text())["rows"]}
-    row = rows["test_no_upcast_tight[bfloat16]"]
-    assert row["blamed"][0] == "model.layers.0.input_layernorm" and row["first_diverging"] == "lm_head"
-    assert rows["test_no_upcast[bfloat16]"]["outcome"] == "passed"
+    assert rows["test_no_upcast_tight[bfloat16]"]["outcome"] == "failed"
+    # the default policy judges the norm's round-off as round-off where the CPU's bf16 matmuls round as
+    # the tolerance assumes; where they round otherwise (AMX: one logit a fraction of an ulp over) the
+    # check may fail, and then it must blame the norm as the tight one does
+    failing = [test for test, row in rows.items() if row["outcome"] == "failed"]
+    result.assert_outcomes(passed=2 - len(failing), failed=len(failing))
+    text = result.stdout.str()
+    for test in failing:
+        failure = text[text.index(f"_ {test} _") :]
+        blame = _blame_line(failure)
+        assert blame.startswith("replaced module whose own output differs, within tolerance alone: model.layers.0."), (
+            blame
+        )
+        assert "NoUpcastNorm" in blame and failure.index(blame) < failure.index("first diverging module: lm_head")
+        # the row and the page name what the text does
+        assert (
+            rows[test]["blamed"][0] == "model.layers.0.input_layernorm" and rows[test]["first_diverging"] == "lm_head"
+        )
     page = (pytester.path / "profile.html").read_text()
     assert "replaced module whose own output differs: <code>model.layers.0.input_layernorm," in page
     assert "first diverging module: <code>lm_head</code>" in page
