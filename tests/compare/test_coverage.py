@@ -96,6 +96,8 @@ def test_replay_is_not_a_model_call(reference_model, patched_model):
     assert_module_equivalent(reference_model, patched_model, "model.layers.0.mlp")
     (usage,) = patch_usage(patched_model)
     assert usage.calls_in_last_forward == 2
+    # a wrapper (DDP, PEFT) holds the counted model as a submodule: what it reports is the model's
+    assert patch_usage(torch.nn.ModuleDict({"module": patched_model})) == [usage]
 """
     )
     result = pytester.runpytest("-p", "no:randomly")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from hypothesis.strategies import SearchStrategy
 
-from pytest_modelpatch.compare._engine.devices import evaluating, placement
+from pytest_modelpatch.compare._engine.devices import evaluating, placement, unwrapped
 from pytest_modelpatch.compare._engine.inputs import describe_inputs
 from pytest_modelpatch.compare._engine.outputs import TensorComparison
 from pytest_modelpatch.compare._engine.property_loop import PropertyLoop, PropertyOutcome
@@ -211,7 +211,7 @@ def _check_property(
     loop = PropertyLoop(report.seed, report.max_examples)
     # replacement classes in the patched model that have not run in any example yet: once all
     # have, no example needs to look (a walk of every module)
-    unran = {u.replacement for u in patch_usage(patched) if u.instances}
+    unran = {u.replacement for u in patch_usage(unwrapped(patched)) if u.instances}
 
     def compare_one(example: Mapping[str, Any]) -> bool:
         if backward:
@@ -219,7 +219,7 @@ def _check_property(
         else:
             comparisons, routing = compare_routed(reference, patched, example, spec)
         if unran:
-            unran.difference_update(u.replacement for u in patch_usage(patched) if u.calls_in_last_forward)
+            unran.difference_update(u.replacement for u in patch_usage(unwrapped(patched)) if u.calls_in_last_forward)
         if not all(c.passed for c in comparisons):
             return False
         report.add_passing(reference, patched, comparisons, spec, example, routing)
