@@ -7,13 +7,18 @@ devices for that reason). The axes:
 - the check: ``assert_equivalent``, ``assert_backward_equivalent``, ``assert_trains_equivalent``,
   ``assert_decodes_equivalent``, ``check_equivalent``, and three in a row inside one test
   (equivalent, then trains, then equivalent: what the first leaves behind is what the next sees);
-- where: one process, ``parallel("tp")``, ``parallel("fsdp")``, ``parallel("ddp")``;
+- where: one process, ``parallel("tp")``, ``parallel("fsdp")``, ``parallel("fsdp", layout="per_module")``
+  (``lm_head`` and the embeddings units of their own), ``parallel("ddp")``;
 - the dtype: float32 and bfloat16;
 - what: the stock model, a correct kernel, and its broken twin. The kernel is one that makes sense
   sharded that way: the custom-autograd SwiGLU MLP (its twin drops the up projection's gradient,
   so only the backward and training checks can see it) in one process and under FSDP2 and DDP;
   the fused QKV attention with its tensor-parallel plan (its twin the packed plan, wrong in every
-  output) under TP.
+  output) under TP; under the per-module FSDP layout a fused linear-cross-entropy computed in
+  ``lm_head``'s forward (its twin holds ``lm_head``'s weight from patch time, a tensor the sharded
+  model no longer trains). In every place also a patch whose replacement never runs (a decoder
+  layer that computes the MLP inline): its outputs agree, so only the checks' count of the
+  replacements that ran can fail it, and each must.
 
 Every cell must give the right verdict (the right code passes; the broken twin fails with its
 check's report, no rank crashed) or be a refusal the plugin itself makes: a skip saying why. The
@@ -56,7 +61,8 @@ CHECKS = {
     "sequence": "equivalent, trains, equivalent",
 }
 TRAINING_CHECKS = ("backward", "trains", "sequence")  # the columns docs/training.md shows
-WHERE = {"one": "one process", "tp": "`tp`", "fsdp": "`fsdp`", "ddp": "`ddp`"}
+WHERE = {"one": "one process", "tp": "`tp`", "fsdp": "`fsdp`", "fsdp_per_module": "`fsdp`, per module", "ddp": "`ddp`"}
+PARALLEL = {"tp": '"tp"', "fsdp": '"fsdp"', "fsdp_per_module": '"fsdp", layout="per_module"', "ddp": '"ddp"'}
 DTYPES = ("float32", "bfloat16")
 
 
@@ -91,6 +97,23 @@ SUBJECTS["tp"] = {
     "kernel": Subject("fused QKV, colwise plan", _QKV.format("TP_PLAN")),
     "broken": Subject("its twin with the packed plan", _QKV.format("TP_PLAN_PACKED"), fails=tuple(CHECKS)),
 }
+SUBJECTS["fsdp_per_module"] = {
+    "stock": STOCK,
+    "kernel": Subject(
+        "fused loss in `lm_head`", "@pytest.mark.patch(transform=transforms.fused_linear_cross_entropy_in_head)"
+    ),
+    "broken": Subject(
+        "its twin holding `lm_head.weight`",
+        "@pytest.mark.patch(transform=transforms.fused_linear_cross_entropy_captured_head)",
+        fails=("backward", "trains", "sequence"),
+    ),
+}
+for _subjects in SUBJECTS.values():
+    _subjects["unused"] = Subject(
+        "a replacement that never runs",
+        '@pytest.mark.patch(UNUSED, allow={"LlamaDecoderLayer": ["CONTAINER"]})',
+        fails=tuple(CHECKS),
+    )
 
 INNER_HEAD = f"""
 import os
@@ -100,12 +123,35 @@ import pytest
 from fixtures.patches import llama_fused_qkv_tp as qkv
 from fixtures.patches import llama_swiglu_autograd as swiglu
 from fixtures.patches import llama_swiglu_autograd_broken as swiglu_broken
+from fixtures.patches import training_transforms as transforms
 from pytest_modelpatch import (
     assert_backward_equivalent, assert_equivalent, assert_decodes_equivalent, assert_trains_equivalent,
     check_equivalent,
 )
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
 
 CHECKS = {list(CHECKS)!r}
+
+
+class NeverRunMLP(LlamaMLP):  # the replacement a check must see run: the layer below never calls it
+    pass
+
+
+class InlineMLPLayer(LlamaDecoderLayer):
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+            position_embeddings=position_embeddings, **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        x, mlp = self.post_attention_layernorm(hidden_states), self.mlp
+        return hidden_states + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+
+UNUSED = {{"LlamaDecoderLayer": InlineMLPLayer, "LlamaMLP": NeverRunMLP}}
 
 
 def run(check, reference, patched, nodeid):
@@ -172,7 +218,7 @@ def inner_module(wheres: Iterable[str]) -> str:
     """The grid's test file: one test function per (where, what), parametrized by dtype and check."""
     tests = [
         INNER_TEST.format(dtypes=DTYPES, patch=subject.patch, what=what, where=where,
-                          parallel="" if where == "one" else f'@pytest.mark.parallel("{where}")')
+                          parallel="" if where == "one" else f"@pytest.mark.parallel({PARALLEL[where]})")
         for where in wheres for what, subject in SUBJECTS[where].items()
     ]  # fmt: skip
     return INNER_HEAD + "".join(tests)
