@@ -226,5 +226,7 @@ def test_the_lowest_lane_installs_the_floors_pyproject_declares() -> None:
         assert tested[name].split(".")[: len(floor.split("."))] == floor.split("."), (name, floor, tested[name])
     assert 'requires-python = ">=3.10"' in pyproject
     run = (REPO_ROOT / ".ci" / "run").read_text()
-    assert 'claims_venv .venv-lowest 3.10 "" lowest' in run and "claims_venv .venv-py310 3.10" in run
-    assert "claims_venv .venv-py313 3.13" in run and 'lane "lint: ruff check and format' in run
+    assert 'prebuild .venv-lowest 3.10 "" lowest' in run and "prebuild .venv-py310 3.10" in run
+    assert "prebuild .venv-py313 3.13" in run and 'lane "lint: ruff check and format' in run
+    for venv in (".venv-lowest", ".venv-py310", ".venv-py313"):  # each lane runs in the venv built for it
+        assert f"  prebuilt {venv}\n" in run, venv
