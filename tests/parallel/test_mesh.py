@@ -15,7 +15,10 @@ from pytest_modelpatch.parallel.marker import ParallelSpec
 
 MESH_TESTS = """
 import pytest
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate
+from fixtures.patches import llama_fused_qkv_tp as qkv
 from fixtures.patches import llama_rmsnorm_autograd as right
 from fixtures.patches import llama_rmsnorm_autograd_broken as broken
 from pytest_modelpatch import assert_backward_equivalent, assert_equivalent
@@ -43,6 +46,23 @@ def test_broken_rmsnorm(reference_model, patched_model):
 
 
 @pytest.mark.model("llama")
+@pytest.mark.patch(qkv.MAPPING, conversions=qkv.CONVERSIONS, tp_plan=qkv.TP_PLAN)
+@pytest.mark.parallel(mesh={"fsdp": 2, "tp": 2})
+def test_fused_qkv_from_a_conversion(reference_model, patched_model):
+    # the truth, from the weights: the block this tensor-parallel rank computes with, against its
+    # own slices of q, k and v in order (what parallel("tp") loads, and the attention splits)
+    attention, fused = reference_model.model.layers[0].self_attn, patched_model.model.layers[0].self_attn.qkv_proj.weight
+    block = fused.redistribute(placements=[Replicate(), fused.placements[1]]).to_local()
+    rank = fused.device_mesh.get_local_rank("tp")
+    in_order = torch.cat([p.weight.chunk(2)[rank] for p in (attention.q_proj, attention.k_proj, attention.v_proj)])
+    if torch.equal(block, in_order):
+        assert_equivalent(reference_model, patched_model)
+    else:  # the model computes with misordered weights: the check must fail and say why
+        with pytest.raises(AssertionError, match=r"hint: model\\.layers\\.0\\.self_attn\\.qkv_proj\\.weight \\(and 1 more"):
+            assert_equivalent(reference_model, patched_model)
+
+
+@pytest.mark.model("llama")
 @pytest.mark.parallel("tp", mesh={"fsdp": 2, "tp": 2})
 def test_kind_and_mesh(patched_model):
     pass
@@ -67,7 +87,7 @@ def _distributed_config_takes_sizes() -> bool:
 def test_mesh_passes_a_right_patch_and_fails_its_broken_twin_on_four_ranks(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_mesh=MESH_TESTS)
     result = pytester.runpytest("-p", "no:randomly")
-    result.assert_outcomes(passed=1, failed=1, errors=2)  # the usage errors fail the setup, before any rank
+    result.assert_outcomes(passed=2, failed=1, errors=2)  # the usage errors fail the setup, before any rank
     result.stdout.fnmatch_lines_random([
         "*AssertionError: patched FSDPLlamaForCausalLM differs from reference LlamaForCausalLM in training*",
         "*replaced module whose own gradients differ: model.norm*",

@@ -139,6 +139,36 @@ def _mesh_text(model: torch.nn.Module) -> str:
     return ""
 
 
+def mesh_fusion_hint(model: torch.nn.Module) -> str:
+    """Why a model on a 2-D mesh may compute with misordered weights: a conversion-fused tensor split on both dimensions.
+
+    transformers (5.24) loads a tensor that a weight conversion fuses from several checkpoint
+    tensors (``qkv_proj`` from ``q/k/v_proj``) by slicing each source with the parameter's
+    ``(fsdp, tp)`` placements and concatenating the slices. After FSDP2's all-gather a
+    tensor-parallel rank then holds ``[q_0 | k_0 | v_0 | q_1 | k_1 | v_1]`` (one block per fsdp
+    shard), not ``[q | k | v]`` of its own: the model is wrong, not the check. ``""`` when no such tensor.
+    """
+    fused = []
+    for name, param in model.named_parameters():
+        mesh = getattr(param, "device_mesh", None)
+        placements: Sequence[Any] = getattr(param, "placements", ())
+        dims = [p.dim % param.dim() for p in placements if hasattr(p, "dim")]
+        if not _is_dtensor(param) or mesh is None or mesh.ndim < 2 or len(dims) < 2 or len(set(dims)) != 1:
+            continue
+        if _fused_source_sizes(model, name, tuple(param.shape), dims[0]) is not None:
+            fused.append(name)
+    if not fused:
+        return ""
+    more = f" (and {len(fused) - 1} more like it)" if len(fused) > 1 else ""
+    return (
+        f"hint: {fused[0]}{more} is fused by a weight conversion from several checkpoint tensors and split on both "
+        "mesh dimensions. transformers loads it by slicing each source tensor with the parameter's (fsdp, tp) "
+        "placements and concatenating the slices, so after FSDP2's all-gather each tensor-parallel rank holds its "
+        "sources' slices interleaved by fsdp shard, not in order: the patched model computes with misordered "
+        "weights. The patch itself may be right: run the same check under parallel('tp'), where the slices load in order."
+    )
+
+
 def _fsdp_module_class() -> Any:
     """FSDP2's module class; ``None`` on torch releases without it (before 2.6), where no model is FSDP2."""
     try:

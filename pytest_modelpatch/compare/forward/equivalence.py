@@ -21,7 +21,7 @@ from pytest_modelpatch.compare._engine.inputs import default_inputs, describe_in
 from pytest_modelpatch.compare._engine.outputs import TensorComparison, describe_tolerances
 from pytest_modelpatch.compare._engine.reports import CheckReport, given_inputs
 from pytest_modelpatch.compare._engine.same_model import require_same_model
-from pytest_modelpatch.compare._engine.sharded import sharding_line
+from pytest_modelpatch.compare._engine.sharded import mesh_fusion_hint, sharding_line
 from pytest_modelpatch.compare._engine.ties import tie_differences
 from pytest_modelpatch.compare._engine.tolerance import TolerancePolicy, ToleranceSpec, resolve_tolerance
 from pytest_modelpatch.compare.forward.routing import RoutingFlips, compare_routed
@@ -120,7 +120,10 @@ def compare_models(
         **placement(reference),
     )  # fmt: skip
     if not report.passed:
-        found = (implementations_line(reference, patched), cache_hint_for(patched, comparisons), sharding_line(patched))
+        found = (
+            implementations_line(reference, patched), cache_hint_for(patched, comparisons), sharding_line(patched),
+            mesh_fusion_hint(unwrapped(patched)),
+        )  # fmt: skip
         report.extra += [line for line in found if line]
     if locate and not report.passed:
         report.divergence = find_divergence(reference, patched, inputs, spec)
