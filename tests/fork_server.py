@@ -224,3 +224,5 @@ class ForkServer:
     def close(self) -> None:
         self.process.kill()
         self.process.wait(timeout=30)
+        if self.process.stdout is not None:  # else its pipe is closed by the garbage collector, a ResourceWarning
+            self.process.stdout.close()
