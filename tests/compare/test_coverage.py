@@ -5,29 +5,18 @@ from __future__ import annotations
 import pytest
 
 PATCH = """
-import torch
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
+from fixtures.patches._inline_mlp_layer import InlineMLPLayer
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 
 class MyMLP(LlamaMLP):
     \"\"\"The replacement under test: it must run for a check to say anything about it.\"\"\"
 
 
-class FusedLayer(LlamaDecoderLayer):
+class FusedLayer(InlineMLPLayer):
     # computes the MLP from its weights inline, so MyMLP.forward never runs: the outputs agree,
     # but a bug in MyMLP would go unseen
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache=False, position_embeddings=None, **kwargs):
-        residual = hidden_states
-        hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
-            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-            position_embeddings=position_embeddings, **kwargs,
-        )
-        hidden_states = residual + hidden_states
-        x = self.post_attention_layernorm(hidden_states)
-        mlp = self.mlp
-        return hidden_states + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+    pass
 
 
 MAPPING = {"LlamaDecoderLayer": FusedLayer, "LlamaMLP": MyMLP}

@@ -128,27 +128,14 @@ from pytest_modelpatch import (
     assert_backward_equivalent, assert_equivalent, assert_decodes_equivalent, assert_trains_equivalent,
     check_equivalent,
 )
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
+from fixtures.patches._inline_mlp_layer import InlineMLPLayer
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 CHECKS = {list(CHECKS)!r}
 
 
-class NeverRunMLP(LlamaMLP):  # the replacement a check must see run: the layer below never calls it
+class NeverRunMLP(LlamaMLP):  # the replacement a check must see run: InlineMLPLayer never calls it
     pass
-
-
-class InlineMLPLayer(LlamaDecoderLayer):
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache=False, position_embeddings=None, **kwargs):
-        residual = hidden_states
-        hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
-            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-            position_embeddings=position_embeddings, **kwargs,
-        )
-        hidden_states = residual + hidden_states
-        x, mlp = self.post_attention_layernorm(hidden_states), self.mlp
-        return hidden_states + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
 
 
 UNUSED = {{"LlamaDecoderLayer": InlineMLPLayer, "LlamaMLP": NeverRunMLP}}
