@@ -399,13 +399,28 @@ def keys_used(keys: list[str], class_names: set[str]) -> set[str]:
 
 
 def require_keys_applied(keys: list[str], reference: torch.nn.Module, patched: torch.nn.Module) -> None:
-    """Fail when a registered key matches no module class of this model (a typo or a stale name)."""
-    names = module_class_names(reference)
+    """Fail when a registered key matches no module class of this model (a typo or a stale name).
+
+    The model's own class does not count: ``from_pretrained`` has chosen it before it enters
+    transformers' ``apply_patches`` (5.x ``modeling_utils``), which replaces the classes a model
+    builds, never the one it is. A key for ``LlamaForCausalLM`` leaves the patched model the stock
+    one, which compared with the reference would pass whatever the replacement computes.
+    """
+    root = type(reference).__name__
+    names = module_class_names(reference) - {root}
     unused = [key for key in keys if key not in keys_used(keys, names)]
     if not unused:
         return
     lines = []
     for key in unused:
+        if keys_used([key], {root}):
+            lines.append(
+                f"  patch key {key!r} replaces {root}, the model's own class, which from_pretrained chooses before "
+                "it applies the patch mapping: the patched model would be the stock one. Patch its methods with "
+                f"@pytest.mark.patch(methods=[...]) (_PATCHED_CLASS_ = {root}) or context=..., or key a class the "
+                "model builds."
+            )
+            continue
         close = difflib.get_close_matches(key, sorted(names), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         lines.append(f"  patch key {key!r} replaced nothing: no module class of this model matches it.{hint}")

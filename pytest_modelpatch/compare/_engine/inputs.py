@@ -9,13 +9,19 @@ import torch
 
 from pytest_modelpatch.compare._engine.devices import model_device
 from pytest_modelpatch.compare._engine.outputs import _describe_leaf, flatten_outputs
+from pytest_modelpatch.isolation.pristine import running_pristine
 
 
 def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
-    """Example inputs drawn from the model's config, on its device."""
+    """Example inputs drawn from the model's config, on its device.
+
+    Read in the pristine world: the inputs follow the unpatched class's ``forward`` signature,
+    not a patch's (a replacement ``forward(self, *args, **kwargs)`` would drop the named inputs).
+    """
     from pytest_modelpatch.families.inputs import example_inputs
 
-    return example_inputs(model.config, device=str(model_device(model)), model_class=type(model))
+    with running_pristine():
+        return example_inputs(model.config, device=str(model_device(model)), model_class=type(model))
 
 
 def describe_inputs(inputs: Mapping[str, Any], limit: int = 64) -> str:

@@ -22,6 +22,7 @@ from pytest_modelpatch.compare._engine.precision import ieee_float32
 from pytest_modelpatch.compare._engine.running import forward
 from pytest_modelpatch.compare._engine.train_mode import data_parallel_inner, parameter_gradients, training_state
 from pytest_modelpatch.errors import PatchUsageError
+from pytest_modelpatch.isolation.pristine import running_pristine
 from pytest_modelpatch.models.devices import seeded_generators
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -46,7 +47,10 @@ def with_labels(model: torch.nn.Module, inputs: Mapping[str, Any]) -> dict[str, 
     ids = found.get("input_ids")
     # a wrapper's forward (PEFT's PeftModel) takes **kwargs: the model inside it says what they reach
     model = unwrapped(model)
-    if "labels" in found or not isinstance(ids, torch.Tensor) or "labels" not in forward_parameters(type(model)):
+    # the unpatched class's signature decides: a fused-loss forward(self, *args, **kwargs) must still get labels
+    with running_pristine():
+        takes_labels = "labels" in forward_parameters(type(model))
+    if "labels" in found or not isinstance(ids, torch.Tensor) or not takes_labels:
         return found
     name = type(model).__name__
     generator = torch.Generator().manual_seed(TRAINING_SEED)
