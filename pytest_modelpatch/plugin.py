@@ -1,5 +1,5 @@
 """pytest wiring for pytest-modelpatch: options, ini keys, markers, hooks; the fixtures are in
-:mod:`.fixtures` (registered through ``pytest_plugins``), what a test item asks for in :mod:`.item_markers`.
+:mod:`.fixtures` (registered in ``pytest_configure``), what a test item asks for in :mod:`.item_markers`.
 
 Nothing here imports torch or transformers at module level; the modules that do
 the work are imported inside the hooks that need them.
@@ -46,7 +46,6 @@ from pytest_modelpatch.reporting.records import set_record_sink
 from pytest_modelpatch.reporting.session import SWEEP_PROPERTY, CheckSink
 from pytest_modelpatch.settings import IMPLEMENTATION_KEYWORDS, configure_checks
 
-pytest_plugins = ("pytest_modelpatch.fixtures",)
 _ISOLATION = pytest.StashKey[IsolationScopes]()
 
 
@@ -227,6 +226,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # registered as the module object this file imported, not named in pytest_plugins: pytest would
+    # mark that name for assertion rewriting after the import above, and warn on every editable install
+    # (PytestAssertRewriteWarning, an error under -W error); the fixtures assert nothing to rewrite
+    if not config.pluginmanager.is_registered(fixtures):
+        config.pluginmanager.register(fixtures, "pytest_modelpatch.fixtures")
     for line in MARKERS.values():
         config.addinivalue_line("markers", line)
     try:

@@ -40,6 +40,27 @@ def pytest_sessionfinish(session):
     result.stdout.fnmatch_lines(["*plugins:*modelpatch*", "*HEAVY ?]"])
 
 
+@pytest.mark.fresh_interpreter  # the fork server imported the plugin before pytest's rewrite hook could look
+def test_a_session_under_w_error_starts_and_pytest_rewrites_nothing_already_imported(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # plugin.py imported fixtures.py and also named it in pytest_plugins: on an editable install
+    # (this repository's venv) pytest then warned that it could not rewrite it, and -W error, or
+    # filterwarnings = error, failed every session at start
+    pytester.makepyfile(
+        """
+def test_registry(patch_registry):
+    assert dict(patch_registry.mapping) == {}
+"""
+    )
+    # as a user runs it: the plugin found through its installation, not through the repository on PYTHONPATH
+    # (with the repository on PYTHONPATH the warning never showed)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    result = pytester.runpytest_subprocess("-W", "error", "-p", "no:randomly", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert "PytestAssertRewriteWarning" not in result.stdout.str() + result.stderr.str()
+
+
 def test_markers_are_listed_with_signatures(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--markers")
     result.stdout.fnmatch_lines_random(
