@@ -13,14 +13,20 @@ Exit codes: 0 clean, 1 failing findings, 2 wrong use.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import math
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 from pytest_modelpatch.errors import ReportFileError
+
+if TYPE_CHECKING:
+    from pytest_modelpatch.reporting.shards import Run
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 CHECKS = ("names", "signature", "weights", "plan")  # as pytest_modelpatch.lint.patterns.CHECKS
@@ -169,9 +175,10 @@ def _add_gate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="Merge the reports of shards and jobs into one run and print the verdict and a markdown "
         "summary with a section per device (for $GITHUB_STEP_SUMMARY). Each check is compared with the "
         "baseline's row of its device class. Exit 1 when a check failed, passed a threshold, grew beyond the "
-        "baseline or is missing from every report, or a test failed, errored or has no outcome; "
-        "2 on wrong use, e.g. two reports from one device holding "
-        "the same check.",
+        "baseline or is missing from every report, a test failed, errored or has no outcome, or nothing was "
+        "judged (no check; --allow-empty allows it); 2 on wrong use: a missing or malformed report (named with "
+        "its row and field), a non-finite baseline figure or limit, two reports from one device holding the "
+        "same check.",
     )
     gate.add_argument(
         "reports",
@@ -186,65 +193,125 @@ def _add_gate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="rewrite --baseline with these reports' checks instead of comparing: the rows of the "
         "tests and devices they ran are replaced, the others kept",
     )
-    gate.add_argument("--markdown", metavar="OUT.md", help="also write (append) the markdown summary to this file")
-    gate.add_argument("--max-abs-error", type=float, metavar="X", help="fail when a check's max abs error exceeds X")
-    gate.add_argument("--max-rel-error", type=float, metavar="X", help="fail when a check's max rel error exceeds X")
     gate.add_argument(
-        "--factor", type=float, default=None, metavar="F", help="allowed growth over the baseline (default 2)"
+        "--markdown",
+        metavar="OUT.md",
+        help="also write (append) the markdown summary to this file, creating its folder if need be",
     )
     gate.add_argument(
-        "--floor", type=float, default=None, metavar="X", help="growth below X always passes (default 1e-6)"
+        "--max-abs-error", type=_limit("1e-3"), metavar="X", help="fail when a check's max abs error exceeds X"
+    )
+    gate.add_argument(
+        "--max-rel-error", type=_limit("1e-2"), metavar="X", help="fail when a check's max rel error exceeds X"
+    )
+    gate.add_argument(
+        "--factor", type=_limit("2"), default=None, metavar="F", help="allowed growth over the baseline (default 2)"
+    )
+    gate.add_argument(
+        "--floor", type=_limit("1e-6"), default=None, metavar="X", help="growth below X always passes (default 1e-6)"
     )
     gate.add_argument(
         "--min-speedup",
-        type=float,
+        type=_limit("1.1"),
         default=None,
         metavar="X",
         help="fail when a timed check (pytest --modelpatch-timing) is less than X times as fast as its reference",
     )
     gate.add_argument(
         "--max-speedup-drop",
-        type=float,
+        type=_limit("0.2", fraction=True),
         default=None,
         metavar="F",
         help="with --baseline: fail when a timed check's speedup fell more than the fraction F below the "
         "baseline's (e.g. 0.2: a 2.0x check must stay at 1.6x or more)",
     )
+    gate.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="pass a run that judged nothing: no check in any report, or a report with no check and no test "
+        "that ran (by default the gate fails on it, since no threshold or baseline judged anything)",
+    )
     gate.set_defaults(run=_run_gate)
 
 
+def _limit(example: str, fraction: bool = False) -> Callable[[str], float]:
+    """An argparse type for a gate limit: a finite number, 0 or more (below 1 for a fraction).
+
+    ``--floor inf`` would let any growth pass, ``--max-abs-error nan`` fail every check: refused, with an example.
+    """
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0 and (value < 1 or not fraction)):
+            expected = "a fraction in [0, 1)" if fraction else "a finite number, 0 or more"
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}, e.g. {example}")
+        return value
+
+    return parse
+
+
 def _run_gate(args: argparse.Namespace) -> int:
+    """Every input read and checked first (reports, baseline, the markdown file), then the verdict."""
     from pytest_modelpatch.reporting import gate
     from pytest_modelpatch.reporting.report import load_report
-    from pytest_modelpatch.reporting.shards import merge_reports, rewrite_baseline
+    from pytest_modelpatch.reporting.shards import merge_reports
 
     if args.update_baseline and not args.baseline:
         raise ValueError("--update-baseline needs --baseline BASE.json: the file to rewrite")
-    loaded = [(name, load_report(name)) for name in args.reports]
-    run = merge_reports(loaded)
     thresholds = gate.Thresholds(
         args.max_abs_error, args.max_rel_error,
         gate.DEFAULT_FACTOR if args.factor is None else args.factor, gate.DEFAULT_FLOOR if args.floor is None else args.floor,
         min_speedup=args.min_speedup, max_speedup_drop=args.max_speedup_drop,
     )  # fmt: skip
-    if args.max_speedup_drop is not None and not 0 <= args.max_speedup_drop < 1:
-        raise ValueError(f"--max-speedup-drop {args.max_speedup_drop:g}: expected a fraction in [0, 1), e.g. 0.2")
-    if args.update_baseline:
-        header = {**loaded[0][1]["header"], "merged_from": list(args.reports)}
-        note = rewrite_baseline(args.baseline, run, header)
-        verdict = gate.evaluate(run.rows, thresholds, run=run)
-        verdict.notes.append(note)
-    else:
-        baseline = load_report(args.baseline)["rows"] if args.baseline else None
-        verdict = gate.evaluate(run.rows, thresholds, baseline, args.baseline or "", run)
-    markdown = verdict.markdown(run.rows)
-    print(verdict)
-    print()
-    print(markdown, end="")
-    if args.markdown:
-        with open(args.markdown, "a", encoding="utf-8") as out:
+    loaded = [(name, load_report(name)) for name in args.reports]
+    run = merge_reports(loaded)
+    baseline = None
+    if args.update_baseline and Path(args.baseline).exists():
+        load_report(args.baseline)  # the rows it keeps are rewritten as they are: a malformed one is refused now
+    elif args.baseline and not args.update_baseline:
+        baseline = gate.load_baseline(args.baseline, thresholds)
+    with _markdown_file(args.markdown) as out:
+        if args.update_baseline:
+            verdict = gate.evaluate(run.rows, thresholds, run=run, allow_empty=args.allow_empty)
+            verdict.notes.append(_update_baseline(args, run, loaded[0][1]["header"]))
+        else:
+            verdict = gate.evaluate(
+                run.rows, thresholds, baseline, args.baseline or "", run, allow_empty=args.allow_empty
+            )
+        markdown = verdict.markdown(run.rows)
+        print(verdict)
+        print()
+        print(markdown, end="")
+        if out is not None:
             out.write(markdown)
     return EXIT_OK if verdict.passed else EXIT_FINDINGS
+
+
+def _markdown_file(path: str | None) -> contextlib.AbstractContextManager[TextIO | None]:
+    """``--markdown``'s file opened to append, its folder made first (as CI tools make their output folders)."""
+    if not path:
+        return contextlib.nullcontext()
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "a", encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"--markdown {path}: cannot write it ({error.strerror or error})") from None
+
+
+def _update_baseline(args: argparse.Namespace, run: Run, header: dict[str, Any]) -> str:
+    """Rewrite ``--baseline`` from ``run``, unless it judged nothing (its rows would replace the baseline's with none)."""
+    from pytest_modelpatch.reporting.gate import unjudged
+    from pytest_modelpatch.reporting.shards import rewrite_baseline
+
+    if not args.allow_empty and unjudged(run):
+        return f"baseline {args.baseline} not rewritten: nothing was judged"
+    try:
+        return rewrite_baseline(args.baseline, run, {**header, "merged_from": list(args.reports)})
+    except OSError as error:
+        raise ReportFileError(f"--baseline {args.baseline}: cannot write it ({error.strerror or error})") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

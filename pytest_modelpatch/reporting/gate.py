@@ -19,22 +19,25 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from pytest_modelpatch.errors import ReportFileError
 from pytest_modelpatch.reporting.records import shown_outcome
 from pytest_modelpatch.reporting.report import (
-    FAILING_OUTCOMES,
-    TEST_OUTCOMES,
     class_of,
     device_order,
     figure,
+    load_report,
     speedup,
     speedup_cell,
     worst_first,
 )
+from pytest_modelpatch.reporting.schema import FAILING_OUTCOMES, TEST_OUTCOMES, is_number
 from pytest_modelpatch.reporting.shards import Run, check_key, merge_reports
 
 DEFAULT_FACTOR = 2.0
@@ -51,6 +54,14 @@ class Thresholds:
     floor: float = DEFAULT_FLOOR
     min_speedup: float | None = None  # timed checks (--modelpatch-timing) must be at least this fast
     max_speedup_drop: float | None = None  # opt-in: a timed check's speedup may fall this fraction below the baseline's
+
+    def __post_init__(self) -> None:
+        # an infinite floor or factor lets any growth pass, a NaN ceiling fails everything: neither is a limit
+        for name, value in vars(self).items():
+            if value is not None and not (is_number(value) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Thresholds({name}={value!r}): expected a finite number, 0 or more")
+        if self.max_speedup_drop is not None and not self.max_speedup_drop < 1:
+            raise ValueError(f"Thresholds(max_speedup_drop={self.max_speedup_drop!r}): expected a fraction below 1")
 
     def allowed_growth(self, baseline: float) -> float:
         """The largest max abs error accepted for a check whose baseline figure is ``baseline``."""
@@ -194,11 +205,14 @@ def evaluate(
     baseline: list[dict[str, Any]] | None = None,
     baseline_name: str = "",
     run: Run | None = None,
+    *,
+    allow_empty: bool = True,
 ) -> GateVerdict:
     """Judge ``rows`` against ``thresholds`` and, when given, the ``baseline`` rows of their device classes.
 
     ``run``: what the reports behind ``rows`` set out to check (:func:`~pytest_modelpatch.reporting.shards.merge_reports`);
-    without it, every test on the device classes of ``rows``.
+    without it, every test on the device classes of ``rows``. ``allow_empty=False``: a run, or one of its
+    reports, that judged nothing fails (:func:`unjudged`), as ``modelpatch gate`` does unless ``--allow-empty``.
     """
     run = run if run is not None else merge_reports([("", {"header": {}, "rows": rows})])
     several = len(run.device_classes | {class_of(r) for r in rows}) > 1
@@ -208,6 +222,8 @@ def evaluate(
 
     verdict = GateVerdict(checks=len(rows), baseline=baseline_name, reports=len(run.scopes), notes=list(run.notes),
                           warnings=list(run.warnings))  # fmt: skip
+    for message in [] if allow_empty else unjudged(run):
+        verdict.fail(message)
     expected = [r for r in rows if r.get("expected_failure")]
     if expected:
         failing = sum(r["outcome"] != "passed" for r in expected)
@@ -233,6 +249,51 @@ def evaluate(
     if baseline is not None:
         _judge_against_baseline(rows, baseline, run, thresholds, verdict, name)
     return verdict
+
+
+ALLOW_EMPTY = "if nothing was to be checked here, pass --allow-empty"
+
+
+def unjudged(run: Run) -> list[str]:
+    """Why ``run`` judged nothing, or one of its reports did; empty when each judged something.
+
+    A run with no check rows would pass any baseline and threshold blind; a report of several with
+    no rows and no test that ran (all skipped, none selected) is a shard that checked nothing.
+    """
+    if not run.rows:
+        ran = sum(scope.tests_ran or 0 for scope in run.scopes)
+        held = f"{run.scopes[0].name} holds" if len(run.scopes) == 1 else f"the {len(run.scopes)} reports hold"
+        tests = f"{ran} tests ran, none recorded a check" if ran else "no test ran"
+        return [f"nothing was judged: {held} no checks ({tests}), so no threshold or baseline judged anything; "
+                f"{ALLOW_EMPTY}"]  # fmt: skip
+    return [
+        f"nothing was judged in {scope.name}: it holds no checks and no test ran there; {ALLOW_EMPTY}"
+        for scope in run.scopes
+        if not scope.checks and not scope.tests_ran
+    ]
+
+
+def load_baseline(path: str | Path, thresholds: Thresholds) -> list[dict[str, Any]]:
+    """The rows of the baseline at ``path``, refused when a figure a check is judged by is not finite.
+
+    Against an ``inf`` baseline any growth passes (against ``nan``, none does). A row meant to fail is
+    no yardstick, so it may hold any figure; a timed row's speedup counts only with ``max_speedup_drop``.
+    """
+    rows = load_report(Path(path))["rows"]
+    for index, row in enumerate(rows):
+        if row.get("expected_failure"):
+            continue
+        judged_by = [("max_abs_error", row.get("max_abs_error"))]
+        if thresholds.max_speedup_drop is not None:
+            judged_by.append(("timing speedup", speedup(row)))
+        for name, value in judged_by:
+            if value is not None and not math.isfinite(value):
+                raise ReportFileError(
+                    f'{path}: rows[{index}] ({row["nodeid"]}): {name} is "{figure(value)}", expected a finite '
+                    "number, the yardstick the check's growth is judged by; write the baseline again from a run where "
+                    "the check passes (--modelpatch-update-baseline, or modelpatch gate --update-baseline)"
+                )
+    return rows
 
 
 UNFINISHED_NAMED = 10  # tests with no outcome named one by one; a session that stopped early may leave thousands
@@ -317,6 +378,15 @@ def _compare(old: dict[str, Any], new: dict[str, Any], thresholds: Thresholds, v
         verdict.notes.append(f"{name(new)}: meant to fail in the baseline, now passes and is gated")
     old_err, new_err = old.get("max_abs_error"), new.get("max_abs_error")
     if old_err is None or new_err is None or new.get("expected_failure"):
+        return
+    if not math.isfinite(old_err):  # any growth passes an "inf" baseline: no yardstick
+        if old.get("expected_failure"):
+            verdict.notes.append(
+                f"{name(new)}: not judged against the baseline's {figure(old_err)}, of a check meant to fail"
+            )
+        else:
+            verdict.fail(f"{name(new)}: the baseline's max abs error is {figure(old_err)}, against which no growth can "
+                         "be judged; write the baseline again from a run where the check passes", new)  # fmt: skip
         return
     allowed = thresholds.allowed_growth(old_err)
     if not new_err <= allowed:  # NaN grew beyond any baseline

@@ -17,17 +17,17 @@ from typing import Any
 
 from pytest_modelpatch.errors import ReportFileError
 from pytest_modelpatch.reporting.records import CheckRecord, shown_outcome
+from pytest_modelpatch.reporting.schema import (
+    NON_FINITE,
+    NOT_APPLICABLE,
+    NUMBER_FIELDS,
+    SCHEMA_VERSION,
+    check_report,
+    shown,
+)
 
-# 2: strict JSON (non-finite numbers as "nan"/"inf"/"-inf"), expected_failure and intent on rows
-# 3: each row's device_class, the header's default device and device classes, the report's selection
-# 4: each selected test's outcome (``tests``), so a test that failed or errored without writing a row is seen
-SCHEMA_VERSION = 4
-# what a test came to, as pytest counts it; the gate fails on the first two (an xfail test that failed is xfailed)
-FAILING_OUTCOMES = ("failed", "error")
-TEST_OUTCOMES = (*FAILING_OUTCOMES, "passed", "skipped", "xfailed", "xpassed")
 REPORT_FORMAT = SCHEMA_VERSION  # the header's "format", kept for readers of version 1
 SCHEMA_FILE = Path(__file__).with_name("report.schema.json")
-NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def strict_json_value(value: Any) -> Any:
@@ -51,13 +51,10 @@ def _read_figure(value: Any) -> Any:
 
 def read_figures(row: dict[str, Any]) -> dict[str, Any]:
     """A row as read back: the number fields' ``"nan"``/``"inf"`` strings as floats again."""
-    out = {k: _read_figure(v) if k in _NUMBER_FIELDS else v for k, v in row.items()}
+    out = {k: _read_figure(v) if k in NUMBER_FIELDS else v for k, v in row.items()}
     if isinstance(out.get("profile"), list):
         out["profile"] = [[name, _read_figure(error)] for name, error in out["profile"]]
     return out
-
-
-_NUMBER_FIELDS = ("max_abs_error", "max_rel_error", "atol", "rtol", "duration_s")
 
 
 def _current_patches() -> tuple[list[str], list[str]]:
@@ -164,33 +161,34 @@ def sweep_entry(outcome: str, detail: str) -> dict[str, str]:
 
 
 def load_report(path: Path) -> dict[str, Any]:
-    """A report (or baseline) file; a missing or malformed file is a usage error naming it."""
+    """A report (or baseline) file, checked field by field; a missing or malformed file is a usage error naming it.
+
+    Each message names the file, the row (``rows[3]`` and its node id) or entry, and the field, so
+    ``modelpatch gate`` refuses it in one line instead of judging what it cannot read.
+    """
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ReportFileError(f"{path}: no such report; write one with pytest --modelpatch-report {path}") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: invalid JSON, or bytes that are not UTF-8
         raise ReportFileError(f"{path}: not a modelpatch JSON report ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-        raise ReportFileError(
-            f"{path}: not a modelpatch JSON report (no 'rows' list); write one with --modelpatch-report"
-        )
-    header = data.setdefault("header", {})
-    if not isinstance(header, dict):
-        raise ReportFileError(f"{path}: not a modelpatch JSON report ('header' is not an object)")
-    version = data.get("schema_version", header.get("format", 1))
-    if not isinstance(version, int):
-        raise ReportFileError(f"{path}: not a modelpatch JSON report (schema_version {version!r} is not a number)")
-    if version > SCHEMA_VERSION:
-        raise ReportFileError(
-            f"{path}: schema_version {version!r} is newer than this pytest-modelpatch reads ({SCHEMA_VERSION}); "
-            "upgrade pytest-modelpatch where you gate"
-        )
+        found = "no 'rows' list" if isinstance(data, dict) else f"{shown(data)}, not an object"
+        raise ReportFileError(f"{path}: not a modelpatch JSON report ({found}); write one with --modelpatch-report")
+    data.setdefault("header", {})
+    check_report(str(path), data)
     # reports before version 3 have no device class: a row is the GPU its device names in the
     # header's accelerators (cuda:1 -> accelerators[1]), or the device type ("cpu" when none)
     data["rows"] = [read_figures(row) for row in data["rows"]]
-    for row in data["rows"]:
-        row["device_class"] = class_of(row, header.get("accelerators") or ())
+    first: dict[tuple[str, str, str], int] = {}
+    for index, row in enumerate(data["rows"]):
+        row["device_class"] = class_of(row, data["header"].get("accelerators") or ())
+        key = (row["nodeid"], row["check"], row["device_class"])
+        if first.setdefault(key, index) != index:
+            raise ReportFileError(
+                f"{path}: rows[{first[key]}] and rows[{index}] are the same check, {key[0]} {key[1]} on {key[2]}: "
+                "a report holds each check once: give two runs' reports as two files, or write it again with --modelpatch-report"
+            )
     return data
 
 
@@ -262,7 +260,6 @@ def summary_lines(rows: list[dict[str, Any]], limit: int = 20) -> list[str]:
     return lines
 
 
-NOT_APPLICABLE = "not applicable"  # a swept family transformers refuses what the test asks (fixtures.not_applicable)
 _SWEEP_VERBS = (("passed", "passes on"), ("failed", "fails on"), (NOT_APPLICABLE, "not applicable on"),
                 ("xfailed", "xfails on"), ("xpassed", "xpasses on"), ("skipped", "skips"))  # fmt: skip
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import platform
 import re
 from importlib import metadata
@@ -22,10 +23,16 @@ from typing import Any
 import pytest
 
 from pytest_modelpatch.errors import PatchUsageError, ReportFileError
-from pytest_modelpatch.reporting.gate import DEFAULT_FACTOR, DEFAULT_FLOOR, GateVerdict, Thresholds, evaluate
+from pytest_modelpatch.reporting.gate import (
+    DEFAULT_FACTOR,
+    DEFAULT_FLOOR,
+    GateVerdict,
+    Thresholds,
+    evaluate,
+    load_baseline,
+)
 from pytest_modelpatch.reporting.records import CheckRecord
 from pytest_modelpatch.reporting.report import (
-    FAILING_OUTCOMES,
     REPORT_FORMAT,
     class_of,
     device_class,
@@ -37,6 +44,7 @@ from pytest_modelpatch.reporting.report import (
     sweep_lines,
     write_report,
 )
+from pytest_modelpatch.reporting.schema import FAILING_OUTCOMES
 from pytest_modelpatch.reporting.selection import SelectionRecorder, XdistSelection
 from pytest_modelpatch.reporting.shards import Run, merge_reports, rewrite_baseline
 from pytest_modelpatch.settings import implementations_of
@@ -220,16 +228,20 @@ def gpu_names() -> tuple[str, ...]:
     return tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
 
 
-def _ini_float(config: pytest.Config, name: str, default: float | None) -> float | None:
+def _ini_float(config: pytest.Config, name: str, default: float | None, below: float = math.inf) -> float | None:
+    """A gate limit from the ini file: finite, 0 or more and under ``below`` (an ``inf`` floor would pass any growth)."""
     text = str(config.getini(name) or "").strip()
     if not text:
         return default
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if value < 0:
-        raise PatchUsageError(f"ini {name} = {text!r}: expected a non-negative number, e.g. {name} = 1e-4")
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value < below):
+        expected = "a fraction in [0, 1)" if below == 1 else "a finite, non-negative number"
+        raise PatchUsageError(
+            f"ini {name} = {text!r}: expected {expected}, e.g. {name} = {'0.2' if below == 1 else '1e-4'}"
+        )
     return value
 
 
@@ -241,15 +253,24 @@ def thresholds_from_ini(config: pytest.Config) -> Thresholds:
         factor=_ini_float(config, "modelpatch_baseline_factor", DEFAULT_FACTOR) or DEFAULT_FACTOR,
         floor=_ini_float(config, "modelpatch_baseline_floor", DEFAULT_FLOOR) or 0.0,
         min_speedup=_ini_float(config, "modelpatch_min_speedup", None),
-        max_speedup_drop=_ini_float(config, "modelpatch_max_speedup_drop", None),
+        max_speedup_drop=_ini_float(config, "modelpatch_max_speedup_drop", None, below=1),
     )
 
 
 def validate_options(config: pytest.Config) -> None:
-    """Fail at startup, not after the run, on a bad ini value or option combination."""
-    thresholds_from_ini(config)
-    if config.getoption("modelpatch_update_baseline") and not config.getoption("modelpatch_baseline"):
+    """Fail at startup, not after the run, on a bad ini value or option combination, or a malformed baseline."""
+    thresholds = thresholds_from_ini(config)
+    path = config.getoption("modelpatch_baseline")
+    if config.getoption("modelpatch_update_baseline") and not path:
         raise PatchUsageError("--modelpatch-update-baseline needs --modelpatch-baseline PATH: the file to rewrite")
+    if path and not is_worker(config):
+        try:  # the baseline to rewrite may not exist yet; the one to compare with must, and must be readable
+            if not config.getoption("modelpatch_update_baseline"):
+                load_baseline(Path(path), thresholds)
+            elif Path(path).exists():
+                load_report(Path(path))
+        except ReportFileError as exc:
+            raise PatchUsageError(str(exc)) from None
 
 
 def gate_requested(config: pytest.Config) -> bool:
@@ -276,7 +297,7 @@ def session_verdict(config: pytest.Config, run: Run, header: dict[str, Any] | No
             return verdict
         if not gate_requested(config):
             return None
-        baseline = load_report(Path(path))["rows"] if path else None
+        baseline = load_baseline(Path(path), thresholds_from_ini(config)) if path else None
     except ReportFileError as exc:
         raise PatchUsageError(str(exc)) from None
     return evaluate(run.rows, thresholds_from_ini(config), baseline, str(path or ""), run)

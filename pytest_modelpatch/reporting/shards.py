@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from pytest_modelpatch.errors import ReportMergeError
-from pytest_modelpatch.reporting.report import FAILING_OUTCOMES, class_of, device_order, load_report, write_report
+from pytest_modelpatch.reporting.report import class_of, device_order, load_report, write_report
+from pytest_modelpatch.reporting.schema import FAILING_OUTCOMES
 
 CheckKey = tuple[str, str, str]  # node id, check ("equivalence#1"), device class
 
@@ -53,6 +54,8 @@ class ReportScope:
     # (test, check) and (test, "") -> the device classes that check, and any check of that test, ran on
     ran_on: Mapping[tuple[str, str], frozenset[str]] = field(default_factory=dict)
     versions: Mapping[str, Any] = field(default_factory=dict)  # package -> version, and "python"
+    checks: int = 0  # its rows
+    tests_ran: int | None = None  # its tests that ran (any outcome but skipped); None: it records none (before 4)
 
     def selects(self, nodeid: str) -> bool:
         """The test was this report's to run: selected, or under its paths and not deselected (-k, -m, pytest-split)."""
@@ -94,12 +97,15 @@ def report_scope(name: str, data: Mapping[str, Any]) -> ReportScope:
         ran_on.setdefault((nodeid, check), set()).add(device_class)
     selection = data.get("selection")
     versions = {**(header.get("versions") or {}), **({"python": header["python"]} if header.get("python") else {})}
+    tests = data.get("tests")
+    ran = None if tests is None else sum(entry.get("outcome") != "skipped" for entry in tests.values())
     return ReportScope(
         name, device, frozenset({device, *classes, *header.get("device_classes", ())}),
         paths=None if selection is None else tuple(selection.get("paths", [""])),
         selected=frozenset(selection.get("selected", ())) if selection else frozenset(),
         deselected=frozenset(selection.get("deselected", ())) if selection else frozenset(),
         ran_on={test: frozenset(found) for test, found in ran_on.items()}, versions=versions,
+        checks=len(rows), tests_ran=ran,
     )  # fmt: skip
 
 

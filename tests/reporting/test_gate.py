@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -77,12 +78,41 @@ def test_baseline_passes_then_fails_when_the_patch_drifts_or_a_check_is_removed(
     )
 
 
-def test_bad_gate_settings_are_usage_errors_at_startup(pytester: pytest.Pytester) -> None:
-    pytester.makeini("[pytest]\nmodelpatch_baseline_factor = twice\n")
+@pytest.mark.parametrize(
+    "setting, expected",
+    [
+        ("modelpatch_baseline_factor = twice", "'twice': expected a finite, non-negative number"),
+        ("modelpatch_baseline_floor = inf", "'inf': expected a finite, non-negative number"),  # any growth would pass
+        ("modelpatch_max_abs_error = nan", "'nan': expected a finite, non-negative number"),
+        ("modelpatch_max_speedup_drop = 1.5", "'1.5': expected a fraction in [0, 1)"),
+    ],
+)
+def test_bad_gate_settings_are_usage_errors_at_startup(pytester: pytest.Pytester, setting: str, expected: str) -> None:
+    pytester.makeini(f"[pytest]\n{setting}\n")
     pytester.makepyfile("def test_a():\n    pass\n")
     result = pytester.runpytest("-p", "no:xdist")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*ini modelpatch_baseline_factor = 'twice': expected a non-negative number*"])
+    result.stderr.fnmatch_lines([f"ERROR: ini {setting.partition(' = ')[0]} = {expected}*"])
+
+
+@pytest.mark.parametrize(
+    "error, expected",
+    [
+        ('"abc"', 'base.json: rows[0] (test_a.py::test_a): max_abs_error is "abc", expected a number 0 or more'),
+        ('"inf"', 'base.json: rows[0] (test_a.py::test_a): max_abs_error is "inf", expected a finite number'),
+    ],
+    ids=["not a number", "infinite"],
+)
+def test_a_malformed_or_infinite_baseline_is_a_usage_error_before_any_test_runs(
+    pytester: pytest.Pytester, error: str, expected: str
+) -> None:
+    row = '{"nodeid": "test_a.py::test_a", "check": "equivalence#1", "kind": "equivalence", "outcome": "passed"'
+    pytester.path.joinpath("base.json").write_text(f'{{"header": {{}}, "rows": [{row}, "max_abs_error": {error}}}]}}')
+    pytester.makepyfile(test_a="def test_a():\n    pass\n")
+    result = pytester.runpytest("-p", "no:xdist", "--modelpatch-baseline", "base.json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"ERROR: {expected}" in result.stderr.str()  # [0] is no fnmatch pattern
+    assert "passed" not in result.stdout.str()  # refused at startup, not after the run
 
 
 def _row(nodeid: str, error: float | None, outcome: str = "passed", kind: str = "equivalence") -> dict[str, Any]:
@@ -208,3 +238,30 @@ def test_a_check_two_jobs_ran_on_one_device_keeps_the_row_of_the_job_for_that_de
         ("a.py::t", "cpu", 1e-7), ("b.py::t", H100, 0.0), ("a.py::t", "NVIDIA A10G", 0.5),
     ]  # fmt: skip
     assert kept == [_on("NVIDIA A10G", "a.py::t", 0.5)]
+
+
+def test_an_infinite_baseline_figure_given_to_evaluate_fails_the_check_instead_of_passing_it() -> None:
+    verdict = evaluate([_row("a.py::t", 5.0)], Thresholds(), [_row("a.py::t", math.inf)], "base.json")
+    assert verdict.failures == [
+        "a.py::t equivalence#1 (LlamaForCausalLM): the baseline's max abs error is inf, against which no growth can be "
+        "judged; write the baseline again from a run where the check passes"
+    ]
+
+
+@pytest.mark.parametrize("limit", [{"floor": math.inf}, {"factor": math.nan}, {"max_abs_error": -1.0},
+                                   {"max_speedup_drop": 1.0}])  # fmt: skip
+def test_thresholds_refuse_a_limit_that_is_no_limit(limit: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=rf"Thresholds\({next(iter(limit))}="):
+        Thresholds(**limit)
+
+
+def test_evaluate_fails_a_run_that_judged_nothing_only_when_asked() -> None:
+    from pytest_modelpatch.reporting.shards import merge_reports
+
+    run = merge_reports([("empty.json", {"header": {}, "rows": [], "tests": {}})])
+    assert evaluate([], Thresholds(), run=run).passed  # the pytest side: pytest itself says when nothing ran
+    verdict = evaluate([], Thresholds(), run=run, allow_empty=False)
+    assert verdict.failures == [
+        "nothing was judged: empty.json holds no checks (no test ran), so no threshold or baseline judged anything; "
+        "if nothing was to be checked here, pass --allow-empty"
+    ]
