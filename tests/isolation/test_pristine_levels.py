@@ -12,7 +12,16 @@ module, a module function) scales what it computes by ``SCALE``: 1.5 must fail e
 
 from __future__ import annotations
 
+import re
+from importlib import metadata
+
 import pytest
+
+
+def _torch_below(version: tuple[int, int]) -> bool:
+    found = re.match(r"(\d+)\.(\d+)", metadata.version("torch"))
+    return found is not None and (int(found[1]), int(found[2])) < version
+
 
 PATCHES = '''
 import contextlib
@@ -112,7 +121,7 @@ def patch_kwargs(kind, level, scale):
     return {"transform": instance_patch(level, scale)}
 '''
 
-TESTS = '''
+TESTS = """
 import pytest
 from patches_by_level import CALLS, patch_kwargs
 from pytest_modelpatch import (
@@ -142,9 +151,13 @@ def test_cell(reference_model, patched_model, check, scale):
     CALLS.clear()
     CHECKS[check](reference_model, patched_model)
     assert id(reference_model) not in CALLS, "the patched top-level forward ran on the reference"
-'''
+"""
 
 ALL_CHECKS = ["forward", "properties", "backward_properties", "backward", "training", "decoding", "export", "compile"]
+if _torch_below((2, 5)):
+    # torch 2.4's non-strict export cannot trace the stock Llama's self.layers[:n] (the lowest lane's
+    # floor): the export check fails there for the unpatched model too, so it tells nothing here
+    ALL_CHECKS.remove("export")
 # below the top level, a patch was already swapped out in time: two checks per cell hold that
 BELOW_TOP = ["forward", "backward"]
 KINDS = ("methods", "context", "transform")
@@ -182,7 +195,16 @@ def test_a_class_mapping_of_the_models_own_class_is_refused_not_passed(pytester:
     result.stdout.fnmatch_lines(["*patch key 'LlamaForCausalLM' replaces LlamaForCausalLM, the model's own class*"])
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "ddp",
+        pytest.param(
+            "fsdp",
+            marks=pytest.mark.skipif(_torch_below((2, 6)), reason="FSDP2 (fully_shard) is public from torch 2.6"),
+        ),
+    ],
+)
 def test_a_top_level_patch_stays_out_of_the_reference_when_the_patched_model_is_sharded(
     pytester: pytest.Pytester, kind: str
 ) -> None:
