@@ -145,8 +145,14 @@ def _warn_shared_implementations(model_request: ModelRequest, nodeid: str) -> No
 
 
 @pytest.fixture
-def reference_model(model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest) -> Any:
-    """The unpatched model of ``@pytest.mark.model``, loaded with ``from_pretrained``; shared, do not modify."""
+def reference_model(
+    model_builder: ModelBuilder, device: str, dtype: Any, request: pytest.FixtureRequest
+) -> Iterator[Any]:
+    """The unpatched model of ``@pytest.mark.model``, loaded with ``from_pretrained``; shared, do not modify.
+
+    Given back after the test: anything it left changed (a hook, a weight, a mode) errors this
+    test, and the next one gets a freshly built model.
+    """
     model_request = required_model_request(request)
     _warn_shared_implementations(model_request, request.node.nodeid)
     choices = load_choices(request)
@@ -154,7 +160,10 @@ def reference_model(model_builder: ModelBuilder, device: str, dtype: Any, reques
     with refusals_not_applicable(request.node):  # the model marker's implementations load here too
         model = model_builder.reference(model_request, dtype=dtype, device=device, choices=choices)
     note_implementations(request.node, "reference", model)
-    return model
+    yield model
+    changed = model_builder.take_back(model)
+    if changed is not None:
+        pytest.fail(f"{request.node.nodeid}: {changed}", pytrace=False)
 
 
 @pytest.fixture

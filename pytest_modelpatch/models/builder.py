@@ -31,7 +31,8 @@ from pytest_modelpatch.models.checkpoints import (
 )
 from pytest_modelpatch.models.devices import dtype_name, first_parameter_device, seeded_generators
 from pytest_modelpatch.models.memory_cache import CacheBound, ModelCache
-from pytest_modelpatch.models.reference import prepare_reference, reference_problems
+from pytest_modelpatch.models.reference import prepare_reference, reference_changes, reference_problems
+from pytest_modelpatch.models.reference_state import clear_gradients
 from pytest_modelpatch.models.specs import ModelSpec, resolve_model_spec  # fmt: skip
 from pytest_modelpatch.models.usage import track_patch_usage
 from pytest_modelpatch.models.weights import DEFAULT_INIT
@@ -299,7 +300,8 @@ class ModelBuilder:
         a released one is loaded again from its checkpoint when asked for.
 
         Built and called outside the test's patches (see ``models/reference.py``); a cached one
-        that is no longer pristine is rebuilt.
+        that is no longer pristine, or no longer what was built (a hook left on it, a weight
+        edited, a mode flipped), is rebuilt.
         """
         path = self.checkpoint(request, dtype=dtype)
         load = choices.reference_kwargs(request) if choices is not None else request.load_kwargs()
@@ -307,13 +309,26 @@ class ModelBuilder:
         transforms = (request.transforms, request.seed) if request.transforms else ()
         key = (str(path), dtype_name(dtype), str(device), repr(sorted(load.items())), transforms)
         cached = self._references.get(key)
-        if cached is not None and not reference_problems(cached):
+        if cached is not None and not reference_problems(cached) and not reference_changes(cached):
             return cached
         with pristine():
             # transformed in the pristine world too, and recorded after: its adapters are the reference's own
             model = prepare_reference(request.transformed(load_pretrained(path, dtype=dtype, device=device, **load)))
         self._references.put(key, model)
         return model
+
+    def take_back(self, model: torch.nn.Module) -> str | None:
+        """A reference a test was handed, given back after it: what the test changed in it, ``None`` if nothing.
+
+        ``.grad`` is cleared (a backward on the reference changes nothing it computes). A changed
+        model leaves the cache, so the next test gets a freshly built one; so does one whose own
+        forward re-derived a buffer (dynamic RoPE), with nothing to say.
+        """
+        clear_gradients(model)
+        changes = reference_changes(model)
+        if changes:
+            self._references.discard(model)
+        return str(changes) if changes.changes else None
 
     def patched(
         self,

@@ -100,6 +100,11 @@ class ModelCache:
             # transformers models hold reference cycles (modules <-> hooks): free their tensors now, not someday
             gc.collect()
 
+    def discard(self, model: Any) -> None:
+        """Let ``model`` go (compared by identity), wherever it is kept; nothing if it is not."""
+        for key in [key for key, (kept, _) in self._models.items() if kept is model]:
+            del self._models[key]
+
     def _over(self) -> bool:
         if self.bound.count is not None:
             return len(self._models) > self.bound.count

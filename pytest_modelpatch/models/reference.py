@@ -14,14 +14,16 @@ patches. :func:`prepare_reference` makes it safe to share:
 - what it was built with (its module classes' attributes, its capture hooks) is recorded, and
   :func:`reference_problems` says what differs now. Every call checks it, and fails with
   :class:`~pytest_modelpatch.errors.ReferenceNotPristineError` rather than compare a patched
-  reference with a patched model.
+  reference with a patched model;
+- what it holds (hooks of every kind, modules, parameters, buffers, modes) is recorded too
+  (:class:`~pytest_modelpatch.models.reference_state.ReferenceState`), and
+  :func:`reference_changes` says what a test changed in it since.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-import sys
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -31,8 +33,10 @@ import torch
 
 from pytest_modelpatch.errors import ReferenceNotPristineError
 from pytest_modelpatch.isolation.pristine import pristine, running_pristine
+from pytest_modelpatch.models.reference_state import ReferenceChanges, ReferenceState, defined_in
 
 _RECORD = "_modelpatch_reference_record"
+_STATE = "_modelpatch_reference_state"
 
 
 @dataclass
@@ -79,7 +83,7 @@ class ReferenceRecord:
         modules = dict(model.named_modules())
         files = {cls.__module__ for cls in self.classes if cls.__module__.startswith("transformers.")}
         strangers = {type(m) for m in modules.values() if type(m) not in self.classes}
-        if not strangers or not all(_defined_in(cls, files) for cls in strangers) or self._altered_classes():
+        if not strangers or not all(defined_in(cls, files) for cls in strangers) or self._altered_classes():
             return False
         lost = [name for name in self.hooks if _lost_hooks(modules.get(name), self.hooks[name])]
         # only hooks of modules that are themselves new may go; lost hooks elsewhere stay a problem
@@ -180,12 +184,6 @@ def _lost_hooks(module: torch.nn.Module | None, count: int) -> bool:
     return module is None or len(module._forward_hooks) < count
 
 
-def _defined_in(cls: type, files: set[str]) -> bool:
-    """``cls`` is the class one of the modeling ``files`` defines under its name (not a replacement bound elsewhere)."""
-    module = sys.modules.get(cls.__module__)
-    return cls.__module__ in files and module is not None and getattr(module, cls.__name__, None) is cls
-
-
 def _describe(value: Any) -> str:
     inner = getattr(value, "__func__", value)
     return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', type(value).__name__)}"
@@ -252,6 +250,7 @@ def prepare_reference(model: torch.nn.Module) -> torch.nn.Module:
     model.register_forward_pre_hook(enter, with_kwargs=True)
     model.register_forward_hook(leave, with_kwargs=True, always_call=True)
     _resolve_forward_when_called(model)
+    setattr(model, _STATE, ReferenceState.of(model))  # last: the hooks above are the model's own
     return model
 
 
@@ -287,6 +286,12 @@ def reference_problems(model: torch.nn.Module) -> list[str]:
         return []
     with pristine():
         return record.problems(model)
+
+
+def reference_changes(model: torch.nn.Module) -> ReferenceChanges:
+    """What was changed in a prepared reference since it was built (hooks, modules, modes, weights); empty if nothing."""
+    state = getattr(model, _STATE, None)
+    return state.changes(model) if state is not None else ReferenceChanges()
 
 
 def _message(model: torch.nn.Module, problems: list[str]) -> str:
