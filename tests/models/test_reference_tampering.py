@@ -165,6 +165,8 @@ def double(module, args, output):
 def test_1_checks_that_train_the_reference_and_put_it_back(reference_model, patched_model):
     assert_equivalent(reference_model, patched_model)
     assert_backward_equivalent(reference_model, patched_model)
+    # enabling checkpointing hooks the input embeddings (enable_input_require_grads): the check takes it off again
+    assert_backward_equivalent(reference_model, patched_model, gradient_checkpointing=True)
     assert_trains_equivalent(reference_model, patched_model, steps=2)
     handle = reference_model.model.layers[0].mlp.register_forward_hook(double)
     handle.remove()  # a hook taken off again changes nothing

@@ -138,6 +138,7 @@ def _set_attr(owner: Any, name: str, value: Any) -> None:
 
 
 _CHECKPOINT_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+_INPUT_GRAD_ATTRS = ("_require_grads_hooks", "_require_grads_hook")  # the handles enable_input_require_grads keeps
 
 
 _ROOT: Any = object()  # stands for the scanned model itself in a cached scan's lists
@@ -297,6 +298,7 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
     grads = [(p, p.grad) for _, p in scan.parameters]
     # the dropout functions' mode slows a tiny model's forward and backward: only where a dropout is on
     off = _dropout_functions_off() if any(v not in (0.0, _ABSENT) for _, _, v in dropouts) else nullcontext()
+    added: list[tuple[torch.nn.Module, list[int]]] = []  # forward hooks enabling checkpointing registered
     outer = _ZEROED.get(model)  # a nested block (a divergence search inside a training run) keeps the outer's
     try:
         _train(model, modules)
@@ -305,11 +307,24 @@ def training_state(model: torch.nn.Module, checkpointing: Mapping[str, Any] | No
         for param, _ in grads:
             param.grad = None
         if checkpointing is not None:
+            saved += [(model, k, model.__dict__.get(k, _ABSENT)) for k in _INPUT_GRAD_ATTRS]
+            before = [(m, set(m._forward_hooks)) for m in modules]
             enable_checkpointing(model, checkpointing)
+            added = [(m, [k for k in m._forward_hooks if k not in kept]) for m, kept in before]
         _ZEROED[model] = dropouts if outer is None else outer
         with off:
             yield
     finally:
+        # enabling checkpointing hooks the input embeddings (enable_input_require_grads): a shared
+        # reference would keep that hook, and every later forward of it would make its inputs need grads
+        for module, keys in added:
+            for key in keys:
+                for table in (
+                    module._forward_hooks,
+                    module._forward_hooks_with_kwargs,
+                    module._forward_hooks_always_called,
+                ):
+                    table.pop(key, None)
         if outer is None:
             _ZEROED.pop(model, None)
         for owner, name, value in reversed(saved):
