@@ -276,7 +276,7 @@ def _resolve_forward_when_called(model: torch.nn.Module) -> None:
             return type(self).forward(self, *args, **kwargs)
 
     # bound with MethodType, not a closure over ``model``: a deep copy (a float64 oracle) calls its own forward
-    model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
+    model.forward = types.MethodType(forward, model)
 
 
 def reference_problems(model: torch.nn.Module) -> list[str]:
