@@ -116,17 +116,24 @@ class _MonkeyPatchingImportHook(importlib.abc.MetaPathFinder):
     wrappers must be in place before it does.
     """
 
+    def __init__(self) -> None:
+        self.resolving = False  # looking for the spec now: library_state.py's hook asks this one back
+
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != MONKEY_PATCHING:
+        if fullname != MONKEY_PATCHING or self.resolving:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _WrappingLoader(spec.loader)
-                return spec
-        return None
+        self.resolving = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _WrappingLoader(spec.loader)
+                    return spec
+            return None
+        finally:
+            self.resolving = False
 
 
 class _WrappingLoader(importlib.abc.Loader):

@@ -2,16 +2,18 @@
 
 Liger-Kernel, Unsloth and their kin rebind module globals
 (``modeling_llama.LlamaRMSNorm = LigerRMSNorm``), rebind class attributes
-(``LlamaMLP.forward = fast_forward``) and register attention or mask functions;
-tensor-parallel patches set a config class's plan (``LlamaConfig.base_model_tp_plan = {...}``).
+(``LlamaMLP.forward = fast_forward``) and register into transformers' registries (attention
+functions, losses, activations, ``ALL_LAYERNORM_LAYERS``); tensor-parallel patches set a config
+class's plan (``LlamaConfig.base_model_tp_plan = {...}``).
 ``LibraryState.take()`` records, by reference, the globals of every loaded
 ``transformers.models.*.modeling_*`` and ``configuration_*`` module, the ``__dict__`` of the
 classes defined there (and a copy of each config class's parallelism plans, which a patch may
-edit in place), and the attention/mask function registries; ``changes()`` compares
-by identity and ``restore()`` puts the recorded objects back. A module imported
-after the snapshot is compared with what importing it produced (recorded by an
-import hook), and a module re-executed by ``importlib.reload`` is a revert, not a
-leak: its re-created definitions (told from patches by ``redefinition.py``) are
+edit in place), and a shallow copy of every registry of the other loaded transformers modules
+(found by ``registries.py``); ``reconcile()`` compares by identity and puts the recorded objects
+back. A module imported after the snapshot is compared with what importing it produced
+(recorded by an import hook on every ``transformers.*`` module, which also logs what an import
+writes into the registries: no leak), and a module re-executed by ``importlib.reload`` is a
+revert, not a leak: its re-created definitions (told from patches by ``redefinition.py``) are
 replaced by the original objects, which the rest of transformers (auto mappings,
 ``transformers.LlamaForCausalLM``) still holds.
 Nothing here imports torch or transformers.
@@ -20,40 +22,25 @@ Nothing here imports torch or transformers.
 from __future__ import annotations
 
 import importlib.abc
-import operator
 import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_modelpatch.isolation.redefinition import held_function, redefined
+from pytest_modelpatch.isolation import registries
+from pytest_modelpatch.isolation.redefinition import redefined
+from pytest_modelpatch.isolation.registries import MISSING as _MISSING
+from pytest_modelpatch.isolation.registries import RegistrySnapshot, copy_container, is_modeling_module, is_name_table
+from pytest_modelpatch.isolation.registries import describe as _label
 
-_MISSING: Any = object()
-_MODELS_PREFIX = "transformers.models."
-_WATCHED_PREFIXES = ("modeling_", "configuration_")
 # a config class's parallelism plans: dicts a patch may assign or edit in place
 _PLAN_ATTRIBUTES = ("base_model_tp_plan", "base_model_pp_plan", "base_model_ep_plan", "base_model_fsdp_plan")
-# Registries of name -> function that a library can add to: (module, interface class, singleton, label).
-_REGISTRIES = (
-    ("transformers.modeling_utils", "AttentionInterface", "ALL_ATTENTION_FUNCTIONS", "attention function"),
-    ("transformers.masking_utils", "AttentionMaskInterface", "ALL_MASK_ATTENTION_FUNCTIONS", "mask function"),
-)
 # PreTrainedModel caches answers on the class (5.x: _can_set_attn_implementation_cached_value).
 _CACHE_SUFFIX = "_cached_value"
-_REGISTRY_MODULES = frozenset(module for module, *_ in _REGISTRIES)
 # Set by Python itself at run time, not by a patch (warnings' per-module registry).
 _IGNORED_GLOBALS = frozenset({"__warningregistry__", "__spec__", "__loader__", "__file__", "__cached__"})
 # ...and on a class: copyreg's cache of a class's slots, written when an instance is pickled or deep-copied
 _IGNORED_CLASS_KEYS = frozenset({"__slotnames__"})
-
-
-def is_modeling_module(name: str) -> bool:
-    """``transformers.models.llama.modeling_llama``, ``configuration_llama`` and the like; not the auto classes' tables."""
-    return (
-        name.startswith(_MODELS_PREFIX)
-        and name.rpartition(".")[2].startswith(_WATCHED_PREFIXES)
-        and ".auto." not in name
-    )
 
 
 def _same(live: Any, saved: dict[str, Any]) -> bool:
@@ -66,16 +53,6 @@ def _same(live: Any, saved: dict[str, Any]) -> bool:
         return bool(live == saved)
     except Exception:  # noqa: BLE001 - a distinct tensor's ambiguous truth value: look closer
         return False
-
-
-def _label(value: Any) -> str:
-    if value is _MISSING:
-        return "absent"
-    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
-    if isinstance(name, str):
-        return name
-    inner = held_function(value)  # a decorator's callable object (kernels' Func): name what it runs
-    return f"{type(value).__name__}({inner.__qualname__})" if inner is not None else type(value).__name__
 
 
 def _recreated(original: Any, fresh: Any) -> bool:
@@ -173,56 +150,25 @@ def _reconcile_class(owner: str, klass: type, saved: dict[str, Any], fresh: Any)
     return found
 
 
-@dataclass
-class _RegistryRecord:
-    """One name -> function dict of an attention or mask interface."""
-
-    label: str
-    live: dict[str, Any]
-    saved: dict[str, Any]
-
-    def reconcile(self) -> list[str]:
-        live, saved = self.live, self.saved
-        if _same(live, saved):
-            return []
-        found = [f"{self.label} {k!r} registered" for k in sorted(live.keys() - saved.keys())]
-        found += [f"{self.label} {k!r} removed" for k in sorted(saved.keys() - live.keys())]
-        found += [f"{self.label} {k!r} replaced" for k in sorted(live.keys() & saved.keys()) if live[k] is not saved[k]]
-        live.clear()
-        live.update(saved)
-        return found
-
-
-def _registries() -> list[_RegistryRecord]:
-    found = []
-    for module_name, interface, singleton, label in _REGISTRIES:
-        module = sys.modules.get(module_name)
-        if module is None:
-            continue
-        for owner, attr, where in (
-            (getattr(module, interface, None), "_global_mapping", ""),
-            (getattr(module, singleton, None), "_local_mapping", f" (on {singleton})"),
-        ):
-            mapping = getattr(owner, attr, None)
-            if isinstance(mapping, dict):
-                found.append(_RegistryRecord(label + where, mapping, dict(mapping)))
-    return found
-
-
 @dataclass(eq=False)
 class LibraryState:
     """References to what libraries patch; ``reconcile()`` restores and reports."""
 
+    registries: RegistrySnapshot
     modules: dict[str, _ModuleRecord] = field(default_factory=dict)
-    registries: list[_RegistryRecord] = field(default_factory=list)
     executions: int = 0  # the import counter when taken: unchanged means no module to look for
-    _watched: list[Any] = field(default_factory=list)  # module and class __dict__s and registries: see unchanged()
-    _settled: list[dict[str, Any]] | None = None
+    _watched: list[Any] = field(default_factory=list)  # module and class __dict__s, plans: see unchanged()
+    _registries: list[Any] = field(default_factory=list)  # the registries' containers, copied by copy_container
+    _settled: list[Any] | None = None
+    _live: list[Any] = field(default_factory=list)  # _watched then the registries, compared with _settled at once
+    _names: list[Any] = field(default_factory=list)  # the registries that are tables of names
+    _names_settled: list[Any] = field(default_factory=list)
+    _names_lengths: list[int] = field(default_factory=list)
 
     @classmethod
     def take(cls) -> LibraryState:
         _install_import_hook()
-        state = cls(registries=_registries(), executions=_HOOK.executions)
+        state = cls(RegistrySnapshot.take(_HOOK.executions), executions=_HOOK.executions)
         for name in _MODELING_NAMES:
             module = sys.modules.get(name)
             if module is not None:
@@ -234,7 +180,7 @@ class LibraryState:
         found: list[str] = []
         for record in self.modules.values():
             found += record.reconcile()
-        found += [change for record in self.registries for change in record.reconcile()]
+        found += self.registries.reconcile(_HOOK.executions)
         if _HOOK.executions != self.executions:
             found += self._reconcile_imported()
         return found
@@ -244,41 +190,46 @@ class LibraryState:
         if not self._watched:
             self._watched = [r.module.__dict__ for r in self.modules.values()]
             self._watched += [klass.__dict__ for r in self.modules.values() for klass, _ in r.classes.values()]
-            self._watched += [r.live for r in self.registries]
             self._watched += [plan for r in self.modules.values() for _, plan, _ in r.plans]
-        self._settled = [dict(d) for d in self._watched]
+            self._registries = self.registries.live()
+            self._names = [c for c in self._registries if is_name_table(c)]
+            named = set(map(id, self._names))
+            self._live = [*self._watched, *(c for c in self._registries if id(c) not in named)]
+        self._settled = [*map(dict, self._watched), *map(copy_container, self._live[len(self._watched) :])]
+        self._names_settled = list(map(copy_container, self._names))
+        self._names_lengths = list(map(len, self._names))
 
-    def unchanged(self) -> bool:
+    def unchanged(self, names: bool = True) -> bool:
         """True when every watched dict equals what settle() copied and no watched module was executed.
 
         reconcile() is idempotent, so it would find and change nothing. Equality, as ``_same``
         compares: identity first, so a rebound function or class always differs. One C-level
         comparison a dict, where reconcile() walks each module and class in Python.
+        ``names=False``: the registries that are tables of names (:func:`~registries.is_name_table`)
+        are compared by length only, for a test that does not use the plugin.
         """
         if self._settled is None or _HOOK.executions != self.executions:
             return False
         try:
-            return all(map(operator.eq, self._watched, self._settled))
+            if self._live != self._settled:  # one list comparison in C
+                return False
+            if names:
+                return self._names == self._names_settled
+            return list(map(len, self._names)) == self._names_lengths
         except Exception:  # noqa: BLE001 - a distinct tensor's ambiguous truth value: let reconcile() look
             return False
 
     def _reconcile_imported(self) -> list[str]:
-        """Modules and registries first imported after the snapshot, against what importing built."""
+        """Modeling modules first imported after the snapshot, against what importing built."""
         found: list[str] = []
         for name, fresh in list(_IMPORTED.items()):
             if name not in self.modules and sys.modules.get(name) is fresh.module:
                 found += fresh.reconcile()
-        seen = {id(r.live) for r in self.registries}
-        # registries whose module was imported after the snapshot: compare with their built-in state
-        for record in _registries():
-            if id(record.live) not in seen and id(record.live) in _BUILTIN_REGISTRIES:
-                found += _RegistryRecord(record.label, record.live, _BUILTIN_REGISTRIES[id(record.live)]).reconcile()
         return found
 
 
 # -- modules imported after a snapshot -------------------------------------------
 _IMPORTED: dict[str, _ModuleRecord] = {}  # state right after the last execution, by module name
-_BUILTIN_REGISTRIES: dict[int, dict[str, Any]] = {}
 # Every modeling module ever loaded: scanning sys.modules (thousands of names) per test costs too much.
 _MODELING_NAMES: set[str] = set()
 _CLASS_KEYS: dict[str, list[str]] = {}
@@ -315,38 +266,52 @@ class _RecordingLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        self._loader.exec_module(module)
-        _HOOK.executions += 1
+        # what the outermost execution (and the imports it makes) writes into the registries is transformers' own
+        before = registries.before_import() if _HOOK.depth == 0 else None
+        _HOOK.depth += 1
+        try:
+            self._loader.exec_module(module)
+        finally:
+            _HOOK.depth -= 1
+            _HOOK.executions += 1
+            registries.forget(module.__name__)
+            if before is not None:
+                registries.after_import(before, _HOOK.executions)
         if is_modeling_module(module.__name__):
             _MODELING_NAMES.add(module.__name__)
             _CLASS_KEYS.pop(module.__name__, None)
             _IMPORTED[module.__name__] = _ModuleRecord.capture(module)
-        for record in _registries():  # the registries as importing built them
-            _BUILTIN_REGISTRIES.setdefault(id(record.live), dict(record.live))
 
 
-class _ModelingImportHook(importlib.abc.MetaPathFinder):
-    """Wraps the loaders of watched modules; counts what they executed, a mirror of the import system."""
+class _TransformersImportHook(importlib.abc.MetaPathFinder):
+    """Wraps the loaders of transformers' modules; counts what they executed, a mirror of the import system."""
 
     def __init__(self) -> None:
-        self.executions = 0  # modeling and registry modules executed (imported or reloaded) so far
+        self.executions = 0  # transformers modules executed (imported or reloaded) so far
+        self.depth = 0  # executions under way, nested: imports made by an import
+        self.resolving: set[str] = set()  # names whose spec this hook is looking for now
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if not is_modeling_module(fullname) and fullname not in _REGISTRY_MODULES:
+        if fullname != "transformers" and not fullname.startswith("transformers.") or fullname in self.resolving:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is None:
-                continue
-            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _RecordingLoader(spec.loader)
-            return spec
-        return None
+        # another hook that asks the finders after it (interception.py's) asks this one back: answer it None
+        self.resolving.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is None:
+                    continue
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RecordingLoader(spec.loader)
+                return spec
+            return None
+        finally:
+            self.resolving.discard(fullname)
 
 
-_HOOK = _ModelingImportHook()
+_HOOK = _TransformersImportHook()
 
 
 def _install_import_hook() -> None:
@@ -354,5 +319,3 @@ def _install_import_hook() -> None:
         return
     sys.meta_path.insert(0, _HOOK)
     _MODELING_NAMES.update(name for name in list(sys.modules) if is_modeling_module(name))
-    for record in _registries():
-        _BUILTIN_REGISTRIES.setdefault(id(record.live), dict(record.live))

@@ -21,6 +21,15 @@ MONKEY_PATCHING = "transformers.monkey_patching"
 CONVERSION_MAPPING = "transformers.conversion_mapping"
 FUSION_MAPPING = "transformers.fusion_mapping"
 MODELING_UTILS = "transformers.modeling_utils"
+# The module globals PatchStateSnapshot restores: the leak guard's walk of transformers' registries leaves them to it.
+RESTORED_GLOBALS = (
+    (MONKEY_PATCHING, "_monkey_patch_mapping_cache"),
+    (MONKEY_PATCHING, "_compiled_patterns_cache"),
+    (CONVERSION_MAPPING, "_checkpoint_conversion_mapping_cache"),
+    (CONVERSION_MAPPING, "USER_REGISTERED_MAPPINGS"),
+    (FUSION_MAPPING, "_FUSION_DISCOVERY_CACHE"),
+    (FUSION_MAPPING, "_REGISTERED_FUSION_SOURCE_PATTERNS"),
+)
 
 _MISSING: Any = object()
 

@@ -73,7 +73,7 @@ def test_z_sees_the_originals():
             "*test_rebinds_module_global leaked transformers patch state*",
             "*modeling_llama.LlamaRMSNorm: LlamaRMSNorm -> MyNorm",
             "*LlamaMLP.forward replaced",
-            "*attention function 'my_attn' registered",
+            "*transformers.modeling_utils.AttentionInterface._global_mapping?'my_attn'? added (my_attn)",
             "*GPT2MLP.forward replaced",
             "ERROR *test_leaks_in_xfail*",
         ]
