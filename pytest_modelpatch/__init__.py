@@ -5,6 +5,10 @@ tolerances and the base errors. The rest is in documented submodules, each with 
 ``__all__``: :mod:`.strategies`, :mod:`.models`, :mod:`.isolation`, :mod:`.lint`, :mod:`.report`,
 :mod:`.roundtrip` and :mod:`.errors` (docs/reference.md). Importing this package imports neither
 torch nor transformers; each public name is loaded from its module on first access.
+
+PYTEST_DONT_REWRITE: a rank process (``python -m pytest_modelpatch.parallel.rank``) imports this
+package before its pytest starts, and pytest warns for each plugin module it finds imported and
+cannot rewrite, which fails a session run under ``-W error``. It holds no ``assert`` to rewrite.
 """
 
 from __future__ import annotations

@@ -61,6 +61,27 @@ def test_registry(patch_registry):
     assert "PytestAssertRewriteWarning" not in result.stdout.str() + result.stderr.str()
 
 
+def test_a_rank_under_w_error_starts_its_session(pytester: pytest.Pytester) -> None:
+    # a rank process (python -m pytest_modelpatch.parallel.rank) imports the package before its pytest
+    # starts: pytest warned that it could not rewrite it, and under -W error every parallel test failed.
+    # It shows with the package imported from a path (the repository on PYTHONPATH here, pythonpath = .
+    # in the repository's own runs), where pytest knows its modules' names
+    pytester.makepyfile(
+        """
+import pytest
+import torch.distributed as dist
+
+
+@pytest.mark.parallel("ddp", world_size=2)
+def test_in_two_ranks():
+    assert dist.get_world_size() == 2
+"""
+    )
+    result = pytester.runpytest_subprocess("-W", "error", "-p", "no:randomly", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert "PytestAssertRewriteWarning" not in result.stdout.str() + result.stderr.str()
+
+
 def test_markers_are_listed_with_signatures(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--markers")
     result.stdout.fnmatch_lines_random(

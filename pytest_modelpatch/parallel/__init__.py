@@ -5,4 +5,6 @@ test's whole pytest protocol in every rank (``pool.py`` on the controller's side
 each rank); the controller merges the ranks' reports into the test's (``outcomes.py``). In the
 ranks the patched model is sharded the way the test's kind says, the reference stays whole
 (``sharding.py``). ``marker.py`` reads the marker.
+
+PYTEST_DONT_REWRITE: imported by a rank before its pytest starts, as the package is (``__init__.py``).
 """
