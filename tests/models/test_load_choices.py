@@ -183,7 +183,8 @@ def test_weight_changed(reference_model, patched_model):
 @pytest.mark.patch(transform=[rebind_rmsnorm_forward, spy_kwargs])
 def test_instance_patcher(reference_model, patched_model):
     assert all(type(m).__name__ != "LlamaRMSNorm" or "forward" in vars(m) for m in patched_model.modules())
-    assert not any("forward" in vars(m) for m in reference_model.modules())
+    # (the reference's own forward is the plugin's: it resolves the class's in the pristine world)
+    assert not any("forward" in vars(m) for m in reference_model.modules() if type(m).__name__ == "LlamaRMSNorm")
     assert_equivalent(reference_model, patched_model)
     assert_decodes_equivalent(reference_model, patched_model, max_new_tokens=3)
 """
